@@ -1,0 +1,110 @@
+"""`spmdrun [launcher options] {generate,serve,bench} [engine options]`: the command line.
+
+Every engine option is generated from the fields of protocol.config.EngineConfig.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import msgspec
+
+from protocol.config import EngineConfig, engine_config_fields
+from protocol.sampling import SamplingParams
+
+LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None,
+                       exclude: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field; unset flags stay absent so defaults live in one place."""
+    for name, kind, default, description in engine_config_fields():
+        if (only is not None and name not in only) or name in exclude:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{description} (default: {default})"
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
+                                metavar=name.upper(), help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    if getattr(args, "config_json", None):
+        return EngineConfig.from_json(args.config_json)
+    names = {name for name, *_ in engine_config_fields()}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    try:
+        return msgspec.convert(values, EngineConfig)
+    except msgspec.ValidationError as error:
+        raise SystemExit(f"spmdrun: invalid option: {error}") from None
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int,
+                         temperature: float) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help="0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as error:
+        raise SystemExit(f"spmdrun: {error}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spmdrun", description="Run an SPMD inference engine: a scheduler and one worker "
+        "per device, on one node or many.")
+    add_engine_options(parser, only=LAUNCHER_FIELDS)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete prompts and print the answers")
+    generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    generate.add_argument("--prompt-file", help="a file with one prompt per line")
+    generate.add_argument("--no-chat-template", action="store_true",
+                          help="send the raw text instead of applying the model's chat template")
+    add_sampling_options(generate, max_tokens=128, temperature=0.0)
+    add_engine_options(generate, exclude=LAUNCHER_FIELDS)
+
+    serve = commands.add_parser("serve", help="serve RPC clients until stopped")
+    add_engine_options(serve, exclude=LAUNCHER_FIELDS)
+    serve.add_argument("--config-json", help=argparse.SUPPRESS)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    throughput = bench_kinds.add_parser("throughput", help="offline throughput on random prompts")
+    throughput.add_argument("--num-requests", type=int, default=32)
+    throughput.add_argument("--input-len-min", type=int, default=32)
+    throughput.add_argument("--input-len-max", type=int, default=256)
+    throughput.add_argument("--output-len", type=int, default=64)
+    throughput.add_argument("--workload-seed", type=int, default=0)
+    throughput.add_argument("--json", action="store_true", help="print one JSON line too")
+    add_engine_options(throughput, exclude=LAUNCHER_FIELDS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from launch import commands
+    if args.command == "generate":
+        return commands.generate(config, args)
+    if args.command == "serve":
+        return commands.serve(config)
+    return commands.bench(config, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

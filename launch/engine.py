@@ -1,0 +1,42 @@
+"""Start the engine's processes for this node: the scheduler on node 0, one worker per device."""
+from __future__ import annotations
+
+import msgspec
+
+from launch.supervisor import Supervisor, spawn_python
+from protocol.config import EngineConfig
+from protocol.transport import free_tcp_port, private_ipc_address
+
+
+def complete_addresses(config: EngineConfig) -> EngineConfig:
+    """Fill in the ports and addresses left to pick, identically on every node."""
+    changes = {}
+    master_port = config.master_port
+    if not master_port:
+        if config.nnodes > 1:
+            raise ValueError("--master-port is required when --nnodes > 1")
+        master_port = free_tcp_port(config.master_addr)
+        changes["master_port"] = master_port
+    if not config.worker_address:
+        changes["worker_address"] = (
+            f"tcp://{config.master_addr}:{master_port + 1}" if config.nnodes > 1
+            else private_ipc_address("workers"))
+    return msgspec.structs.replace(config, **changes) if changes else config
+
+
+def start_engine(config: EngineConfig, supervisor: Supervisor) -> EngineConfig:
+    """Spawn this node's processes under `supervisor`; returns the completed config."""
+    config = complete_addresses(config)
+    payload = config.to_json()
+    if config.node_rank == 0:
+        supervisor.add("scheduler", spawn_python("scheduler_proc", [payload]))
+    for local_rank in range(config.nproc_per_node):
+        rank = config.node_rank * config.nproc_per_node + local_rank
+        env = {
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(config.world_size), "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+            "GROUP_RANK": str(config.node_rank),
+            "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port),
+        }
+        supervisor.add(f"worker rank {rank}", spawn_python("worker_proc", [payload], env))
+    return config

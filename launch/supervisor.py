@@ -1,0 +1,65 @@
+"""Spawning and supervising child processes: one dies, all stop; no orphans."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.process import spawn_python
+
+__all__ = ["Child", "ChildExited", "Supervisor", "spawn_python"]
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+
+
+class ChildExited(RuntimeError):
+    def __init__(self, child: Child, code: int) -> None:
+        super().__init__(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+        self.child = child
+        self.code = code
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.stop_requested = False
+
+    def add(self, name: str, process: subprocess.Popen) -> None:
+        self.children.append(Child(name, process))
+
+    def install_signal_handlers(self) -> None:
+        def request_stop(signum, _frame):
+            self.stop_requested = True
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def check(self) -> None:
+        """Raise ChildExited if any child has exited."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise ChildExited(child, code)
+
+    def wait(self, until: Callable[[], bool] | None = None, interval_s: float = 0.2) -> None:
+        """Supervise until `until()` is true or a stop is requested; raise if a child dies."""
+        while not self.stop_requested and not (until and until()):
+            self.check()
+            time.sleep(interval_s)
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every child, wait, then SIGKILL whatever is left."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()

@@ -1,0 +1,1 @@
+"""Wire types and ZeroMQ transport shared by every process. Imports no torch."""

@@ -1,0 +1,78 @@
+"""The one typed configuration object of an engine; CLI flags are generated from its fields."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything a launcher, scheduler or worker needs to know to start.
+
+    Each field's description is its CLI help; `--some-field` on the command line sets
+    `some_field`. The launcher passes the whole object to its children as JSON.
+    """
+
+    model: Annotated[str, Meta(description=(
+        "model to serve: 'smollm2' (embedded), a .gguf file, a Hugging Face directory, "
+        "or dummy:<one of those> for random weights"))] = "smollm2"
+    dtype: Annotated[str, Meta(description=(
+        "weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+        "float16 or bfloat16"))] = "auto"
+    device: Annotated[str, Meta(description="auto, cpu or cuda")] = "auto"
+    dummy_seed: Annotated[int, Meta(description="seed of the random weights of dummy: models")] = 0
+    block_size: Annotated[int, Meta(ge=1, description="tokens per KV-cache block")] = 16
+    num_kv_blocks: Annotated[int, Meta(ge=0, description=(
+        "KV-cache blocks per worker; 0 sizes the pool from profiled free memory"))] = 0
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description=(
+        "share of GPU memory the worker may use for weights, activations and KV cache"))] = 0.9
+    cpu_kv_cache_fraction: Annotated[float, Meta(gt=0, le=1, description=(
+        "on CPU, share of available RAM given to the KV cache"))] = 0.2
+    max_num_batched_tokens: Annotated[int, Meta(ge=1, description=(
+        "token budget of one step; longer prompts are prefilled in chunks"))] = 1024
+    max_num_seqs: Annotated[int, Meta(ge=1, description="most requests running at once")] = 64
+    max_model_len: Annotated[int, Meta(ge=0, description=(
+        "longest prompt + output in tokens; 0 uses the model's context length"))] = 0
+    nproc_per_node: Annotated[int, Meta(ge=1, description="worker processes (devices) per node")] = 1
+    nnodes: Annotated[int, Meta(ge=1, description="number of nodes in the job")] = 1
+    node_rank: Annotated[int, Meta(ge=0, description="rank of this node (0 runs the scheduler)")] = 0
+    master_addr: Annotated[str, Meta(description="address of node 0")] = "127.0.0.1"
+    master_port: Annotated[int, Meta(ge=0, le=65535, description=(
+        "torch.distributed port on node 0; the scheduler's worker socket uses port + 1; "
+        "0 picks a free port (single node only)"))] = 0
+    rpc_address: Annotated[str, Meta(description=(
+        "ZeroMQ address the scheduler serves clients on (tcp://host:port or ipc://path)"))] = (
+        "tcp://127.0.0.1:7760")
+    worker_address: Annotated[str, Meta(description=(
+        "ZeroMQ address the scheduler and workers talk on; empty picks one"))] = ""
+    step_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "seconds without a step result before the workers are declared dead"))] = 300.0
+    log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "EngineConfig":
+        return msgspec.json.decode(text, type=cls)
+
+
+def engine_config_fields() -> list[tuple[str, type, object, str]]:
+    """(name, type, default, description) of each field, for generating CLI flags."""
+    info = msgspec.inspect.type_info(EngineConfig)
+    rows = []
+    for field in info.fields:
+        kind = field.type
+        description = ""
+        if isinstance(kind, msgspec.inspect.Metadata):
+            description = (kind.extra_json_schema or {}).get("description", "") or ""
+            kind = kind.type
+        py_type = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float,
+                   msgspec.inspect.StrType: str, msgspec.inspect.BoolType: bool}[type(kind)]
+        rows.append((field.name, py_type, field.default, description))
+    return rows

@@ -1,0 +1,184 @@
+"""Every message that crosses a socket, as msgspec Structs, with one typed decoder per direction.
+
+Client <-> scheduler messages are tagged unions so one ROUTER socket can serve them all.
+Scheduler <-> worker messages are positional arrays (array_like) since they go every step.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.sampling import SamplingParams
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of every tagged message: compact positional encoding, no GC tracking."""
+
+
+# ---------------------------------------------------------------- client -> scheduler
+
+class AddRequest(_Wire, tag="add"):
+    """Submit a prompt. `tag` is the client's own correlation number for the reply."""
+
+    tag: int
+    prompt_token_ids: list[int]
+    params: SamplingParams = SamplingParams()
+    request_id: int | None = None
+
+
+class AbortRequest(_Wire, tag="abort"):
+    tag: int
+    request_id: int
+
+
+class StatsRequest(_Wire, tag="stats"):
+    tag: int
+
+
+class ModelInfoRequest(_Wire, tag="model_info"):
+    """Also serves as the readiness probe: answered only once every worker is ready."""
+
+    tag: int
+
+
+ClientMessage = AddRequest | AbortRequest | StatsRequest | ModelInfoRequest
+
+
+# ---------------------------------------------------------------- scheduler -> client
+
+class RequestAccepted(_Wire, tag="accepted"):
+    tag: int
+    request_id: int
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens of one request since the last delta; finish_reason set on the last one."""
+
+    request_id: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class Outputs(_Wire, tag="outputs"):
+    """All deltas for one client from one step, in a single frame."""
+
+    deltas: list[RequestDelta]
+
+
+class AbortDone(_Wire, tag="aborted"):
+    tag: int
+    request_id: int
+
+
+class EngineStats(_Wire, tag="stats_reply"):
+    tag: int
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_in_use: int
+    num_steps: int
+    num_finished: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+
+
+class ModelInfo(_Wire, tag="model_info_reply"):
+    tag: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    world_size: int
+
+
+class ErrorReply(_Wire, tag="error"):
+    """A request or frame was refused; tag is None when the frame could not be decoded at all."""
+
+    tag: int | None
+    message: str
+    request_id: int | None = None
+
+
+ServerMessage = RequestAccepted | Outputs | AbortDone | EngineStats | ModelInfo | ErrorReply
+
+
+# ---------------------------------------------------------------- scheduler <-> worker
+
+class WorkerReady(_Wire, tag="ready"):
+    """Sent once by every rank after its model is loaded and its KV cache allocated."""
+
+    rank: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen (new, or resumed after preemption by recompute).
+
+    token_ids is the prompt plus any tokens generated before a preemption.
+    """
+
+    request_id: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    params: SamplingParams
+
+
+class StepPlan(_Wire, tag="plan"):
+    """One step. Requests the workers already hold travel as columns of deltas only."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    # Running requests, columnar: id, tokens to compute this step, blocks appended since last step.
+    cached_request_ids: list[int]
+    cached_num_scheduled_tokens: list[int]
+    cached_new_block_ids: list[list[int]]
+    # Requests the workers must forget (finished, aborted, or preempted by recompute).
+    dropped_request_ids: list[int] = []
+
+
+class StepResult(_Wire, tag="result"):
+    """Rank 0's answer: one sampled token for each request whose scheduled tokens reached its end."""
+
+    step_id: int
+    request_ids: list[int]
+    sampled_token_ids: list[int]
+    forward_ms: float
+    prepare_ms: float
+
+
+class WorkerError(_Wire, tag="worker_error"):
+    rank: int
+    message: str
+
+
+class Shutdown(_Wire, tag="shutdown"):
+    reason: str = ""
+
+
+SchedulerToWorker = StepPlan | Shutdown
+WorkerToScheduler = WorkerReady | StepResult | WorkerError
+
+
+def client_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ClientMessage)
+
+
+def server_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ServerMessage)
+
+
+def worker_inbound_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(SchedulerToWorker)
+
+
+def scheduler_inbound_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(WorkerToScheduler)

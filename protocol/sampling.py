@@ -1,0 +1,45 @@
+"""Per-request sampling parameters: validated on construction and on decode from the wire."""
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. A seed makes a sampled request reproducible regardless of
+    which other requests share its batches.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
+                or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for token_id in self.stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

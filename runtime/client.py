@@ -1,0 +1,239 @@
+"""Programmatic RPC client of a running engine (`spmdrun serve`, or the one an LLM starts)."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from protocol.messages import (
+    AbortDone, AbortRequest, AddRequest, EngineStats, ErrorReply, ModelInfo, ModelInfoRequest,
+    Outputs, RequestAccepted, RequestDelta, StatsRequest, server_decoder,
+)
+from protocol.sampling import SamplingParams
+from protocol.transport import Encoder, make_socket
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.outputs import RequestOutput
+
+Prompt = str | Sequence[int]
+
+
+class EngineError(RuntimeError):
+    """The engine failed or stopped answering."""
+
+
+@dataclass
+class StreamDelta:
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+class Client:
+    """Talks to an engine over its RPC address. Not thread-safe: use one Client per thread.
+
+    Prompts may be strings (tokenized here with the served model's tokenizer) or token-id lists.
+    """
+
+    def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 600.0,
+                 alive: Callable[[], bool] | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._alive = alive
+        self._ctx = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False)
+        self._encoder = Encoder()
+        self._decoder = server_decoder()
+        self._tags = itertools.count(1)
+        self._replies: dict[int, msgspec.Struct] = {}
+        self._deltas: dict[int, list[RequestDelta]] = {}
+        self._failures: dict[int, str] = {}
+        self._tokenizer = tokenizer
+        self._model_info: ModelInfo | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
+        """Block until the engine answers (every worker loaded), or raise EngineError."""
+        self._model_info = self._call(ModelInfoRequest(tag=next(self._tags)), timeout_s)
+        return self._model_info
+
+    def model_info(self) -> ModelInfo:
+        if self._model_info is None:
+            self.wait_ready(self.timeout_s)
+        return self._model_info
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from runtime.loaders.source import resolve_model
+            from runtime.tokenizer import load_tokenizer
+            self._tokenizer = load_tokenizer(resolve_model(self.model_info().model))
+        return self._tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the engine) and return outputs in order."""
+        prompt_list = _as_prompt_list(prompts)
+        param_list = _as_param_list(params, len(prompt_list))
+        token_lists = [self.encode(p) for p in prompt_list]
+        request_ids = self._submit_all(token_lists, param_list)
+        outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(request_ids, token_lists)}
+        pending = set(request_ids)
+        while pending:
+            self._pump_until(lambda: any(self._deltas.get(r) or r in self._failures for r in pending))
+            for request_id in list(pending):
+                if request_id in self._failures:
+                    self._abort_quietly(pending - {request_id})
+                    raise EngineError(self._failures.pop(request_id))
+                for delta in self._deltas.pop(request_id, []):
+                    outputs[request_id].token_ids.extend(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        outputs[request_id].finish_reason = delta.finish_reason
+                        pending.discard(request_id)
+        results = [outputs[r] for r in request_ids]
+        if self._tokenizer is not None or any(isinstance(p, str) for p in prompt_list):
+            for output in results:
+                output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        return results
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: int | None = None) -> Iterator[StreamDelta]:
+        """Yield new tokens (and their text, when a tokenizer is available) as they are generated."""
+        token_ids = self.encode(prompt)
+        request_id = self._submit(token_ids, params or SamplingParams(), request_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if (
+            self._tokenizer is not None or isinstance(prompt, str)) else None
+        finished = False
+        try:
+            while not finished:
+                self._pump_until(lambda: bool(self._deltas.get(request_id))
+                                 or request_id in self._failures)
+                if request_id in self._failures:
+                    finished = True
+                    raise EngineError(self._failures.pop(request_id))
+                for delta in self._deltas.pop(request_id, []):
+                    finished = delta.finish_reason is not None
+                    text = detokenizer.add(delta.token_ids, finished) if detokenizer else ""
+                    yield StreamDelta(request_id, delta.token_ids, text, delta.finish_reason)
+        finally:
+            if not finished:
+                self._abort_quietly({request_id})
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request; its stream ends with finish_reason 'abort'. Unknown ids raise ValueError."""
+        self._call(AbortRequest(tag=next(self._tags), request_id=request_id))
+
+    def stats(self) -> EngineStats:
+        return self._call(StatsRequest(tag=next(self._tags)))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _submit(self, token_ids: list[int], params: SamplingParams, request_id: int | None) -> int:
+        reply = self._call(AddRequest(tag=next(self._tags), prompt_token_ids=token_ids,
+                                      params=params, request_id=request_id))
+        return reply.request_id
+
+    def _submit_all(self, token_lists: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        tags = []
+        for ids, p in zip(token_lists, params):
+            tag = next(self._tags)
+            tags.append(tag)
+            self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p))
+        self._pump_until(lambda: all(t in self._replies for t in tags))
+        replies = [self._replies.pop(t) for t in tags]
+        accepted = [r.request_id for r in replies if isinstance(r, RequestAccepted)]
+        errors = [r for r in replies if isinstance(r, ErrorReply)]
+        if errors:
+            self._abort_quietly(set(accepted))
+            index = replies.index(errors[0])
+            raise ValueError(f"prompt {index}: {errors[0].message}")
+        return accepted
+
+    def _call(self, message: msgspec.Struct, timeout_s: float | None = None):
+        self._send(message)
+        tag = message.tag
+        self._pump_until(lambda: tag in self._replies, timeout_s)
+        reply = self._replies.pop(tag)
+        if isinstance(reply, ErrorReply):
+            raise ValueError(reply.message)
+        return reply
+
+    def _abort_quietly(self, request_ids: set[int]) -> None:
+        for request_id in request_ids:
+            self._send(AbortRequest(tag=next(self._tags), request_id=request_id))
+            self._deltas.pop(request_id, None)
+
+    def _send(self, message: msgspec.Struct) -> None:
+        self._sock.send(self._encoder.encode(message))
+
+    def _pump_until(self, done: Callable[[], bool], timeout_s: float | None = None) -> None:
+        """Receive and file messages until `done()`; raise if the engine is silent or gone."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        last_heard = time.monotonic()
+        while not done():
+            if self._sock.poll(200, zmq.POLLIN):
+                self._dispatch(self._sock.recv())
+                last_heard = time.monotonic()
+                continue
+            if self._alive is not None and not self._alive():
+                raise EngineError("the engine process exited; see its log above")
+            if time.monotonic() - last_heard > timeout_s:
+                raise EngineError(f"no answer from the engine at {self.address} "
+                                  f"for {timeout_s:.0f}s")
+
+    def _dispatch(self, payload: bytes) -> None:
+        message = self._decoder.decode(payload)
+        if isinstance(message, Outputs):
+            for delta in message.deltas:
+                self._deltas.setdefault(delta.request_id, []).append(delta)
+        elif isinstance(message, ErrorReply) and message.tag is None:
+            if message.request_id is not None:
+                self._failures[message.request_id] = message.message
+        else:
+            self._replies[message.tag] = message
+
+
+def _is_token_list(value) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) \
+        and all(isinstance(t, int) for t in value)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str) or _is_token_list(prompts):
+        return [prompts]
+    prompt_list = list(prompts)
+    if not prompt_list:
+        raise ValueError("no prompts given")
+    return prompt_list
+
+
+def _as_param_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    param_list = list(params)
+    if len(param_list) != count:
+        raise ValueError(f"got {len(param_list)} SamplingParams for {count} prompts")
+    return param_list

@@ -1,0 +1,1 @@
+"""Building blocks of the model code the workers run."""

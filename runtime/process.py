@@ -1,0 +1,32 @@
+"""Starting child Python processes that cannot outlive their parent."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+_PR_SET_PDEATHSIG = 1
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends SIGTERM when the parent dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def spawn_python(module: str, args: list[str], env: dict[str, str] | None = None,
+                 stdout=None) -> subprocess.Popen:
+    """Start `python -m module args` with this checkout importable."""
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO_ROOT, full_env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=full_env,
+                            stdin=subprocess.DEVNULL, stdout=stdout,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)

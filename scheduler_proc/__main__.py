@@ -1,0 +1,12 @@
+"""`python -m scheduler_proc CONFIG_JSON`: run the scheduler process (normally started by spmdrun)."""
+import logging
+import sys
+
+from protocol.config import EngineConfig
+from scheduler_proc.server import serve
+
+if __name__ == "__main__":
+    config = EngineConfig.from_json(sys.argv[1])
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(serve(config))

@@ -1,0 +1,59 @@
+"""One request's state as the scheduler sees it: tokens, blocks, lifecycle."""
+from __future__ import annotations
+
+import enum
+
+from protocol.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS or a stop token
+    LENGTH = "length"    # max_tokens or the context limit
+    ABORT = "abort"      # the client aborted it
+    ERROR = "error"      # the engine failed while it ran
+
+
+class Request:
+    __slots__ = ("request_id", "prompt_token_ids", "params", "client", "output_token_ids",
+                 "status", "finish_reason", "num_computed_tokens", "block_ids",
+                 "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq")
+
+    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                 client: bytes = b"", arrival_seq: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.client = client
+        self.arrival_seq = arrival_seq
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        # How many of block_ids the workers already hold; the rest travel in the next plan.
+        self.num_blocks_sent = 0
+        self.known_to_workers = False
+        self.num_tokens_streamed = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

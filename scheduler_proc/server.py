@@ -1,0 +1,319 @@
+"""The scheduler process: serves clients on a ROUTER socket and drives the workers step by step."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import msgspec
+import zmq
+
+from protocol.config import EngineConfig
+from protocol.messages import (
+    AbortDone, AbortRequest, AddRequest, EngineStats, ErrorReply, ModelInfo, ModelInfoRequest,
+    Outputs, RequestAccepted, RequestDelta, Shutdown, StatsRequest, StepResult, WorkerError,
+    WorkerReady, client_decoder, scheduler_inbound_decoder,
+)
+from protocol.transport import Encoder, bound_address, make_socket, poll_recv
+from scheduler_proc.kv_cache_manager import KVCacheManager
+from scheduler_proc.request import FinishReason, Request
+from scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
+
+log = logging.getLogger("spmd.scheduler")
+
+READY_TIMEOUT_S = 900.0
+MAX_CLIENT_MESSAGES_PER_STEP = 1024
+
+
+class WorkersFailed(RuntimeError):
+    """A worker reported an error or stopped answering; the engine cannot go on."""
+
+
+class SchedulerServer:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.ctx = zmq.Context()
+        self.encoder = Encoder()
+        self.client_decoder = client_decoder()
+        self.worker_decoder = scheduler_inbound_decoder()
+        self.workers = make_socket(self.ctx, zmq.ROUTER, config.worker_address, bind=True)
+        self.rpc: zmq.Socket | None = None
+        self.scheduler: Scheduler | None = None
+        self.model_info: ModelInfo | None = None
+        self._next_request_id = 0
+        self._arrivals = 0
+        self._stopping = False
+        self._pending: list[tuple[bytes, bytes]] = []
+
+    # ------------------------------------------------------------------ start-up
+
+    def wait_for_workers(self) -> None:
+        world = self.config.world_size
+        ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(ready) < world:
+            if time.monotonic() > deadline:
+                raise WorkersFailed(f"only {len(ready)} of {world} workers became ready in "
+                                    f"{READY_TIMEOUT_S:.0f}s")
+            frames = poll_recv(self.workers, 1.0)
+            if frames is None or self._stopping:
+                if self._stopping:
+                    raise WorkersFailed("stopped while waiting for workers")
+                continue
+            message = self.worker_decoder.decode(frames[-1])
+            if isinstance(message, WorkerError):
+                raise WorkersFailed(f"worker rank {message.rank} failed to start:\n{message.message}")
+            if isinstance(message, WorkerReady):
+                ready[message.rank] = message
+                log.info("worker rank %d ready on %s with %d KV blocks", message.rank,
+                         message.device, message.num_kv_blocks)
+        first = ready[0]
+        num_blocks = min(r.num_kv_blocks for r in ready.values())
+        block_size = self.config.block_size
+        max_model_len = min(first.max_model_len, num_blocks * block_size)
+        if self.config.max_model_len:
+            max_model_len = min(max_model_len, self.config.max_model_len)
+        self.scheduler = Scheduler(
+            KVCacheManager(num_blocks, block_size),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
+            eos_token_ids=first.eos_token_ids)
+        self.model_info = ModelInfo(tag=0, model=self.config.model, max_model_len=max_model_len,
+                                    vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
+                                    block_size=block_size, world_size=world)
+        self.rpc = make_socket(self.ctx, zmq.ROUTER, self.config.rpc_address, bind=True)
+        log.info("serving on %s (KV cache: %d blocks of %d tokens, max_model_len %d)",
+                 bound_address(self.rpc), num_blocks, block_size, max_model_len)
+
+    # ------------------------------------------------------------------ the step loop
+
+    def run(self) -> None:
+        assert self.scheduler is not None and self.rpc is not None
+        scheduler = self.scheduler
+        try:
+            while not self._stopping:
+                self._handle_client_messages(block=not scheduler.has_work)
+                if not scheduler.has_work:
+                    self._send_to_workers_if_needed()
+                    continue
+                step = scheduler.schedule()
+                if not step.num_scheduled:
+                    # Nothing fits right now (cannot happen with validated inputs, but never spin).
+                    self._send_to_workers_if_needed()
+                    continue
+                payload = self.encoder.encode(step.plan)
+                self._broadcast(payload)
+                self._maintain(step)
+                result = self._receive_result(step)
+                self._stream(scheduler.update(step, result))
+        except WorkersFailed as error:
+            log.error("%s", error)
+            self._fail_everything(str(error))
+            raise
+        finally:
+            self._shutdown_workers()
+
+    def _maintain(self, step: ScheduledStep) -> None:
+        """Bookkeeping done while the workers compute; grows with prefix caching and metrics."""
+
+    def _broadcast(self, payload: bytes) -> None:
+        for rank in range(self.config.world_size):
+            self.workers.send_multipart([worker_identity(rank), payload])
+
+    def _send_to_workers_if_needed(self) -> None:
+        plan = self.scheduler.take_dropped_only_plan()
+        if plan is not None:
+            self._broadcast(self.encoder.encode(plan))
+
+    def _receive_result(self, step: ScheduledStep) -> StepResult:
+        deadline = time.monotonic() + self.config.step_timeout_s
+        while True:
+            if self._stopping:
+                raise WorkersFailed("stopped during a step")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkersFailed(f"no result for step {step.plan.step_id} within "
+                                    f"{self.config.step_timeout_s:.0f}s")
+            # Keep accepting clients while the workers compute; their messages wait for the loop.
+            self._queue_client_messages()
+            frames = poll_recv(self.workers, min(remaining, 0.05))
+            if frames is None:
+                continue
+            message = self.worker_decoder.decode(frames[-1])
+            if isinstance(message, WorkerError):
+                raise WorkersFailed(f"worker rank {message.rank} failed:\n{message.message}")
+            if isinstance(message, StepResult) and message.step_id == step.plan.step_id:
+                return message
+
+    # ------------------------------------------------------------------ clients
+
+    def _queue_client_messages(self) -> None:
+        while len(self._pending) < MAX_CLIENT_MESSAGES_PER_STEP:
+            try:
+                frames = self.rpc.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) >= 2:
+                self._pending.append((frames[0], frames[-1]))
+
+    def _handle_client_messages(self, block: bool) -> None:
+        if block and not self._pending:
+            if not self.rpc.poll(100, zmq.POLLIN):
+                return
+        self._queue_client_messages()
+        pending, self._pending = self._pending, []
+        for client, payload in pending:
+            self._handle_client_message(client, payload)
+
+    def _handle_client_message(self, client: bytes, payload: bytes) -> None:
+        try:
+            message = self.client_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            self._reply(client, ErrorReply(tag=None, message=f"invalid request: {error}"))
+            return
+        if isinstance(message, AddRequest):
+            self._add_request(client, message)
+        elif isinstance(message, AbortRequest):
+            self._abort_request(client, message)
+        elif isinstance(message, StatsRequest):
+            self._reply(client, self._stats(message.tag))
+        elif isinstance(message, ModelInfoRequest):
+            self._reply(client, msgspec.structs.replace(self.model_info, tag=message.tag))
+
+    def _add_request(self, client: bytes, message: AddRequest) -> None:
+        scheduler = self.scheduler
+        error = self._validate(message)
+        if error is not None:
+            self._reply(client, ErrorReply(tag=message.tag, message=error,
+                                           request_id=message.request_id))
+            return
+        request_id = message.request_id
+        if request_id is None:
+            while self._next_request_id in scheduler.requests:
+                self._next_request_id += 1
+            request_id = self._next_request_id
+            self._next_request_id += 1
+        self._arrivals += 1
+        scheduler.add(Request(request_id, message.prompt_token_ids, message.params, client,
+                              self._arrivals))
+        self._reply(client, RequestAccepted(tag=message.tag, request_id=request_id))
+
+    def _validate(self, message: AddRequest) -> str | None:
+        info = self.model_info
+        prompt = message.prompt_token_ids
+        if not prompt:
+            return "prompt is empty: send at least one token"
+        if len(prompt) >= info.max_model_len:
+            return (f"prompt has {len(prompt)} tokens but this engine's context is "
+                    f"{info.max_model_len} tokens (prompt + output); shorten the prompt")
+        bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})"
+        if message.request_id is not None:
+            if message.request_id < 0:
+                return f"request_id must be >= 0, got {message.request_id}"
+            if message.request_id in self.scheduler.requests:
+                return f"request_id {message.request_id} is already in use; pick another or omit it"
+        return None
+
+    def _abort_request(self, client: bytes, message: AbortRequest) -> None:
+        request = self.scheduler.abort(message.request_id)
+        if request is None:
+            self._reply(client, ErrorReply(tag=message.tag, request_id=message.request_id,
+                                           message=f"unknown request id {message.request_id}: "
+                                                   "it never existed or has already finished"))
+            return
+        self._stream(StepUpdate(finished=[request]))
+        self._reply(client, AbortDone(tag=message.tag, request_id=message.request_id))
+
+    def _stats(self, tag: int) -> EngineStats:
+        scheduler = self.scheduler
+        kv = scheduler.kv
+        counters = scheduler.counters
+        return EngineStats(
+            tag=tag, num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+            num_preempted=scheduler.num_preempted, kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks, kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks,
+            num_steps=counters.num_steps, num_finished=counters.num_finished,
+            num_prompt_tokens=counters.num_prompt_tokens,
+            num_generated_tokens=counters.num_generated_tokens,
+            num_preemptions=counters.num_preemptions)
+
+    def _stream(self, update: StepUpdate) -> None:
+        """Send every client one frame holding the new tokens of all its requests."""
+        by_client: dict[bytes, list[RequestDelta]] = {}
+        seen: set[int] = set()
+        for request in update.progressed + update.finished:
+            if request.request_id in seen:
+                continue
+            seen.add(request.request_id)
+            new_tokens = request.output_token_ids[request.num_tokens_streamed:]
+            request.num_tokens_streamed = len(request.output_token_ids)
+            reason = request.finish_reason.value if request.finish_reason else None
+            by_client.setdefault(request.client, []).append(
+                RequestDelta(request.request_id, new_tokens, reason))
+        for client, deltas in by_client.items():
+            if not self._reply(client, Outputs(deltas=deltas)):
+                self._abort_client(client)
+
+    def _abort_client(self, client: bytes) -> None:
+        """A client went away: its requests stop using the workers."""
+        for request in list(self.scheduler.requests.values()):
+            if request.client == client:
+                self.scheduler.abort(request.request_id)
+                log.info("aborted request %d: its client disconnected", request.request_id)
+
+    def _reply(self, client: bytes, message: msgspec.Struct) -> bool:
+        try:
+            self.rpc.send_multipart([client, self.encoder.encode(message)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def _fail_everything(self, reason: str) -> None:
+        if self.scheduler is None or self.rpc is None:
+            return
+        failed = self.scheduler.abort_all(FinishReason.ERROR)
+        for request in failed:
+            self._reply(request.client, ErrorReply(tag=None, request_id=request.request_id,
+                                                   message=f"engine failed: {reason}"))
+
+    # ------------------------------------------------------------------ shutdown
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def _shutdown_workers(self) -> None:
+        payload = self.encoder.encode(Shutdown(reason="scheduler stopping"))
+        for rank in range(self.config.world_size):
+            try:
+                self.workers.send_multipart([worker_identity(rank), payload], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        for sock in (self.rpc, self.workers):
+            if sock is not None:
+                sock.close(linger=0)
+        self.ctx.term()
+
+
+def worker_identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+def serve(config: EngineConfig) -> int:
+    """Process entry: wait for the workers, then serve until stopped. Returns an exit code."""
+    server = SchedulerServer(config)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    try:
+        server.wait_for_workers()
+        server.run()
+        return 0
+    except WorkersFailed:
+        return 1
+    finally:
+        server.close()
+        log.info("scheduler (pid %d) stopped", os.getpid())

@@ -1,0 +1,1 @@
+"""The worker process: one per device; runs the scheduler's step plans on its model shard."""

@@ -1,0 +1,142 @@
+"""Turns a StepPlan into model inputs, runs the forward pass over the paged cache, and samples."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from protocol.messages import StepPlan
+from protocol.sampling import SamplingParams
+from runtime.layers.attention import AttentionBatch, PrefillChunk
+from runtime.models.llama import LlamaForCausalLM
+from worker_proc.sampler import sample
+
+
+@dataclass
+class RequestState:
+    """What a worker keeps per request between steps (the scheduler sends only deltas)."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+@dataclass
+class StepOutput:
+    request_ids: list[int]
+    sampled_token_ids: list[int]
+    prepare_ms: float
+    forward_ms: float
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[int, RequestState] = {}
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def apply_plan_state(self, plan: StepPlan) -> list[tuple[int, int]]:
+        """Update per-request state from the plan; returns (request id, tokens) in plan order."""
+        for request_id in plan.dropped_request_ids:
+            self.requests.pop(request_id, None)
+        scheduled = []
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RequestState(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params)
+            scheduled.append((new.request_id, new.num_scheduled_tokens))
+        for request_id, num_tokens, new_blocks in zip(
+                plan.cached_request_ids, plan.cached_num_scheduled_tokens,
+                plan.cached_new_block_ids):
+            if new_blocks:
+                self.requests[request_id].block_ids.extend(new_blocks)
+            scheduled.append((request_id, num_tokens))
+        return scheduled
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        started = time.perf_counter()
+        scheduled = self.apply_plan_state(plan)
+        if not scheduled:
+            return StepOutput([], [], 0.0, 0.0)
+        # Single-token queries first so attention can batch them in one call.
+        scheduled.sort(key=lambda item: item[1] != 1)
+        input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled)
+        prepared = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, batch)
+        tokens: list[int] = []
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            states = [self.requests[r] for r in sample_ids]
+            tokens = sample(logits, [s.params for s in states],
+                            [len(s.token_ids) for s in states], self.generator)
+            for state, token in zip(states, tokens):
+                state.token_ids.append(token)
+        for request_id, num_tokens in scheduled:
+            self.requests[request_id].num_computed_tokens += num_tokens
+        finished = time.perf_counter()
+        return StepOutput(sample_ids, tokens, (prepared - started) * 1e3, (finished - prepared) * 1e3)
+
+    def _prepare(self, scheduled: list[tuple[int, int]]):
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[int] = []
+        decode_contexts: list[list[int]] = []
+        prefill_specs: list[tuple[int, int, int, list[int] | None]] = []
+        for request_id, num_tokens in scheduled:
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + num_tokens
+            table = state.block_ids
+            offset = len(input_ids)
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            new_slots = [table[p // block_size] * block_size + p % block_size
+                         for p in range(start, end)]
+            slots.extend(new_slots)
+            if num_tokens == 1:
+                context = [table[p // block_size] * block_size + p % block_size
+                           for p in range(end)] if start else new_slots
+                decode_contexts.append(context)
+            else:
+                context = None
+                if start:
+                    context = [table[p // block_size] * block_size + p % block_size
+                               for p in range(end)]
+                prefill_specs.append((offset, num_tokens, start, context))
+            if end == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_ids.append(request_id)
+
+        device = self.device
+        decode_slots = decode_mask = None
+        if decode_contexts:
+            longest = max(len(c) for c in decode_contexts)
+            padded = [c + [0] * (longest - len(c)) for c in decode_contexts]
+            lengths = torch.tensor([len(c) for c in decode_contexts])
+            decode_slots = torch.tensor(padded, device=device)
+            decode_mask = (torch.arange(longest) < lengths[:, None]).view(
+                len(decode_contexts), 1, 1, longest).to(device)
+        prefills = []
+        for offset, length, start, context in prefill_specs:
+            if context is None:
+                prefills.append(PrefillChunk(offset, length, None, None))
+                continue
+            query_pos = torch.arange(start, start + length)[:, None]
+            mask = torch.arange(start + length)[None, :] <= query_pos
+            prefills.append(PrefillChunk(offset, length, torch.tensor(context, device=device),
+                                         mask.to(device)))
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots, device=device), num_decode=len(decode_contexts),
+            decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills)
+        return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                batch, sample_rows, sample_ids)

@@ -1,0 +1,52 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+
+A seeded request draws from a generator seeded by (seed, sequence length), so its samples do
+not depend on which other requests share the batch, on preemption, or on step boundaries.
+"""
+from __future__ import annotations
+
+import torch
+
+from protocol.sampling import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def position_seed(seed: int, num_tokens: int) -> int:
+    return (seed * _SEED_MIX + num_tokens) % (2**63 - 1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], num_tokens: list[int],
+           generator: torch.Generator) -> list[int]:
+    """logits: [N, vocab] float32, one row per request; num_tokens: each request's length so far."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.temperature == 0.0 for p in params):
+        return greedy.tolist()
+    tokens = greedy.tolist()
+    for row, p in enumerate(params):
+        if p.temperature == 0.0:
+            continue
+        probs = _filtered_probs(logits[row], p)
+        if p.seed is not None:
+            row_generator = torch.Generator(device=logits.device)
+            row_generator.manual_seed(position_seed(p.seed, num_tokens[row]))
+        else:
+            row_generator = generator
+        tokens[row] = int(torch.multinomial(probs, 1, generator=row_generator))
+    return tokens
+
+
+def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.numel():
+        threshold = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = cumulative - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs

@@ -1,0 +1,118 @@
+"""Worker process loop: load the model, report readiness, then run step plans until shutdown."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import psutil
+import torch
+import zmq
+
+from protocol.config import EngineConfig
+from protocol.messages import (
+    Shutdown, StepPlan, StepResult, WorkerError, WorkerReady, worker_inbound_decoder,
+)
+from protocol.transport import Encoder, make_socket, poll_recv
+from runtime.loaders import load_model_config, load_weights
+from runtime.loaders.source import resolve_model
+from runtime.models.llama import LlamaForCausalLM
+from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
+from worker_proc.kv_cache import allocate_kv_cache, profile_num_blocks
+from worker_proc.model_runner import ModelRunner
+
+log = logging.getLogger("spmd.worker")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use auto, float32, float16 or bfloat16")
+    return DTYPES[name]
+
+
+def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRunner, WorkerReady]:
+    source = resolve_model(config.model)
+    model_config = load_model_config(source)
+    dtype = resolve_dtype(config.dtype, ctx.device)
+    started = time.perf_counter()
+    weights = load_weights(source, model_config, dtype, seed=config.dummy_seed)
+    model = LlamaForCausalLM(model_config, dtype)
+    model.load_hf_state_dict(weights)
+    del weights
+    model.to(ctx.device).eval()
+    log.info("rank %d loaded %s (%s, %s) in %.1fs", ctx.rank, config.model, dtype, ctx.device,
+             time.perf_counter() - started)
+    max_model_len = model_config.max_position_embeddings
+    if config.max_model_len:
+        max_model_len = min(max_model_len, config.max_model_len)
+    max_useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    num_blocks = config.num_kv_blocks or profile_num_blocks(
+        model_config, config.block_size, dtype, ctx.device,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        cpu_fraction=config.cpu_kv_cache_fraction, max_useful_blocks=max_useful)
+    if num_blocks < 1:
+        raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
+                           "--gpu-memory-utilization / --cpu-kv-cache-fraction")
+    kv_caches = allocate_kv_cache(model_config, num_blocks, config.block_size, dtype, ctx.device)
+    runner = ModelRunner(model, kv_caches, config.block_size, ctx.device, seed=config.dummy_seed + ctx.rank)
+    ready = WorkerReady(rank=ctx.rank, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                        vocab_size=model_config.vocab_size,
+                        eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device))
+    return runner, ready
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count()
+    torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+
+
+def run_worker(config: EngineConfig) -> int:
+    """Process entry; returns the exit code."""
+    ctx_zmq = zmq.Context()
+    rank = int(os.environ.get("RANK", "0"))
+    sock = make_socket(ctx_zmq, zmq.DEALER, config.worker_address, bind=False,
+                       identity=f"rank-{rank}".encode())
+    encoder = Encoder()
+    decoder = worker_inbound_decoder()
+    parent = os.getppid()
+    try:
+        ctx = init_distributed(config.device)
+        if ctx.device.type == "cpu":
+            set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        runner, ready = build_runner(config, ctx)
+        sock.send(encoder.encode(ready))
+        while True:
+            frames = poll_recv(sock, 1.0)
+            if frames is None:
+                if os.getppid() != parent:
+                    log.error("rank %d: launcher is gone, exiting", rank)
+                    return 1
+                continue
+            message = decoder.decode(frames[-1])
+            if isinstance(message, Shutdown):
+                return 0
+            assert isinstance(message, StepPlan)
+            output = runner.execute(message)
+            if ctx.rank == 0 and message.step_id >= 0:
+                sock.send(encoder.encode(StepResult(
+                    step_id=message.step_id, request_ids=output.request_ids,
+                    sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
+                    prepare_ms=output.prepare_ms)))
+    except Exception:
+        message = traceback.format_exc()
+        log.error("rank %d failed:\n%s", rank, message)
+        try:
+            sock.send(encoder.encode(WorkerError(rank=rank, message=message)), zmq.NOBLOCK)
+            time.sleep(0.2)  # let the error frame leave before the socket closes
+        except zmq.ZMQError:
+            pass
+        return 1
+    finally:
+        sock.close(linger=0)
+        ctx_zmq.term()
+        shutdown_distributed()
