@@ -90,8 +90,9 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[int] = []
-        decode_contexts: list[list[int]] = []
-        prefill_specs: list[tuple[int, int, int, list[int] | None]] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
+        prefill_specs: list[tuple[int, int, int, list[int]]] = []
         for request_id, num_tokens in scheduled:
             state = self.requests[request_id]
             start = state.num_computed_tokens
@@ -100,43 +101,42 @@ class ModelRunner:
             offset = len(input_ids)
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
-            new_slots = [table[p // block_size] * block_size + p % block_size
-                         for p in range(start, end)]
-            slots.extend(new_slots)
+            slots.extend(table[p // block_size] * block_size + p % block_size
+                         for p in range(start, end))
             if num_tokens == 1:
-                context = [table[p // block_size] * block_size + p % block_size
-                           for p in range(end)] if start else new_slots
-                decode_contexts.append(context)
+                decode_tables.append(table)
+                decode_lengths.append(end)
             else:
-                context = None
-                if start:
-                    context = [table[p // block_size] * block_size + p % block_size
-                               for p in range(end)]
-                prefill_specs.append((offset, num_tokens, start, context))
+                prefill_specs.append((offset, num_tokens, start, table))
             if end == len(state.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(request_id)
 
         device = self.device
         decode_slots = decode_mask = None
-        if decode_contexts:
-            longest = max(len(c) for c in decode_contexts)
-            padded = [c + [0] * (longest - len(c)) for c in decode_contexts]
-            lengths = torch.tensor([len(c) for c in decode_contexts])
-            decode_slots = torch.tensor(padded, device=device)
-            decode_mask = (torch.arange(longest) < lengths[:, None]).view(
-                len(decode_contexts), 1, 1, longest).to(device)
+        if decode_tables:
+            longest = max(decode_lengths)
+            num_blocks = -(-longest // block_size)
+            tables = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
+                                   for t in decode_tables])
+            context = torch.arange(longest)
+            decode_slots = (tables[:, context // block_size] * block_size
+                            + context % block_size).to(device)
+            lengths = torch.tensor(decode_lengths)
+            decode_mask = (context < lengths[:, None]).view(
+                len(decode_tables), 1, 1, longest).to(device)
         prefills = []
-        for offset, length, start, context in prefill_specs:
-            if context is None:
+        for offset, length, start, table in prefill_specs:
+            if start == 0:
                 prefills.append(PrefillChunk(offset, length, None, None))
                 continue
-            query_pos = torch.arange(start, start + length)[:, None]
-            mask = torch.arange(start + length)[None, :] <= query_pos
-            prefills.append(PrefillChunk(offset, length, torch.tensor(context, device=device),
-                                         mask.to(device)))
+            context = torch.arange(start + length)
+            context_slots = torch.tensor(table)[context // block_size] * block_size \
+                + context % block_size
+            mask = context[None, :] <= torch.arange(start, start + length)[:, None]
+            prefills.append(PrefillChunk(offset, length, context_slots.to(device), mask.to(device)))
         batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, device=device), num_decode=len(decode_contexts),
+            slot_mapping=torch.tensor(slots, device=device), num_decode=len(decode_tables),
             decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills)
         return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                 batch, sample_rows, sample_ids)

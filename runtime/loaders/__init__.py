@@ -1,0 +1,48 @@
+"""Model loading entry points: resolve a source, read its config (torch-free), load its weights.
+Weights come back as a CPU state dict with Hugging Face Llama parameter names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from runtime.loaders.source import ModelSource, config_source_kind, resolve_model
+from runtime.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ModelSource", "load_model_config", "load_weights", "resolve_model"]
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """Read the model config without importing torch (GGUF metadata or config.json)."""
+    kind = config_source_kind(source)
+    if kind == "gguf":
+        from runtime.loaders.gguf import read_gguf_config
+
+        return read_gguf_config(source.path)
+    if kind in ("hf", "json"):
+        from runtime.loaders.hf_dir import read_hf_config
+
+        return read_hf_config(source.path)
+    raise ValueError(f"unknown model source kind {source.kind!r}")
+
+
+def load_weights(
+    source: ModelSource, config: ModelConfig, dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """CPU state dict with HF Llama names in dtype; seed only matters for dummy sources."""
+    if source.kind == "gguf":
+        from runtime.loaders.gguf import load_gguf_weights
+
+        return load_gguf_weights(source.path, config, dtype)
+    if source.kind == "hf":
+        from runtime.loaders.hf_dir import load_hf_weights
+
+        return load_hf_weights(source.path, config, dtype)
+    if source.kind == "dummy":
+        from runtime.loaders.dummy import random_weights
+
+        return random_weights(config, dtype, seed)
+    raise ValueError(f"unknown model source kind {source.kind!r}")

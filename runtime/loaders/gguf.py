@@ -1,0 +1,178 @@
+"""GGUF (llama.cpp) support: config from metadata and dequantised weights under Hugging Face Llama names.
+torch is imported only inside load_gguf_weights so that reading the config stays torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import numpy as np
+
+from runtime.model_config import ModelConfig, merge_token_ids, optional_bias_shapes, weight_shapes
+
+if TYPE_CHECKING:
+    import torch
+
+_SUPPORTED_ARCHITECTURES = ("llama",)
+_GLOBAL_NAMES = MappingProxyType(
+    {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    }
+)
+_BLOCK_NAMES = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(path: str) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata (and its tensor list, for tying)."""
+    return config_from_reader(gguf.GGUFReader(path, "r"), path)
+
+
+def config_from_reader(reader: gguf.GGUFReader, path: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported (only {_SUPPORTED_ARCHITECTURES})"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        # llama.cpp stores Llama-3 rope scaling as precomputed per-frequency factors, whose HF
+        # parameters (low/high freq factor, original context) cannot be recovered reliably.
+        raise ValueError(
+            f"{path}: GGUF rope_freqs (Llama-3 style rope scaling) is not supported; use the HF directory"
+        )
+
+    def key(suffix: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{suffix}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rot_dim = int(key("rope.dimension_count", head_dim))
+    if rot_dim != head_dim:
+        raise ValueError(
+            f"{path}: partial rotary embeddings (rope dim {rot_dim} != head dim {head_dim}) are not supported"
+        )
+
+    vocab = key("vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            vocab = len(tokens.data)
+        else:
+            vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+
+    rope_scaling = None
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+        }
+    elif scaling_type != "none":
+        raise ValueError(f"{path}: unsupported GGUF rope scaling type {scaling_type!r}")
+
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=merge_token_ids(
+            *(_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+        ),
+        rope_scaling=rope_scaling,
+    )
+
+
+def gguf_chat_template(path: str) -> str | None:
+    """The tokenizer.chat_template string stored in a GGUF file, if any."""
+    return _field(gguf.GGUFReader(path, "r"), "tokenizer.chat_template")
+
+
+def hf_name(gguf_name: str) -> str:
+    """Map a llama.cpp tensor name to its Hugging Face Llama name; ValueError if unknown."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> HF half-split rotary layout).
+
+    Same as transformers' LlamaTensorProcessor._reverse_permute_weights; n_head is the
+    number of query heads for Q and of key/value heads for K.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantise every tensor of a GGUF file into a CPU state dict with HF Llama names."""
+    import torch
+
+    reader = gguf.GGUFReader(path, "r")
+    expected = weight_shapes(config)
+    allowed = {**expected, **optional_bias_shapes(config)}
+    if config.tie_word_embeddings:
+        allowed.pop("lm_head.weight", None)
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name not in allowed:
+            raise ValueError(f"{path}: tensor {t.name!r} ({name}) does not fit the model config")
+        # GGUF lists dims innermost first; HF/numpy order is the reverse ([out, in]).
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        # A plain ndarray view avoids np.memmap's per-slice overhead inside dequantize (~2x faster).
+        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+        if ".attn_q." in t.name:
+            w = unpermute_rotary(w, config.num_attention_heads)
+        elif ".attn_k." in t.name:
+            w = unpermute_rotary(w, config.num_key_value_heads)
+        if not w.flags.writeable:
+            # F32 tensors come back as views of the read-only file mapping.
+            w = w.copy()
+        if shape != allowed[name]:
+            raise ValueError(f"{path}: tensor {t.name!r} has shape {shape}, config implies {allowed[name]}")
+        out[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise ValueError(f"{path}: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return out

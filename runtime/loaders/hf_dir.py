@@ -1,0 +1,81 @@
+"""Hugging Face checkpoint directories: config.json (+ generation_config.json) and *.safetensors.
+Config reading is torch-free; safetensors/torch are imported inside load_hf_weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runtime.model_config import ModelConfig, optional_bias_shapes, weight_shapes
+
+if TYPE_CHECKING:
+    import torch
+
+_SUPPORTED_MODEL_TYPES = ("llama",)
+# Buffers some older checkpoints saved that are recomputed from the config.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """ModelConfig from an HF directory or a config.json path.
+
+    A generation_config.json next to config.json contributes its eos ids.
+    """
+    p = Path(path)
+    config_file = p / "config.json" if p.is_dir() else p
+    try:
+        d = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file not found: {str(config_file)!r}") from None
+    model_type = d.get("model_type")
+    if model_type is not None and model_type not in _SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{config_file}: model_type {model_type!r} is not supported (only {_SUPPORTED_MODEL_TYPES})"
+        )
+    gen_file = config_file.parent / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return ModelConfig.from_hf_dict(d, gen)
+
+
+def safetensors_files(directory: str) -> list[Path]:
+    """The checkpoint's *.safetensors files (those named by the index when there is one)."""
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        # The index is authoritative: a directory may also hold e.g. consolidated.safetensors.
+        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: no *.safetensors files (other weight formats are not supported)")
+    return files
+
+
+def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Load all safetensors tensors of an HF Llama checkpoint, cast to dtype, checked against config."""
+    from safetensors import safe_open
+
+    expected = weight_shapes(config)
+    allowed = {**expected, **optional_bias_shapes(config)}
+    out: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(directory):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    # Tied checkpoints sometimes store the shared matrix twice; HF ignores the copy.
+                    continue
+                if name not in allowed:
+                    raise ValueError(f"{f}: unexpected tensor {name!r} for a Llama model")
+                t = st.get_tensor(name)
+                if tuple(t.shape) != allowed[name]:
+                    raise ValueError(
+                        f"{f}: tensor {name!r} has shape {tuple(t.shape)}, config implies {allowed[name]}"
+                    )
+                out[name] = t.to(dtype).contiguous()
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise ValueError(f"{directory}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return out

