@@ -51,11 +51,20 @@ class Supervisor:
             self.check()
             time.sleep(interval_s)
 
-    def stop_all(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every child, wait, then SIGKILL whatever is left."""
-        for child in self.children:
+    def stop_all(self, timeout_s: float = 10.0, first_grace_s: float = 5.0) -> None:
+        """SIGTERM every child, wait, then SIGKILL whatever is left.
+
+        The first child (the scheduler) goes first and gets a short grace period: it tells the
+        workers to shut down, which is cleaner than killing them under its feet.
+        """
+        for index, child in enumerate(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
+            if index == 0 and len(self.children) > 1:
+                try:
+                    child.process.wait(first_grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
         deadline = time.monotonic() + timeout_s
         for child in self.children:
             try:

@@ -18,7 +18,7 @@ _LAZY = {
     "RequestOutput": "runtime.outputs",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["LLM", "Client", "RequestOutput", "SamplingParams", "StreamDelta"]
 
 
 def __getattr__(name: str):

@@ -10,8 +10,17 @@ import msgspec
 import zmq
 
 from protocol.messages import (
-    AbortDone, AbortRequest, AddRequest, EngineStats, ErrorReply, ModelInfo, ModelInfoRequest,
-    Outputs, RequestAccepted, RequestDelta, StatsRequest, server_decoder,
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    ErrorReply,
+    ModelInfo,
+    ModelInfoRequest,
+    Outputs,
+    RequestAccepted,
+    RequestDelta,
+    StatsRequest,
+    server_decoder,
 )
 from protocol.sampling import SamplingParams
 from protocol.transport import Encoder, make_socket
@@ -88,7 +97,7 @@ class Client:
         param_list = _as_param_list(params, len(prompt_list))
         token_lists = [self.encode(p) for p in prompt_list]
         request_ids = self._submit_all(token_lists, param_list)
-        outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(request_ids, token_lists)}
+        outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(request_ids, token_lists, strict=False)}
         pending = set(request_ids)
         while pending:
             self._pump_until(lambda: any(self._deltas.get(r) or r in self._failures for r in pending))
@@ -156,7 +165,7 @@ class Client:
 
     def _submit_all(self, token_lists: list[list[int]], params: list[SamplingParams]) -> list[int]:
         tags = []
-        for ids, p in zip(token_lists, params):
+        for ids, p in zip(token_lists, params, strict=False):
             tag = next(self._tags)
             tags.append(tag)
             self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p))

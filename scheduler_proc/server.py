@@ -11,9 +11,23 @@ import zmq
 
 from protocol.config import EngineConfig
 from protocol.messages import (
-    AbortDone, AbortRequest, AddRequest, EngineStats, ErrorReply, ModelInfo, ModelInfoRequest,
-    Outputs, RequestAccepted, RequestDelta, Shutdown, StatsRequest, StepResult, WorkerError,
-    WorkerReady, client_decoder, scheduler_inbound_decoder,
+    AbortDone,
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    ErrorReply,
+    ModelInfo,
+    ModelInfoRequest,
+    Outputs,
+    RequestAccepted,
+    RequestDelta,
+    Shutdown,
+    StatsRequest,
+    StepResult,
+    WorkerError,
+    WorkerReady,
+    client_decoder,
+    scheduler_inbound_decoder,
 )
 from protocol.transport import Encoder, bound_address, make_socket, poll_recv
 from scheduler_proc.kv_cache_manager import KVCacheManager
@@ -28,6 +42,10 @@ MAX_CLIENT_MESSAGES_PER_STEP = 1024
 
 class WorkersFailed(RuntimeError):
     """A worker reported an error or stopped answering; the engine cannot go on."""
+
+
+class Stopping(Exception):
+    """A stop was requested (SIGTERM/SIGINT) while waiting on the workers."""
 
 
 class SchedulerServer:
@@ -92,14 +110,16 @@ class SchedulerServer:
         assert self.scheduler is not None and self.rpc is not None
         scheduler = self.scheduler
         try:
+            stalled = False
             while not self._stopping:
-                self._handle_client_messages(block=not scheduler.has_work)
+                self._handle_client_messages(block=stalled or not scheduler.has_work)
                 if not scheduler.has_work:
                     self._send_to_workers_if_needed()
                     continue
                 step = scheduler.schedule()
-                if not step.num_scheduled:
-                    # Nothing fits right now (cannot happen with validated inputs, but never spin).
+                # Nothing fits (validated inputs always fit an empty pool): wait, never spin.
+                stalled = not step.num_scheduled
+                if stalled:
                     self._send_to_workers_if_needed()
                     continue
                 payload = self.encoder.encode(step.plan)
@@ -107,6 +127,8 @@ class SchedulerServer:
                 self._maintain(step)
                 result = self._receive_result(step)
                 self._stream(scheduler.update(step, result))
+        except Stopping:
+            pass
         except WorkersFailed as error:
             log.error("%s", error)
             self._fail_everything(str(error))
@@ -119,7 +141,12 @@ class SchedulerServer:
 
     def _broadcast(self, payload: bytes) -> None:
         for rank in range(self.config.world_size):
-            self.workers.send_multipart([worker_identity(rank), payload])
+            try:
+                self.workers.send_multipart([worker_identity(rank), payload])
+            except zmq.ZMQError as error:
+                if self._stopping:
+                    raise Stopping() from None
+                raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
 
     def _send_to_workers_if_needed(self) -> None:
         plan = self.scheduler.take_dropped_only_plan()
@@ -130,7 +157,7 @@ class SchedulerServer:
         deadline = time.monotonic() + self.config.step_timeout_s
         while True:
             if self._stopping:
-                raise WorkersFailed("stopped during a step")
+                raise Stopping()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WorkersFailed(f"no result for step {step.plan.step_id} within "

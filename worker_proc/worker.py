@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import time
 import traceback
 
@@ -12,11 +14,15 @@ import zmq
 
 from protocol.config import EngineConfig
 from protocol.messages import (
-    Shutdown, StepPlan, StepResult, WorkerError, WorkerReady, worker_inbound_decoder,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    WorkerError,
+    WorkerReady,
+    worker_inbound_decoder,
 )
 from protocol.transport import Encoder, make_socket, poll_recv
-from runtime.loaders import load_model_config, load_weights
-from runtime.loaders.source import resolve_model
+from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from worker_proc.kv_cache import allocate_kv_cache, profile_num_blocks
@@ -36,11 +42,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRunner, WorkerReady]:
-    source = resolve_model(config.model)
-    model_config = load_model_config(source)
     dtype = resolve_dtype(config.dtype, ctx.device)
     started = time.perf_counter()
-    weights = load_weights(source, model_config, dtype, seed=config.dummy_seed)
+    model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed)
     model = LlamaForCausalLM(model_config, dtype)
     model.load_hf_state_dict(weights)
     del weights
@@ -80,6 +84,8 @@ def run_worker(config: EngineConfig) -> int:
     encoder = Encoder()
     decoder = worker_inbound_decoder()
     parent = os.getppid()
+    # A stop from the launcher ends the loop through the finally block below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         ctx = init_distributed(config.device)
         if ctx.device.type == "cpu":
@@ -113,6 +119,8 @@ def run_worker(config: EngineConfig) -> int:
             pass
         return 1
     finally:
+        # Exiting anyway: a late SIGTERM from the launcher must not interrupt the clean-up.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sock.close(linger=0)
         ctx_zmq.term()
         shutdown_distributed()

@@ -12,7 +12,7 @@ from runtime.model_config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ModelSource", "load_model_config", "load_weights", "resolve_model"]
+__all__ = ["ModelSource", "load_model", "load_model_config", "load_weights", "resolve_model"]
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
@@ -46,3 +46,14 @@ def load_weights(
 
         return random_weights(config, dtype, seed)
     raise ValueError(f"unknown model source kind {source.kind!r}")
+
+
+def load_model(source: ModelSource, dtype: torch.dtype,
+               seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and weights together, reading the source once where that matters (GGUF)."""
+    if source.kind == "gguf":
+        from runtime.loaders.gguf import load_gguf_model
+
+        return load_gguf_model(source.path, dtype)
+    config = load_model_config(source)
+    return config, load_weights(source, config, dtype, seed)

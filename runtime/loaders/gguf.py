@@ -144,11 +144,22 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def load_gguf_model(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and weights from one parse of the file (parsing the vocabulary takes seconds)."""
+    reader = gguf.GGUFReader(path, "r")
+    config = config_from_reader(reader, path)
+    return config, _weights_from_reader(reader, path, config, dtype)
+
+
 def load_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Dequantise every tensor of a GGUF file into a CPU state dict with HF Llama names."""
+    return _weights_from_reader(gguf.GGUFReader(path, "r"), path, config, dtype)
+
+
+def _weights_from_reader(reader: gguf.GGUFReader, path: str, config: ModelConfig,
+                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
     import torch
 
-    reader = gguf.GGUFReader(path, "r")
     expected = weight_shapes(config)
     allowed = {**expected, **optional_bias_shapes(config)}
     if config.tie_word_embeddings:

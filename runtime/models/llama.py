@@ -86,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
             x = layer(x, positions, self.rotary, kv_cache, batch)
         return self.norm(x)
 
