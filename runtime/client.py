@@ -97,7 +97,8 @@ class Client:
         param_list = _as_param_list(params, len(prompt_list))
         token_lists = [self.encode(p) for p in prompt_list]
         request_ids = self._submit_all(token_lists, param_list)
-        outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(request_ids, token_lists, strict=False)}
+        outputs = {rid: RequestOutput(rid, ids)
+                   for rid, ids in zip(request_ids, token_lists, strict=True)}
         pending = set(request_ids)
         while pending:
             self._pump_until(lambda: any(self._deltas.get(r) or r in self._failures for r in pending))
@@ -165,7 +166,7 @@ class Client:
 
     def _submit_all(self, token_lists: list[list[int]], params: list[SamplingParams]) -> list[int]:
         tags = []
-        for ids, p in zip(token_lists, params, strict=False):
+        for ids, p in zip(token_lists, params, strict=True):
             tag = next(self._tags)
             tags.append(tag)
             self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p))

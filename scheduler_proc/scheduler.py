@@ -162,7 +162,7 @@ class Scheduler:
     def update(self, step: ScheduledStep, result: StepResult) -> StepUpdate:
         """Apply a step result: advance computed tokens, append samples, check stop conditions."""
         self.counters.num_steps += 1
-        sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=False))
+        sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         update = StepUpdate()
         for request_id, num_tokens in step.num_scheduled.items():
             request = self.requests.get(request_id)

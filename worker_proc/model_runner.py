@@ -53,7 +53,7 @@ class ModelRunner:
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for request_id, num_tokens, new_blocks in zip(
                 plan.cached_request_ids, plan.cached_num_scheduled_tokens,
-                plan.cached_new_block_ids, strict=False):
+                plan.cached_new_block_ids, strict=True):
             if new_blocks:
                 self.requests[request_id].block_ids.extend(new_blocks)
             scheduled.append((request_id, num_tokens))
@@ -76,7 +76,7 @@ class ModelRunner:
             states = [self.requests[r] for r in sample_ids]
             tokens = sample(logits, [s.params for s in states],
                             [len(s.token_ids) for s in states], self.generator)
-            for state, token in zip(states, tokens, strict=False):
+            for state, token in zip(states, tokens, strict=True):
                 state.token_ids.append(token)
         for request_id, num_tokens in scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens

@@ -7,7 +7,7 @@ from torch import nn
 
 from runtime.layers.attention import AttentionBatch, paged_attention
 from runtime.layers.norm import RMSNorm
-from runtime.layers.rotary import RotaryEmbedding
+from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_config import ModelConfig
 
 
@@ -29,14 +29,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = _linear_weight(config.hidden_size, self.q_size, dtype)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return F.linear(out.reshape(-1, self.q_size), self.o_proj)
 
@@ -61,9 +61,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, batch)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -86,8 +86,9 @@ class LlamaForCausalLM(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
-            x = layer(x, positions, self.rotary, kv_cache, batch)
+        rope = self.rotary.tables(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, batch)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
