@@ -113,30 +113,29 @@ class ModelRunner:
                 sample_ids.append(request_id)
 
         device = self.device
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if decode_tables:
-            longest = max(decode_lengths)
-            num_blocks = -(-longest // block_size)
-            tables = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
-                                   for t in decode_tables])
-            context = torch.arange(longest)
-            decode_slots = (tables[:, context // block_size] * block_size
-                            + context % block_size).to(device)
-            lengths = torch.tensor(decode_lengths)
-            decode_mask = (context < lengths[:, None]).view(
-                len(decode_tables), 1, 1, longest).to(device)
+            num_blocks = -(-max(decode_lengths) // block_size)
+            # Padding blocks point at block 0; the mask hides them.
+            decode_blocks = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
+                                          for t in decode_tables], device=device).view(-1)
+            context = torch.arange(num_blocks * block_size)
+            decode_mask = (context < torch.tensor(decode_lengths)[:, None]).view(
+                len(decode_tables), 1, 1, -1).to(device)
         prefills = []
         for offset, length, start, table in prefill_specs:
             if start == 0:
                 prefills.append(PrefillChunk(offset, length, None, None))
                 continue
-            context = torch.arange(start + length)
-            context_slots = torch.tensor(table)[context // block_size] * block_size \
-                + context % block_size
+            num_blocks = -(-(start + length) // block_size)
+            context = torch.arange(num_blocks * block_size)
             mask = context[None, :] <= torch.arange(start, start + length)[:, None]
-            prefills.append(PrefillChunk(offset, length, context_slots.to(device), mask.to(device)))
+            prefills.append(PrefillChunk(offset, length,
+                                         torch.tensor(table[:num_blocks], device=device),
+                                         mask.to(device)))
         batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, device=device), num_decode=len(decode_tables),
-            decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills)
+            block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
+            num_decode=len(decode_tables), decode_blocks=decode_blocks, decode_mask=decode_mask,
+            prefills=prefills)
         return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                 batch, sample_rows, sample_ids)

@@ -2,7 +2,9 @@
 
 The cache of one layer is a flat tensor of slots [num_blocks * block_size, kv_heads, head_dim];
 slot = block_id * block_size + offset. Single-token queries (decodes) are batched into one call
-over their gathered context; each multi-token chunk gets its own causal call.
+over their gathered context; each multi-token chunk gets its own causal call. Context is gathered
+a whole block at a time: copying rows of block_size * kv_heads * head_dim values is several
+times faster than gathering token by token.
 """
 from __future__ import annotations
 
@@ -16,19 +18,27 @@ import torch.nn.functional as F
 class PrefillChunk:
     start: int                      # first token of the chunk in the flattened batch
     length: int
-    context_slots: torch.Tensor | None  # slots of all context tokens; None for a fresh prompt
-    mask: torch.Tensor | None       # [length, context] True where a query may attend
+    context_blocks: torch.Tensor | None  # [num_blocks] blocks holding its context; None: fresh prompt
+    mask: torch.Tensor | None       # [length, num_blocks * block_size] True where a query may attend
 
 
 @dataclass
 class AttentionBatch:
     """Everything attention needs about one step; built once and shared by every layer."""
 
+    block_size: int
     slot_mapping: torch.Tensor      # [T] where each new token's K/V is written
     num_decode: int                 # the first num_decode tokens are single-token queries
-    decode_slots: torch.Tensor | None   # [num_decode, max_context] (padding points at slot 0)
-    decode_mask: torch.Tensor | None    # [num_decode, 1, 1, max_context]
+    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block tables, flattened, padded
+    decode_mask: torch.Tensor | None    # [num_decode, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk]
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[len(blocks) * block_size, kv_heads, head_dim] context rows of the given blocks."""
+    kv_heads, head_dim = cache.shape[1], cache.shape[2]
+    by_block = cache.view(-1, block_size * kv_heads * head_dim)
+    return by_block.index_select(0, blocks).view(-1, kv_heads, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -38,9 +48,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
     n = batch.num_decode
+    bs = batch.block_size
     if n:
-        keys = k_cache[batch.decode_slots].transpose(1, 2)      # [n, kv, L, d]
-        values = v_cache[batch.decode_slots].transpose(1, 2)
+        kv_heads, dim = k.shape[1], k.shape[2]
+        keys = _gather_blocks(k_cache, batch.decode_blocks, bs).view(n, -1, kv_heads, dim)
+        values = _gather_blocks(v_cache, batch.decode_blocks, bs).view(n, -1, kv_heads, dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [n, kv, L, d]
         attended = F.scaled_dot_product_attention(
             q[:n].unsqueeze(2), keys, values, attn_mask=batch.decode_mask, scale=scale,
             enable_gqa=True)
@@ -48,14 +61,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         query = q[rows].transpose(0, 1).unsqueeze(0)            # [1, heads, len, d]
-        if chunk.context_slots is None:
+        if chunk.context_blocks is None:
             keys = k[rows].transpose(0, 1).unsqueeze(0)
             values = v[rows].transpose(0, 1).unsqueeze(0)
             attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                       scale=scale, enable_gqa=True)
         else:
-            keys = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-            values = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            keys = _gather_blocks(k_cache, chunk.context_blocks, bs).transpose(0, 1).unsqueeze(0)
+            values = _gather_blocks(v_cache, chunk.context_blocks, bs).transpose(0, 1).unsqueeze(0)
             attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
                                                       scale=scale, enable_gqa=True)
         out[rows] = attended.squeeze(0).transpose(0, 1)
