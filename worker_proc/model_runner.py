@@ -8,9 +8,12 @@ import torch
 
 from protocol.messages import StepPlan
 from protocol.sampling import SamplingParams
-from runtime.layers.attention import AttentionBatch, PrefillChunk
+from runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from runtime.models.llama import LlamaForCausalLM
 from worker_proc.sampler import sample
+
+# Single-token queries are attended in groups of this many, longest context first.
+DECODE_GROUP_SIZE = 8
 
 
 @dataclass
@@ -65,8 +68,8 @@ class ModelRunner:
         scheduled = self.apply_plan_state(plan)
         if not scheduled:
             return StepOutput([], [], 0.0, 0.0)
-        # Single-token queries first so attention can batch them in one call.
-        scheduled.sort(key=lambda item: item[1] != 1)
+        # Single-token queries first, longest context first, so attention can group them.
+        scheduled.sort(key=lambda item: (item[1] != 1, -self.requests[item[0]].num_computed_tokens))
         input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled)
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, batch)
@@ -113,15 +116,17 @@ class ModelRunner:
                 sample_ids.append(request_id)
 
         device = self.device
-        decode_blocks = decode_mask = None
-        if decode_tables:
-            num_blocks = -(-max(decode_lengths) // block_size)
+        decodes = []
+        for first in range(0, len(decode_tables), DECODE_GROUP_SIZE):
+            tables = decode_tables[first:first + DECODE_GROUP_SIZE]
+            lengths = decode_lengths[first:first + DECODE_GROUP_SIZE]
+            num_blocks = -(-max(lengths) // block_size)
             # Padding blocks point at block 0; the mask hides them.
-            decode_blocks = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
-                                          for t in decode_tables], device=device).view(-1)
+            blocks = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
+                                   for t in tables], device=device).view(-1)
             context = torch.arange(num_blocks * block_size)
-            decode_mask = (context < torch.tensor(decode_lengths)[:, None]).view(
-                len(decode_tables), 1, 1, -1).to(device)
+            mask = (context < torch.tensor(lengths)[:, None]).view(len(tables), 1, 1, -1)
+            decodes.append(DecodeGroup(first, len(tables), blocks, mask.to(device)))
         prefills = []
         for offset, length, start, table in prefill_specs:
             if start == 0:
@@ -135,7 +140,6 @@ class ModelRunner:
                                          mask.to(device)))
         batch = AttentionBatch(
             block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
-            num_decode=len(decode_tables), decode_blocks=decode_blocks, decode_mask=decode_mask,
-            prefills=prefills)
+            decodes=decodes, prefills=prefills)
         return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                 batch, sample_rows, sample_ids)

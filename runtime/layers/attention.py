@@ -2,7 +2,8 @@
 
 The cache of one layer is a flat tensor of slots [num_blocks * block_size, kv_heads, head_dim];
 slot = block_id * block_size + offset. Single-token queries (decodes) are batched into one call
-over their gathered context; each multi-token chunk gets its own causal call. Context is gathered
+over their gathered context in groups of similar length (less padding, and a group's keys stay in
+cache); each multi-token chunk gets its own causal call. Context is gathered
 a whole block at a time: copying rows of block_size * kv_heads * head_dim values is several
 times faster than gathering token by token.
 """
@@ -23,14 +24,20 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    start: int                      # first of `count` consecutive single-token queries
+    count: int
+    blocks: torch.Tensor            # [count * num_blocks] block tables, flattened, padded
+    mask: torch.Tensor              # [count, 1, 1, num_blocks * block_size]
+
+
+@dataclass
 class AttentionBatch:
     """Everything attention needs about one step; built once and shared by every layer."""
 
     block_size: int
     slot_mapping: torch.Tensor      # [T] where each new token's K/V is written
-    num_decode: int                 # the first num_decode tokens are single-token queries
-    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block tables, flattened, padded
-    decode_mask: torch.Tensor | None    # [num_decode, 1, 1, max_blocks * block_size]
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -47,17 +54,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
-    n = batch.num_decode
     bs = batch.block_size
-    if n:
-        kv_heads, dim = k.shape[1], k.shape[2]
-        keys = _gather_blocks(k_cache, batch.decode_blocks, bs).view(n, -1, kv_heads, dim)
-        values = _gather_blocks(v_cache, batch.decode_blocks, bs).view(n, -1, kv_heads, dim)
+    kv_heads, dim = k.shape[1], k.shape[2]
+    for group in batch.decodes:
+        n = group.count
+        rows = slice(group.start, group.start + n)
+        keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
+        values = _gather_blocks(v_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [n, kv, L, d]
         attended = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2), keys, values, attn_mask=batch.decode_mask, scale=scale,
-            enable_gqa=True)
-        out[:n] = attended.squeeze(2)
+            q[rows].unsqueeze(2), keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        out[rows] = attended.squeeze(2)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         query = q[rows].transpose(0, 1).unsqueeze(0)            # [1, heads, len, d]
