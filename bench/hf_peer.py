@@ -37,12 +37,15 @@ def run_transformers(prompts: list[list[int]], output_len: int, threads: int) ->
     # An id no token has, so generation never stops early (the same as ignore_eos on our side).
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
-    with torch.inference_mode():
-        model.generate_batch(inputs=[prompts[0][:8]], generation_config=GenerationConfig(
-            max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0))
-        started = time.perf_counter()
-        results = model.generate_batch(inputs=prompts, generation_config=config)
-        elapsed = time.perf_counter() - started
+    # No inference_mode here: generate_batch runs its loop on a thread of its own.
+    model.generate_batch(inputs=[prompts[0][:8]], generation_config=GenerationConfig(
+        max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0))
+    started = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config)
+    elapsed = time.perf_counter() - started
+    errors = [r.error for r in results.values() if r.error]
+    if errors or len(results) != len(prompts):
+        raise RuntimeError(f"transformers generate_batch failed: {errors[:1]}")
     output_tokens = sum(len(r.generated_tokens) for r in results.values())
     return ThroughputReport("transformers generate_batch", len(prompts), sum(map(len, prompts)),
                             output_tokens, elapsed)

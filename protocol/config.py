@@ -31,6 +31,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "on CPU, share of available RAM given to the KV cache"))] = 0.2
     max_num_batched_tokens: Annotated[int, Meta(ge=1, description=(
         "token budget of one step; longer prompts are prefilled in chunks"))] = 1024
+    enable_prefix_caching: Annotated[bool, Meta(description=(
+        "reuse the KV cache of shared prompt prefixes across requests"))] = True
     max_num_seqs: Annotated[int, Meta(ge=1, description="most requests running at once")] = 64
     max_model_len: Annotated[int, Meta(ge=0, description=(
         "longest prompt + output in tokens; 0 uses the model's context length"))] = 0

@@ -34,13 +34,19 @@ class StatsRequest(_Wire, tag="stats"):
     tag: int
 
 
+class ResetPrefixCacheRequest(_Wire, tag="reset_prefix_cache"):
+    """Forget every cached prefix; refused while any block is in use."""
+
+    tag: int
+
+
 class ModelInfoRequest(_Wire, tag="model_info"):
     """Also serves as the readiness probe: answered only once every worker is ready."""
 
     tag: int
 
 
-ClientMessage = AddRequest | AbortRequest | StatsRequest | ModelInfoRequest
+ClientMessage = AddRequest | AbortRequest | StatsRequest | ModelInfoRequest | ResetPrefixCacheRequest
 
 
 # ---------------------------------------------------------------- scheduler -> client
@@ -69,6 +75,12 @@ class AbortDone(_Wire, tag="aborted"):
     request_id: int
 
 
+class Done(_Wire, tag="done"):
+    """A control request succeeded."""
+
+    tag: int
+
+
 class EngineStats(_Wire, tag="stats_reply"):
     tag: int
     num_waiting: int
@@ -82,6 +94,13 @@ class EngineStats(_Wire, tag="stats_reply"):
     num_prompt_tokens: int
     num_generated_tokens: int
     num_preemptions: int
+    prefix_caching: bool
+    prefix_cache_queries: int          # prompt tokens looked up at admission
+    prefix_cache_hits: int             # of those, tokens served from the cache
+    prefix_cache_hit_rate: float
+    kv_blocks_cached: int              # blocks holding a hashed, reusable prefix
+    maintenance_ms: float              # scheduler bookkeeping done during steps, in total
+    maintenance_hidden_ms: float       # of that, overlapped with the workers' forward passes
 
 
 class ModelInfo(_Wire, tag="model_info_reply"):
@@ -102,7 +121,7 @@ class ErrorReply(_Wire, tag="error"):
     request_id: int | None = None
 
 
-ServerMessage = RequestAccepted | Outputs | AbortDone | EngineStats | ModelInfo | ErrorReply
+ServerMessage = RequestAccepted | Outputs | AbortDone | Done | EngineStats | ModelInfo | ErrorReply
 
 
 # ---------------------------------------------------------------- scheduler <-> worker

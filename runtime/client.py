@@ -19,6 +19,7 @@ from protocol.messages import (
     Outputs,
     RequestAccepted,
     RequestDelta,
+    ResetPrefixCacheRequest,
     StatsRequest,
     server_decoder,
 )
@@ -146,6 +147,10 @@ class Client:
 
     def stats(self) -> EngineStats:
         return self._call(StatsRequest(tag=next(self._tags)))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes. Raises ValueError while requests are running."""
+        self._call(ResetPrefixCacheRequest(tag=next(self._tags)))
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -1,36 +1,107 @@
-"""Per-request KV-cache block accounting: how many blocks a request needs, allocate, free."""
+"""Per-request KV-cache API over the block pool: prefix hits, allocate, cache full blocks, free."""
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass
 
+from scheduler_proc.block_hash import extend_block_hashes
+from scheduler_proc.block_pool import BlockPool, KVBlock
 from scheduler_proc.request import Request
 
 
-class KVCacheManager:
-    """Owns the block ids of the worker KV cache; a request holds blocks for its computed tokens."""
+@dataclass
+class PrefixCacheCounters:
+    queries: int = 0     # prompt tokens looked up at admission
+    hits: int = 0        # of those, tokens found in the cache
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """A request holds blocks for the tokens it has computed or is computing this step."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.counters = PrefixCacheCounters()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.pool.num_free_blocks
 
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        total = request.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(request.block_ids))
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Cached blocks holding a prefix of the request's tokens (changes nothing).
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Give `request` room for `num_new_tokens` more tokens; False (and no change) if it does not fit."""
-        needed = self.blocks_needed(request, num_new_tokens)
-        if needed > len(self._free):
+        Stops at the first miss, and never covers the last token: its logits must be computed.
+        """
+        if not self.enable_caching:
+            return []
+        tokens = request.all_token_ids
+        extend_block_hashes(request.block_hashes, tokens, self.block_size, request.params.cache_salt)
+        hits = []
+        for block_hash in request.block_hashes[:(len(tokens) - 1) // self.block_size]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      computed_blocks: list[KVBlock] = ()) -> int:
+        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(request.block_ids) - len(computed_blocks))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] = ()) -> bool:
+        """Room for `num_new_tokens` more tokens, after `computed_blocks` (prefix hits).
+
+        Hit blocks sitting in the free queue count against the free blocks. A request that does
+        not fit changes nothing, not even a reference count.
+        """
+        needed = self.blocks_needed(request, num_new_tokens, computed_blocks)
+        reviving = sum(1 for block in computed_blocks if block.ref_count == 0)
+        if needed + reviving > self.pool.num_free_blocks:
             return False
-        request.block_ids.extend(self._free.popleft() for _ in range(needed))
+        # Hits first: they leave the free queue before new blocks are popped from it.
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(needed)
+        request.block_ids.extend(block.block_id for block in computed_blocks)
+        request.block_ids.extend(block.block_id for block in new_blocks)
+        if computed_blocks:
+            request.num_computed_tokens += len(computed_blocks) * self.block_size
+            request.num_cached_blocks = len(computed_blocks)
         return True
 
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.counters.queries += request.num_tokens
+            self.counters.hits += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request, num_known_tokens: int) -> None:
+        """Hash and cache the request's blocks that `num_known_tokens` tokens fill completely."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_known_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_cached_blocks:
+            return
+        tokens = request.all_token_ids[:num_full * self.block_size]
+        extend_block_hashes(request.block_hashes, tokens, self.block_size, request.params.cache_salt)
+        blocks = self.pool.blocks
+        for index in range(request.num_cached_blocks, num_full):
+            self.pool.cache(blocks[request.block_ids[index]], request.block_hashes[index])
+        request.num_cached_blocks = num_full
+
     def free(self, request: Request) -> None:
-        self._free.extend(request.block_ids)
+        """Release the request's blocks, last block first: among blocks freed together, the
+        one with the longest prefix is the least likely to be shared, so it is evicted first."""
+        blocks = self.pool.blocks
+        self.pool.free(blocks[block_id] for block_id in reversed(request.block_ids))
         request.block_ids = []
         request.num_blocks_sent = 0
+        request.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

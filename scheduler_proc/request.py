@@ -23,7 +23,8 @@ class FinishReason(str, enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "client", "output_token_ids",
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
-                 "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq")
+                 "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
+                 "block_hashes", "num_cached_blocks")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0) -> None:
@@ -41,6 +42,9 @@ class Request:
         self.num_blocks_sent = 0
         self.known_to_workers = False
         self.num_tokens_streamed = 0
+        # Chained hashes of its full blocks (prefix caching), and how many of its blocks are cached.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
 
     @property
     def num_tokens(self) -> int:

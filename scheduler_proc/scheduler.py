@@ -4,6 +4,10 @@ FIFO: running requests first (decodes and unfinished prefill chunks, in admissio
 then waiting requests in arrival order while the token budget, max_num_seqs and free blocks
 allow. When blocks run out, the most recently admitted running request is preempted and
 later recomputed from its prompt plus the tokens it already generated.
+
+With prefix caching, a request is admitted after its cached prefix: only the rest is computed.
+Hashing newly full blocks and freeing finished requests happen in `maintain`, which the step
+loop runs while the workers compute.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.counters = SchedulerCounters()
         self._dropped: list[int] = []
+        self._finished_unfreed: list[Request] = []
         self._next_step_id = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -127,9 +132,12 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new):
+            hits = self.kv.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
                 break
+            self.kv.record_admission(request, num_hit_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -178,9 +186,24 @@ class Scheduler:
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.running.remove(request)
-                self._finish(request, reason)
+                self._finish(request, reason, free_now=False)
                 update.finished.append(request)
         return update
+
+    def maintain(self, step: ScheduledStep | None) -> None:
+        """Cache bookkeeping that can wait for the workers: cache the blocks this step fills,
+        then free finished requests' blocks (in eviction order)."""
+        if step is not None:
+            for request_id, num_tokens in step.num_scheduled.items():
+                request = self.requests.get(request_id)
+                if request is not None:
+                    self.kv.cache_full_blocks(request, request.num_computed_tokens + num_tokens)
+        for request in self._finished_unfreed:
+            self.kv.free(request)
+        self._finished_unfreed.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ internals
 
@@ -201,8 +224,11 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.counters.num_preemptions += 1
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.kv.free(request)
+    def _finish(self, request: Request, reason: FinishReason, free_now: bool = True) -> None:
+        if free_now:
+            self.kv.free(request)
+        else:
+            self._finished_unfreed.append(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._forget_on_workers(request)

@@ -14,6 +14,7 @@ from protocol.messages import (
     AbortDone,
     AbortRequest,
     AddRequest,
+    Done,
     EngineStats,
     ErrorReply,
     ModelInfo,
@@ -21,6 +22,7 @@ from protocol.messages import (
     Outputs,
     RequestAccepted,
     RequestDelta,
+    ResetPrefixCacheRequest,
     Shutdown,
     StatsRequest,
     StepResult,
@@ -63,6 +65,8 @@ class SchedulerServer:
         self._arrivals = 0
         self._stopping = False
         self._pending: list[tuple[bytes, bytes]] = []
+        self.maintenance_ms = 0.0
+        self.maintenance_hidden_ms = 0.0
 
     # ------------------------------------------------------------------ start-up
 
@@ -93,7 +97,7 @@ class SchedulerServer:
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, block_size),
+            KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
             eos_token_ids=first.eos_token_ids)
@@ -112,9 +116,12 @@ class SchedulerServer:
         try:
             stalled = False
             while not self._stopping:
+                if not scheduler.has_work:
+                    # Nothing in flight: finish pending frees before answering anyone.
+                    scheduler.maintain(None)
+                    self._send_to_workers_if_needed()
                 self._handle_client_messages(block=stalled or not scheduler.has_work)
                 if not scheduler.has_work:
-                    self._send_to_workers_if_needed()
                     continue
                 step = scheduler.schedule()
                 # Nothing fits (validated inputs always fit an empty pool): wait, never spin.
@@ -124,8 +131,11 @@ class SchedulerServer:
                     continue
                 payload = self.encoder.encode(step.plan)
                 self._broadcast(payload)
-                self._maintain(step)
+                started = time.perf_counter()
+                scheduler.maintain(step)
+                maintenance_ms = (time.perf_counter() - started) * 1e3
                 result = self._receive_result(step)
+                self._account_maintenance(maintenance_ms, result)
                 self._stream(scheduler.update(step, result))
         except Stopping:
             pass
@@ -136,8 +146,10 @@ class SchedulerServer:
         finally:
             self._shutdown_workers()
 
-    def _maintain(self, step: ScheduledStep) -> None:
-        """Bookkeeping done while the workers compute; grows with prefix caching and metrics."""
+    def _account_maintenance(self, maintenance_ms: float, result: StepResult) -> None:
+        """Maintenance is hidden as far as it fits inside the workers' own time for the step."""
+        self.maintenance_ms += maintenance_ms
+        self.maintenance_hidden_ms += min(maintenance_ms, result.prepare_ms + result.forward_ms)
 
     def _broadcast(self, payload: bytes) -> None:
         for rank in range(self.config.world_size):
@@ -207,6 +219,14 @@ class SchedulerServer:
             self._reply(client, self._stats(message.tag))
         elif isinstance(message, ModelInfoRequest):
             self._reply(client, msgspec.structs.replace(self.model_info, tag=message.tag))
+        elif isinstance(message, ResetPrefixCacheRequest):
+            if self.scheduler.reset_prefix_cache():
+                self._reply(client, Done(tag=message.tag))
+            else:
+                in_use = self.scheduler.kv.num_blocks - self.scheduler.kv.num_free_blocks
+                self._reply(client, ErrorReply(tag=message.tag, message=(
+                    f"cannot reset the prefix cache while {in_use} KV blocks are in use; "
+                    "retry when no request is running")))
 
     def _add_request(self, client: bytes, message: AddRequest) -> None:
         scheduler = self.scheduler
@@ -265,7 +285,10 @@ class SchedulerServer:
             num_steps=counters.num_steps, num_finished=counters.num_finished,
             num_prompt_tokens=counters.num_prompt_tokens,
             num_generated_tokens=counters.num_generated_tokens,
-            num_preemptions=counters.num_preemptions)
+            num_preemptions=counters.num_preemptions, prefix_caching=kv.enable_caching,
+            prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
+            prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,
+            maintenance_ms=self.maintenance_ms, maintenance_hidden_ms=self.maintenance_hidden_ms)
 
     def _stream(self, update: StepUpdate) -> None:
         """Send every client one frame holding the new tokens of all its requests."""
