@@ -17,6 +17,23 @@ def random_workload(num_requests: int, input_len_min: int, input_len_max: int,
             for _ in range(num_requests)]
 
 
+def shared_prefix_workload(num_prefixes: int, prefix_len: int, suffix_len: int, repeat: int,
+                           vocab_size: int, seed: int) -> list[list[int]]:
+    """`repeat` prompts per shared prefix, each with its own suffix.
+
+    Rounds are interleaved (every prefix once, then every prefix again...) so that a prefix's
+    first prompt has been computed, and its blocks cached, before the next one arrives.
+    """
+    rng = random.Random(seed)
+    low = min(1000, vocab_size // 2)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
+    return [prefix + tokens(suffix_len) for _ in range(repeat) for prefix in prefixes]
+
+
 @dataclass
 class ThroughputReport:
     engine: str
@@ -57,7 +74,8 @@ def run_throughput(client, prompts: list[list[int]], output_len: int, engine: st
     """Time one offline batch through an engine client (greedy, EOS ignored, fixed output length)."""
     from protocol.sampling import SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    client.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    # Warm-up on tokens no benchmark prompt starts with, so it seeds no prefix cache hit.
+    client.generate([[3] * 8], SamplingParams(max_tokens=2, temperature=0.0))
     started = time.perf_counter()
     outputs = client.generate(prompts, params)
     elapsed = time.perf_counter() - started

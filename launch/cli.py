@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--workload-seed", type=int, default=0)
     throughput.add_argument("--json", action="store_true", help="print one JSON line too")
     add_engine_options(throughput, exclude=LAUNCHER_FIELDS)
+
+    prefix = bench_kinds.add_parser(
+        "prefix", help="shared-prefix workload with prefix caching on and off, in the same run")
+    prefix.add_argument("--num-prefixes", type=int, default=8)
+    prefix.add_argument("--prefix-len", type=int, default=256,
+                        help="shared tokens per prompt; 0 makes every prompt unique (0%% hits)")
+    prefix.add_argument("--suffix-len", type=int, default=128)
+    prefix.add_argument("--repeat", type=int, default=4, help="prompts per shared prefix")
+    prefix.add_argument("--output-len", type=int, default=16)
+    prefix.add_argument("--workload-seed", type=int, default=0)
+    add_engine_options(prefix, exclude=LAUNCHER_FIELDS + ("enable_prefix_caching",))
     return parser
 
 

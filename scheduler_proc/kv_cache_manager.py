@@ -61,6 +61,16 @@ class KVCacheManager:
         Hit blocks sitting in the free queue count against the free blocks. A request that does
         not fit changes nothing, not even a reference count.
         """
+        if not computed_blocks:
+            # The per-step path of every running request: no hits, usually no new block.
+            needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) \
+                - len(request.block_ids)
+            if needed <= 0:
+                return True
+            if needed > self.pool.num_free_blocks:
+                return False
+            request.block_ids.extend(block.block_id for block in self.pool.allocate(needed))
+            return True
         needed = self.blocks_needed(request, num_new_tokens, computed_blocks)
         reviving = sum(1 for block in computed_blocks if block.ref_count == 0)
         if needed + reviving > self.pool.num_free_blocks:
@@ -70,9 +80,8 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(needed)
         request.block_ids.extend(block.block_id for block in computed_blocks)
         request.block_ids.extend(block.block_id for block in new_blocks)
-        if computed_blocks:
-            request.num_computed_tokens += len(computed_blocks) * self.block_size
-            request.num_cached_blocks = len(computed_blocks)
+        request.num_computed_tokens += len(computed_blocks) * self.block_size
+        request.num_cached_blocks = len(computed_blocks)
         return True
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:

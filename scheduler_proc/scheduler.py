@@ -124,8 +124,12 @@ class Scheduler:
                 budget -= num_new
                 cached_ids.append(request.request_id)
                 cached_tokens.append(num_new)
-                cached_blocks.append(request.block_ids[request.num_blocks_sent:])
-                request.num_blocks_sent = len(request.block_ids)
+                num_blocks = len(request.block_ids)
+                if num_blocks > request.num_blocks_sent:
+                    cached_blocks.append(request.block_ids[request.num_blocks_sent:])
+                    request.num_blocks_sent = num_blocks
+                else:
+                    cached_blocks.append([])
                 index += 1
 
         # Admitting while preempting would just evict the newcomer next step.
