@@ -5,6 +5,8 @@ import signal
 import subprocess
 from collections.abc import Sequence
 
+import msgspec
+
 from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 from protocol.transport import private_ipc_address
@@ -24,9 +26,15 @@ class LLM:
                  **engine_options) -> None:
         engine_options.setdefault("rpc_address", private_ipc_address("llm"))
         try:
-            self.config = EngineConfig(model=model, **engine_options)
+            config = EngineConfig(model=model, **engine_options)
         except TypeError as error:
             raise ValueError(f"unknown engine option: {error}") from None
+        # The constructor checks no types or ranges; decoding does. Refuse bad options here,
+        # naming the option, rather than in the launcher after a process has started.
+        try:
+            self.config = EngineConfig.from_json(config.to_json())
+        except msgspec.ValidationError as error:
+            raise ValueError(f"invalid engine option: {error}") from None
         self._process: subprocess.Popen | None = spawn_python(
             "launch", ["serve", "--config-json", self.config.to_json()],
             stdout=subprocess.DEVNULL)

@@ -113,7 +113,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while not self._allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -139,7 +139,7 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
+            if not self._allocate(request, num_new, hits):
                 break
             self.kv.record_admission(request, num_hit_tokens)
             self.waiting.popleft()
@@ -202,9 +202,22 @@ class Scheduler:
                 request = self.requests.get(request_id)
                 if request is not None:
                     self.kv.cache_full_blocks(request, request.num_computed_tokens + num_tokens)
+        self._free_finished()
+
+    def _free_finished(self) -> None:
         for request in self._finished_unfreed:
             self.kv.free(request)
         self._finished_unfreed.clear()
+
+    def _allocate(self, request: Request, num_new_tokens: int, hits: list = ()) -> bool:
+        """Allocate; when short of blocks, first take back those of finished requests whose
+        freeing was deferred to maintenance, rather than preempt or stall."""
+        if self.kv.allocate_slots(request, num_new_tokens, hits):
+            return True
+        if not self._finished_unfreed:
+            return False
+        self._free_finished()
+        return self.kv.allocate_slots(request, num_new_tokens, hits)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
