@@ -35,7 +35,8 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     """Per layer, (key, value) slot tensors of shape [num_blocks * block_size, kv_heads, head_dim]."""
     kv_heads = max(1, config.num_key_value_heads // tp_size)
     shape = (num_blocks * block_size, kv_heads, config.head_dim)
-    # empty, not zeros: untouched pages cost no RAM until a block is first written.
+    # empty, not zeros: untouched pages cost no RAM until a block is first used. The model
+    # runner clears each block when a request gets it (attention must never see NaN).
     return [(torch.empty(shape, dtype=dtype, device=device),
              torch.empty(shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)]

@@ -44,22 +44,44 @@ class ModelRunner:
         self.requests: dict[int, RequestState] = {}
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # Block 0 stands in for padding in decode groups: masked, but it must hold finite values.
+        self._zero_blocks([0])
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        """Clear blocks as they are handed to a request.
+
+        The cache is allocated uninitialised (so untouched memory costs nothing), and attention
+        reads whole blocks, relying on the mask for slots not written yet. A masked slot still
+        multiplies its value by zero, so it must not hold NaN or inf.
+        """
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, device=self.device)
+        for cache in self.kv_caches:
+            for tensor in cache:
+                tensor.view(-1, self.block_size * tensor.shape[1] * tensor.shape[2]).index_fill_(
+                    0, index, 0.0)
 
     def apply_plan_state(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Update per-request state from the plan; returns (request id, tokens) in plan order."""
         for request_id in plan.dropped_request_ids:
             self.requests.pop(request_id, None)
         scheduled = []
+        fresh_blocks: list[int] = []
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params)
+            # Blocks past the computed prefix are new to this request (the rest are cache hits).
+            fresh_blocks.extend(new.block_ids[new.num_computed_tokens // self.block_size:])
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for request_id, num_tokens, new_blocks in zip(
                 plan.cached_request_ids, plan.cached_num_scheduled_tokens,
                 plan.cached_new_block_ids, strict=True):
             if new_blocks:
                 self.requests[request_id].block_ids.extend(new_blocks)
+                fresh_blocks.extend(new_blocks)
             scheduled.append((request_id, num_tokens))
+        self._zero_blocks(fresh_blocks)
         return scheduled
 
     @torch.inference_mode()
