@@ -84,8 +84,10 @@ def run_worker(config: EngineConfig) -> int:
     encoder = Encoder()
     decoder = worker_inbound_decoder()
     parent = os.getppid()
-    # A stop from the launcher ends the loop through the finally block below.
+    # A stop from the launcher ends the loop through the finally block below. Ctrl-C in a
+    # terminal signals the whole process group: it is a stop too, not a KeyboardInterrupt.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     try:
         ctx = init_distributed(config.device)
         if ctx.device.type == "cpu":
@@ -121,6 +123,7 @@ def run_worker(config: EngineConfig) -> int:
     finally:
         # Exiting anyway: a late SIGTERM from the launcher must not interrupt the clean-up.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sock.close(linger=0)
         ctx_zmq.term()
         shutdown_distributed()

