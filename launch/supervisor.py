@@ -39,11 +39,13 @@ class Supervisor:
         signal.signal(signal.SIGINT, request_stop)
 
     def check(self) -> None:
-        """Raise ChildExited if any child has exited."""
-        for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                raise ChildExited(child, code)
+        """Raise ChildExited if any child has exited, naming a worker before the scheduler:
+        when a worker fails, the scheduler notices and exits too, and the worker is the cause."""
+        exited = [(child, child.process.poll()) for child in self.children]
+        exited = [(child, code) for child, code in exited if code is not None]
+        if exited:
+            exited.sort(key=lambda item: item[0].name == "scheduler")
+            raise ChildExited(*exited[0])
 
     def wait(self, until: Callable[[], bool] | None = None, interval_s: float = 0.2) -> None:
         """Supervise until `until()` is true or a stop is requested; raise if a child dies."""

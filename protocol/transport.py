@@ -1,4 +1,4 @@
-"""ZeroMQ plumbing: socket factory, addresses, bounded receives. No pickle anywhere."""
+"""ZeroMQ plumbing: socket factory, addresses, bounded receives. Frames are msgspec only."""
 from __future__ import annotations
 
 import os

@@ -62,6 +62,9 @@ class Client:
         self._replies: dict[int, msgspec.Struct] = {}
         self._deltas: dict[int, list[RequestDelta]] = {}
         self._failures: dict[int, str] = {}
+        # Replies and outputs nobody waits for any more (aborts sent on the caller's behalf).
+        self._ignored_tags: set[int] = set()
+        self._ignored_requests: set[int] = set()
         self._tokenizer = tokenizer
         self._model_info: ModelInfo | None = None
 
@@ -196,7 +199,10 @@ class Client:
 
     def _abort_quietly(self, request_ids: set[int]) -> None:
         for request_id in request_ids:
-            self._send(AbortRequest(tag=next(self._tags), request_id=request_id))
+            tag = next(self._tags)
+            self._ignored_tags.add(tag)
+            self._ignored_requests.add(request_id)
+            self._send(AbortRequest(tag=tag, request_id=request_id))
             self._deltas.pop(request_id, None)
 
     def _send(self, message: msgspec.Struct) -> None:
@@ -221,10 +227,16 @@ class Client:
         message = self._decoder.decode(payload)
         if isinstance(message, Outputs):
             for delta in message.deltas:
+                if delta.request_id in self._ignored_requests:
+                    if delta.finish_reason is not None:
+                        self._ignored_requests.discard(delta.request_id)
+                    continue
                 self._deltas.setdefault(delta.request_id, []).append(delta)
         elif isinstance(message, ErrorReply) and message.tag is None:
-            if message.request_id is not None:
+            if message.request_id is not None and message.request_id not in self._ignored_requests:
                 self._failures[message.request_id] = message.message
+        elif message.tag in self._ignored_tags:
+            self._ignored_tags.discard(message.tag)
         else:
             self._replies[message.tag] = message
 

@@ -14,6 +14,7 @@ from protocol.messages import (
     AbortDone,
     AbortRequest,
     AddRequest,
+    ClientMessage,
     Done,
     EngineStats,
     ErrorReply,
@@ -39,6 +40,8 @@ from scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
 log = logging.getLogger("spmd.scheduler")
 
 READY_TIMEOUT_S = 900.0
+CLIENT_MESSAGE_TAGS = frozenset(
+    msgspec.inspect.type_info(kind).tag for kind in ClientMessage.__args__)
 MAX_CLIENT_MESSAGES_PER_STEP = 1024
 
 
@@ -209,7 +212,7 @@ class SchedulerServer:
         try:
             message = self.client_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            self._reply(client, ErrorReply(tag=None, message=f"invalid request: {error}"))
+            self._reply(client, ErrorReply(tag=_tag_of(payload), message=f"invalid request: {error}"))
             return
         if isinstance(message, AddRequest):
             self._add_request(client, message)
@@ -347,6 +350,19 @@ class SchedulerServer:
             if sock is not None:
                 sock.close(linger=0)
         self.ctx.term()
+
+
+def _tag_of(payload: bytes) -> int | None:
+    """The client's tag of a frame that is msgpack but not a valid request, so the client can
+    tell which of its requests was refused. Plain msgpack decoding: no objects are built."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and len(fields) > 1 and fields[0] in CLIENT_MESSAGE_TAGS \
+            and isinstance(fields[1], int) and not isinstance(fields[1], bool):
+        return fields[1]
+    return None
 
 
 def worker_identity(rank: int) -> bytes:

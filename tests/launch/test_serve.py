@@ -231,7 +231,8 @@ def test_invalid_params_on_the_wire_get_an_error_reply(raw, client, field, wire_
     reply = raw.recv()
     assert isinstance(reply, ErrorReply), reply
     assert field in reply.message and "invalid request" in reply.message
-    assert reply.request_id is None
+    # The client's tag is recovered, so it knows which of its requests was refused.
+    assert reply.tag == 41 and reply.request_id is None
     # The same socket still works for a valid request.
     raw.send(msgspec.msgpack.encode(AddRequest(tag=42, prompt_token_ids=[1000, 1001],
                                                params=SamplingParams(max_tokens=2,
