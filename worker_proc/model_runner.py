@@ -36,14 +36,18 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, seed: int = 0) -> None:
+                 block_size: int, device: torch.device, seed: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
+        # Draws for requests without a seed of their own; seeded requests use per-position seeds.
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
         # Block 0 stands in for padding in decode groups: masked, but it must hold finite values.
         self._zero_blocks([0])
 

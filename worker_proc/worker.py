@@ -63,7 +63,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
         raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
                            "--gpu-memory-utilization / --cpu-kv-cache-fraction")
     kv_caches = allocate_kv_cache(model_config, num_blocks, config.block_size, dtype, ctx.device)
-    runner = ModelRunner(model, kv_caches, config.block_size, ctx.device, seed=config.dummy_seed + ctx.rank)
+    runner = ModelRunner(model, kv_caches, config.block_size, ctx.device)
     ready = WorkerReady(rank=ctx.rank, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                         vocab_size=model_config.vocab_size,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device))
