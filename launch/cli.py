@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--repeat", type=int, default=4, help="prompts per shared prefix")
     prefix.add_argument("--output-len", type=int, default=16)
     prefix.add_argument("--workload-seed", type=int, default=0)
+    prefix.add_argument("--rounds", type=int, default=1,
+                        help="on/off pairs to run, alternating their order (default: %(default)s)")
     add_engine_options(prefix, exclude=LAUNCHER_FIELDS + ("enable_prefix_caching",))
     return parser
 

@@ -86,30 +86,39 @@ def bench(config: EngineConfig, args: argparse.Namespace) -> int:
 
 
 def bench_prefix(config: EngineConfig, args: argparse.Namespace) -> int:
-    """The same shared-prefix workload through two engines: prefix caching on, then off."""
-    rows = []
-    for caching in (True, False):
-        engine_config = msgspec.structs.replace(config, enable_prefix_caching=caching)
-        with RunningEngine(engine_config, private_rpc=True) as engine:
-            if config.node_rank != 0:
-                return _supervise_workers_only(engine)
-            try:
-                client = engine.connect()
-                prompts = shared_prefix_workload(
-                    args.num_prefixes, args.prefix_len, args.suffix_len, args.repeat,
-                    client.model_info().vocab_size, args.workload_seed)
-                report = run_throughput(client, prompts, args.output_len,
-                                        f"prefix caching {'on' if caching else 'off'}")
-                stats = client.stats()
-            except (EngineError, ChildExited) as error:
-                return exit_with_failure(engine, error)
-        rows.append((report, stats))
+    """The same shared-prefix workload through engines with prefix caching on and off.
+
+    With several rounds the order alternates (on/off, off/on, ...) so that drift on a shared
+    machine weighs on both settings alike; the totals of all rounds are compared.
+    """
+    runs: dict[bool, list[tuple]] = {True: [], False: []}
+    for round_index in range(args.rounds):
+        order = (True, False) if round_index % 2 == 0 else (False, True)
+        for caching in order:
+            engine_config = msgspec.structs.replace(config, enable_prefix_caching=caching)
+            with RunningEngine(engine_config, private_rpc=True) as engine:
+                if config.node_rank != 0:
+                    return _supervise_workers_only(engine)
+                try:
+                    client = engine.connect()
+                    prompts = shared_prefix_workload(
+                        args.num_prefixes, args.prefix_len, args.suffix_len, args.repeat,
+                        client.model_info().vocab_size, args.workload_seed)
+                    report = run_throughput(client, prompts, args.output_len,
+                                            f"prefix caching {'on' if caching else 'off'}")
+                    stats = client.stats()
+                except (EngineError, ChildExited) as error:
+                    return exit_with_failure(engine, error)
+            runs[caching].append((report, stats))
     print(f"{TABLE_HEADER} {'hit rate':>9}")
-    for report, stats in rows:
-        print(f"{report.row()} {stats.prefix_cache_hit_rate:>9.1%}")
-    (on, on_stats), (off, _) = rows
-    hidden = on_stats.maintenance_hidden_ms / on_stats.maintenance_ms if on_stats.maintenance_ms else 1.0
-    print(f"input tok/s ratio (on / off): {on.input_tokens_per_s / off.input_tokens_per_s:.2f}x; "
-          f"scheduler maintenance {on_stats.maintenance_ms:.1f} ms in total, "
-          f"{hidden:.1%} of it hidden behind the forward pass", flush=True)
+    for caching in (True, False):
+        for report, stats in runs[caching]:
+            print(f"{report.row()} {stats.prefix_cache_hit_rate:>9.1%}")
+    seconds = {caching: sum(r.elapsed_s for r, _ in runs[caching]) for caching in runs}
+    maintenance = sum(s.maintenance_ms for _, s in runs[True])
+    hidden = sum(s.maintenance_hidden_ms for _, s in runs[True])
+    print(f"input tok/s ratio (on / off, {args.rounds} round(s)): "
+          f"{seconds[False] / seconds[True]:.2f}x; scheduler maintenance {maintenance:.1f} ms "
+          f"in total, {hidden / maintenance if maintenance else 1.0:.1%} of it hidden behind "
+          "the forward pass", flush=True)
     return 0
