@@ -12,14 +12,13 @@ Tests are written from the intended behaviour:
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 from protocol.messages import StepResult
 from protocol.sampling import SamplingParams
-from scheduler_proc.block_hash import extend_block_hashes, hash_block
-from scheduler_proc.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from scheduler_proc.block_hash import hash_block
+from scheduler_proc.block_pool import BlockPool, KVBlock
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.request import Request, RequestStatus
 from scheduler_proc.scheduler import Scheduler
@@ -68,84 +67,6 @@ def assert_pool_consistent(pool: BlockPool) -> None:
     by_hash = {(h, bid) for h, blocks in pool.cached.items() for bid in blocks}
     assert by_hash == {(b.block_hash, b.block_id) for b in pool.blocks if b.block_hash is not None}
     assert all(blocks for blocks in pool.cached.values()), "empty hash entry left behind"
-
-
-# ---------------------------------------------------------------------------- FreeBlockQueue
-
-def test_free_queue_remove_from_middle_keeps_order_and_touches_only_neighbours(monkeypatch) -> None:
-    blocks = [KVBlock(i) for i in range(10)]
-    queue = FreeBlockQueue(blocks)
-    assert len(queue) == 10 and [b.block_id for b in queue] == list(range(10))
-
-    # remove() must not walk the list: make walking it an error while removing.
-    def no_walk(self):
-        raise AssertionError("FreeBlockQueue.remove walked the queue")
-        yield  # pragma: no cover
-
-    with monkeypatch.context() as patch:
-        patch.setattr(FreeBlockQueue, "__iter__", no_walk)
-        queue.remove(blocks[5])
-        queue.remove(blocks[0])     # head
-        queue.remove(blocks[9])     # tail
-    assert [b.block_id for b in queue] == [1, 2, 3, 4, 6, 7, 8]
-    assert len(queue) == 7
-    assert blocks[4].next_free is blocks[6] and blocks[6].prev_free is blocks[4]
-    assert blocks[5].prev_free is None and blocks[5].next_free is None
-    with pytest.raises(ValueError):
-        queue.remove(blocks[5])     # not in the queue any more
-    assert len(queue) == 7
-    queue.append(blocks[5])
-    queue.append(blocks[0])
-    assert [b.block_id for b in queue] == [1, 2, 3, 4, 6, 7, 8, 5, 0]
-    assert [queue.popleft().block_id for _ in range(9)] == [1, 2, 3, 4, 6, 7, 8, 5, 0]
-    assert len(queue) == 0 and list(queue) == []
-    with pytest.raises(IndexError):
-        queue.popleft()
-
-
-def test_free_queue_remove_is_constant_time() -> None:
-    """Removing every block of a 200k-block queue in random order: linear in total if each
-    removal is O(1), ~10^10 steps if a removal scans the queue."""
-    n = 200_000
-    blocks = [KVBlock(i) for i in range(n)]
-    queue = FreeBlockQueue(blocks)
-    order = list(range(n))
-    random.Random(0).shuffle(order)
-    keep = set(order[-1000:])
-    started = time.perf_counter()
-    for index in order[:-1000]:
-        queue.remove(blocks[index])
-    elapsed = time.perf_counter() - started
-    assert elapsed < 10.0, f"{n - 1000} removals took {elapsed:.1f}s"
-    assert len(queue) == 1000
-    assert [b.block_id for b in queue] == sorted(keep)
-
-
-# ---------------------------------------------------------------------------- hashing
-
-def test_block_hashes_chain_and_salt_enters_only_the_first_block() -> None:
-    ids = tokens(1, 3 * BS + 2)
-    plain: list[bytes] = []
-    extend_block_hashes(plain, ids, BS, None)
-    assert len(plain) == 3                          # the partial block is not hashed
-    assert plain[0] == hash_block(None, ids[:BS])
-    assert plain[1] == hash_block(plain[0], ids[BS:2 * BS])
-    assert plain[2] == hash_block(plain[1], ids[2 * BS:3 * BS])
-    salted: list[bytes] = []
-    extend_block_hashes(salted, ids, BS, "tenant")
-    assert salted[0] == hash_block(None, ids[:BS], b"tenant")
-    assert salted[1] == hash_block(salted[0], ids[BS:2 * BS])       # no extra after block 0
-    assert all(a != b for a, b in zip(plain, salted, strict=True))   # ...but every hash differs
-    # Extending only appends what is missing; existing entries are kept.
-    grown = list(plain[:1])
-    extend_block_hashes(grown, ids + tokens(2, 2), BS, None)
-    assert grown == plain + [hash_block(plain[2], (ids + tokens(2, 2))[3 * BS:4 * BS])]
-    # Different content at any block changes that block's hash and every later one.
-    other = list(ids)
-    other[BS] += 1
-    changed: list[bytes] = []
-    extend_block_hashes(changed, other, BS, None)
-    assert changed[0] == plain[0] and changed[1] != plain[1] and changed[2] != plain[2]
 
 
 # ---------------------------------------------------------------------------- hits

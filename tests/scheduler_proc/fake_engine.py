@@ -1,0 +1,175 @@
+"""Harness for scheduler tests with no processes: a fake worker and the server's step loop.
+
+`EngineLoop` drives the scheduler exactly like scheduler_proc.server.SchedulerServer.run does
+(schedule, maintain while the workers compute, update; maintain(None) and a dropped-only plan
+when idle; no maintenance on a stalled step). A FakeWorker mirrors what a worker keeps (token
+ids, block table, computed tokens) from the plans alone and checks every plan against it:
+every context slot a request attends to must hold the KV of exactly its own token prefix (this
+checks prefix-cache hits too), and a request may only write into blocks no other live request
+holds. It samples a token that depends only on the request and its position -- so a request's
+output must not depend on batching, preemption or cache hits.
+"""
+from __future__ import annotations
+
+from protocol.messages import StepPlan, StepResult
+from protocol.sampling import SamplingParams
+from scheduler_proc.kv_cache_manager import KVCacheManager
+from scheduler_proc.request import Request
+from scheduler_proc.scheduler import Scheduler
+
+EOS = 2
+VOCAB = 1000
+
+
+def token_at(request_id: int, position: int) -> int:
+    """The fake model's deterministic 'greedy' token (never EOS)."""
+    return 10 + (request_id * 7919 + position * 104729) % (VOCAB - 10)
+
+
+class FakeWorker:
+    """Applies plans exactly like worker_proc.model_runner.ModelRunner and checks them."""
+
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.state: dict[int, dict] = {}
+        self.plans: list[StepPlan] = []
+        # slot -> the token prefix whose last token's K/V the slot holds
+        self.slots: dict[int, tuple[int, ...]] = {}
+
+    def slot(self, blocks: list[int], position: int) -> int:
+        return blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, plan: StepPlan, sample=token_at) -> StepResult | None:
+        self.plans.append(plan)
+        for rid in plan.dropped_request_ids:
+            assert rid in self.state, f"plan drops request {rid} the worker does not hold"
+            del self.state[rid]
+        scheduled = []
+        for new in plan.new_requests:
+            assert new.request_id not in self.state, f"request {new.request_id} sent twice"
+            self.state[new.request_id] = {"tokens": list(new.token_ids),
+                                          "blocks": list(new.block_ids),
+                                          "computed": new.num_computed_tokens}
+            scheduled.append((new.request_id, new.num_scheduled_tokens))
+        assert (len(plan.cached_request_ids) == len(plan.cached_num_scheduled_tokens)
+                == len(plan.cached_new_block_ids))
+        for rid, n, blocks in zip(plan.cached_request_ids, plan.cached_num_scheduled_tokens,
+                                  plan.cached_new_block_ids, strict=True):
+            assert rid in self.state, f"cached request {rid} unknown to the worker"
+            self.state[rid]["blocks"].extend(blocks)
+            scheduled.append((rid, n))
+        holders: dict[int, set[int]] = {}
+        for rid, st in self.state.items():
+            assert len(set(st["blocks"])) == len(st["blocks"]), f"request {rid} repeats a block"
+            for block in st["blocks"]:
+                assert 0 <= block < self.num_blocks
+                holders.setdefault(block, set()).add(rid)
+        if plan.step_id < 0:
+            assert not scheduled, "a dropped-only plan computes nothing"
+            return None
+        ids, tokens = [], []
+        for rid, n in scheduled:
+            st = self.state[rid]
+            start, end = st["computed"], st["computed"] + n
+            assert n >= 1 and end <= len(st["tokens"]), (rid, n, start, len(st["tokens"]))
+            assert len(st["blocks"]) * self.block_size >= end, "not enough blocks for the tokens"
+            for p in range(start):
+                held = self.slots.get(self.slot(st["blocks"], p))
+                assert held == tuple(st["tokens"][:p + 1]), (
+                    f"request {rid} attends to slot of position {p} holding another prefix")
+            for p in range(start, end):
+                block = st["blocks"][p // self.block_size]
+                assert holders[block] == {rid}, (
+                    f"request {rid} writes block {block} shared with {holders[block] - {rid}}")
+                self.slots[self.slot(st["blocks"], p)] = tuple(st["tokens"][:p + 1])
+        for rid, n in scheduled:
+            st = self.state[rid]
+            st["computed"] += n
+            if st["computed"] == len(st["tokens"]):
+                token = sample(rid, len(st["tokens"]))
+                st["tokens"].append(token)
+                ids.append(rid)
+                tokens.append(token)
+        return StepResult(step_id=plan.step_id, request_ids=ids, sampled_token_ids=tokens,
+                          forward_ms=0.0, prepare_ms=0.0)
+
+
+class EngineLoop:
+    """scheduler_proc.server.SchedulerServer.run without sockets."""
+
+    def __init__(self, scheduler: Scheduler, worker: FakeWorker) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.steps = []
+
+    def idle(self) -> None:
+        self.scheduler.maintain(None)
+        plan = self.scheduler.take_dropped_only_plan()
+        if plan is not None:
+            self.worker.execute(plan)
+
+    def step(self, sample=token_at):
+        """One pass of the loop with work: returns (scheduled, update), update None if stalled."""
+        scheduler = self.scheduler
+        scheduled = scheduler.schedule()
+        if not scheduled.num_scheduled:
+            plan = scheduler.take_dropped_only_plan()
+            if plan is not None:
+                self.worker.execute(plan)
+            return scheduled, None
+        scheduler.maintain(scheduled)
+        result = self.worker.execute(scheduled.plan, sample)
+        update = scheduler.update(scheduled, result)
+        self.steps.append(scheduled)
+        return scheduled, update
+
+    def run(self, sample=token_at, max_passes: int = 10_000) -> list:
+        passes = stalled = 0
+        while True:
+            if not self.scheduler.has_work:
+                self.idle()
+                return self.steps
+            passes += 1
+            assert passes < max_passes, "scheduler made no progress"
+            _, update = self.step(sample)
+            stalled = stalled + 1 if update is None else 0
+            assert stalled < 3, (
+                "stalled: work is waiting, nothing can be scheduled and nothing will change "
+                f"(running={self.scheduler.running}, waiting={list(self.scheduler.waiting)}, "
+                f"free blocks={self.scheduler.kv.num_free_blocks})")
+
+
+def make(num_blocks=64, block_size=16, budget=64, max_num_seqs=16, max_model_len=4096,
+         eos=(EOS,), caching=False):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, eos_token_ids=list(eos))
+    return scheduler, EngineLoop(scheduler, FakeWorker(block_size, num_blocks))
+
+
+def add(scheduler: Scheduler, rid: int, prompt_len: int, prompt=None, **params) -> Request:
+    params.setdefault("max_tokens", 8)
+    params.setdefault("temperature", 0.0)
+    if prompt is None:
+        prompt = [100 + (rid * 31 + i) % 500 for i in range(prompt_len)]
+    request = Request(rid, list(prompt), SamplingParams(**params), arrival_seq=rid)
+    scheduler.add(request)
+    return request
+
+
+def step(scheduler: Scheduler, loop: EngineLoop, sample=token_at):
+    scheduled, update = loop.step(sample)
+    assert update is not None, "nothing could be scheduled"
+    return scheduled, update
+
+
+def run_to_completion(scheduler, loop, sample=token_at):
+    return loop.run(sample)
+
+
+def assert_pool_full(scheduler: Scheduler) -> None:
+    kv = scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(block.ref_count == 0 for block in kv.pool.blocks)
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
