@@ -10,6 +10,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
+from engine_idle import wait_idle
 
 from protocol.messages import AddRequest, RequestAccepted, server_decoder
 from runtime import LLM, Client, SamplingParams
@@ -64,14 +65,6 @@ def ids(tokenizer, text: str, length: int | None = None) -> list[int]:
     return tokens
 
 
-def wait_idle(client, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine still busy: {stats}"
-        time.sleep(0.1)
 
 
 def assert_pool_free(stats) -> None:

@@ -9,9 +9,8 @@ token budget (64, so prompts are prefilled in chunks) and the same KV pool.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
+from engine_idle import wait_idle
 
 from runtime import LLM, Client, SamplingParams
 
@@ -99,14 +98,6 @@ def prompt_groups(tokenizer) -> list[list[list[int]]]:
     return groups
 
 
-def wait_idle(client: Client, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine still busy: {stats}"
-        time.sleep(0.05)
 
 
 def expected_hit_tokens(prompt: list[int], earlier: list[list[int]], block_size: int) -> int:
