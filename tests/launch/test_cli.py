@@ -74,7 +74,11 @@ def test_generate_without_chat_template(hf_smollm2, greedy_reference) -> None:
 # ---------------------------------------------------------------------------- supervision
 
 @pytest.mark.timeout(240)
-def test_killed_worker_stops_the_whole_job(spmd_serve) -> None:
+@pytest.mark.parametrize(("victim_module", "victim_name"),
+                         [("worker_proc", "worker rank 0"), ("scheduler_proc", "scheduler")],
+                         ids=["worker", "scheduler"])
+def test_killed_engine_process_stops_the_whole_job(spmd_serve, victim_module: str,
+                                                   victim_name: str) -> None:
     server = spmd_serve(*DUMMY)
     try:
         server.wait_serving()
@@ -82,27 +86,12 @@ def test_killed_worker_stops_the_whole_job(spmd_serve) -> None:
         scheduler = server.child("scheduler_proc")
         procs = server.processes()
         assert {p.pid for p in procs} >= {worker.pid, scheduler.pid}
-        worker.send_signal(signal.SIGKILL)
-        code = server.proc.wait(30)
-        assert code != 0
-        stderr = server.stderr
-        assert f"worker rank 0 (pid {worker.pid}) exited with code -9" in stderr, stderr[-2000:]
-        assert engine_children_gone(procs) == [], "engine processes outlived the launcher"
-    finally:
-        server.kill_tree()
-
-
-@pytest.mark.timeout(240)
-def test_killed_scheduler_stops_the_whole_job(spmd_serve) -> None:
-    server = spmd_serve(*DUMMY)
-    try:
-        server.wait_serving()
-        scheduler = server.child("scheduler_proc")
-        procs = server.processes()
-        scheduler.send_signal(signal.SIGKILL)
+        victim = worker if victim_module == "worker_proc" else scheduler
+        victim.send_signal(signal.SIGKILL)
         assert server.proc.wait(30) != 0
-        assert f"scheduler (pid {scheduler.pid}) exited with code -9" in server.stderr
-        assert engine_children_gone(procs) == []
+        stderr = server.stderr
+        assert f"{victim_name} (pid {victim.pid}) exited with code -9" in stderr, stderr[-2000:]
+        assert engine_children_gone(procs) == [], "engine processes outlived the launcher"
     finally:
         server.kill_tree()
 
