@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers.attention import AttentionBatch, paged_attention
+from runtime.layers.linear import linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_config import ModelConfig
@@ -31,14 +32,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, *rope)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
-        return F.linear(out.reshape(-1, self.q_size), self.o_proj)
+        return linear(out.reshape(-1, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -49,8 +50,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear_weight(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,99 @@
+"""Where one worker step spends its time: a decode step and a prefill step, with torch's profiler.
+
+Builds the model runner in process (no scheduler, no sockets) on the embedded model and feeds it
+hand-made step plans, so the figures are the worker's alone.
+
+    python bench/step_profile.py --batch 32 --context 176 --prefill-tokens 1024
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from protocol.config import EngineConfig  # noqa: E402
+from protocol.messages import NewRequestData, StepPlan  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
+from worker_proc.distributed import DistributedContext  # noqa: E402
+from worker_proc.worker import build_runner  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=176)
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--trace", action="store_true", help="print the profiler's op table")
+    args = parser.parse_args()
+    torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
+    config = EngineConfig(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=2048)
+    ctx = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
+                             backend="gloo")
+    runner, _ = build_runner(config, ctx)
+    bs = config.block_size
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, 49152, (n,), generator=generator).tolist()
+
+    next_block = 1
+    step_id = 0
+
+    def new_request(request_id: int, length: int, scheduled: int) -> NewRequestData:
+        nonlocal next_block
+        blocks = list(range(next_block, next_block + -(-(length + 64) // bs)))
+        next_block += len(blocks)
+        return NewRequestData(request_id, prompt(length), blocks, 0, scheduled, params)
+
+    def run(plan: StepPlan) -> float:
+        started = time.perf_counter()
+        runner.execute(plan)
+        return (time.perf_counter() - started) * 1e3
+
+    # Prefill the decode batch's context, then time decode steps.
+    reqs = [new_request(i, args.context, args.context) for i in range(args.batch)]
+    for first in range(0, len(reqs), 8):
+        step_id += 1
+        run(StepPlan(step_id, reqs[first:first + 8], [], [], []))
+    ids = [r.request_id for r in reqs]
+
+    def decode_plan() -> StepPlan:
+        nonlocal step_id
+        step_id += 1
+        return StepPlan(step_id, [], ids, [1] * len(ids), [[] for _ in ids])
+
+    run(decode_plan())
+    decode = [run(decode_plan()) for _ in range(args.steps)]
+    prefills = []
+    for k in range(3):
+        step_id += 1
+        length = args.prefill_tokens
+        prefills.append(run(StepPlan(step_id, [new_request(1000 + k, length, length)], [], [], [],
+                                     ids)))
+        ids = []
+    print(f"decode step, batch {args.batch}, context ~{args.context}: "
+          f"median {sorted(decode)[len(decode) // 2]:.1f} ms ({decode})")
+    print(f"prefill step, {args.prefill_tokens} tokens: median {sorted(prefills)[1]:.1f} ms")
+    if args.trace:
+        ids = [r.request_id for r in reqs]
+        reqs2 = [new_request(2000 + i, args.context, args.context) for i in range(args.batch)]
+        for first in range(0, len(reqs2), 8):
+            step_id += 1
+            run(StepPlan(step_id, reqs2[first:first + 8], [], [], []))
+        ids = [r.request_id for r in reqs2]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                run(decode_plan())
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
