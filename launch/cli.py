@@ -10,7 +10,7 @@ import sys
 
 import msgspec
 
-from protocol.config import EngineConfig, engine_config_fields
+from protocol.config import EngineConfig, engine_config_choices, engine_config_fields
 from protocol.sampling import SamplingParams
 
 LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
@@ -19,6 +19,7 @@ LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "mast
 def add_engine_options(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None,
                        exclude: tuple[str, ...] = ()) -> None:
     """One flag per EngineConfig field; unset flags stay absent so defaults live in one place."""
+    choices = engine_config_choices()
     for name, kind, default, description in engine_config_fields():
         if (only is not None and name not in only) or name in exclude:
             continue
@@ -29,7 +30,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, only: tuple[str, ...]
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
-                                metavar=name.upper(), help=help_text)
+                                choices=choices.get(name),
+                                metavar=None if name in choices else name.upper(), help=help_text)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -103,6 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--rounds", type=int, default=1,
                         help="on/off pairs to run, alternating their order (default: %(default)s)")
     add_engine_options(prefix, exclude=LAUNCHER_FIELDS + ("enable_prefix_caching",))
+
+    pressure = bench_kinds.add_parser(
+        "pressure", help="throughput with a roomy KV pool and with a small one (offload and "
+        "soft reset), in the same run")
+    pressure.add_argument("--num-requests", type=int, default=32)
+    pressure.add_argument("--input-len-min", type=int, default=32)
+    pressure.add_argument("--input-len-max", type=int, default=128)
+    pressure.add_argument("--output-len", type=int, default=64)
+    pressure.add_argument("--pressure-blocks", type=int, default=48,
+                          help="KV blocks of the small pool (default: %(default)s)")
+    pressure.add_argument("--swap-space-gib", type=float, default=1.0,
+                          help="CPU swap space of the offload run (default: %(default)s)")
+    pressure.add_argument("--workload-seed", type=int, default=0)
+    pressure.add_argument("--rounds", type=int, default=1,
+                          help="runs of each variant, rotating their order (default: %(default)s)")
+    add_engine_options(pressure, exclude=LAUNCHER_FIELDS + ("swap_space",))
     return parser
 
 

@@ -1,7 +1,7 @@
 """The one typed configuration object of an engine; CLI flags are generated from its fields."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -26,9 +26,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_kv_blocks: Annotated[int, Meta(ge=0, description=(
         "KV-cache blocks per worker; 0 sizes the pool from profiled free memory"))] = 0
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description=(
-        "share of GPU memory the worker may use for weights, activations and KV cache"))] = 0.9
-    cpu_kv_cache_fraction: Annotated[float, Meta(gt=0, le=1, description=(
-        "on CPU, share of available RAM given to the KV cache"))] = 0.2
+        "share of the memory left free after loading the weights and a profiling forward pass "
+        "that the worker may use for activations and KV cache (on CPU: of available RAM)"))] = 0.9
+    kv_cache_memory: Annotated[int, Meta(ge=0, description=(
+        "bytes of KV cache per worker, set outright (overrides --gpu-memory-utilization); "
+        "0 sizes it from free memory"))] = 0
+    swap_space: Annotated[float, Meta(ge=0, description=(
+        "GiB of CPU memory per worker that preempted requests' KV blocks are offloaded to "
+        "(pinned on CUDA); 0 preempts by soft reset (recompute) only"))] = 0.0
+    scheduler: Annotated[Literal["fifo", "prefill_first"], Meta(description=(
+        "fifo: running decodes, then unfinished prefills, then waiting requests in arrival "
+        "order; prefill_first: unfinished prefills before decodes"))] = "fifo"
+    kv_admission_watermark: Annotated[float, Meta(ge=0, lt=1, description=(
+        "share of KV blocks kept spare when admitting a request (or resuming a swapped one) "
+        "while others run, so running requests can grow without preemption"))] = 0.2
     max_num_batched_tokens: Annotated[int, Meta(ge=1, description=(
         "token budget of one step; longer prompts are prefilled in chunks"))] = 1024
     enable_prefix_caching: Annotated[bool, Meta(description=(
@@ -74,7 +85,23 @@ def engine_config_fields() -> list[tuple[str, type, object, str]]:
         if isinstance(kind, msgspec.inspect.Metadata):
             description = (kind.extra_json_schema or {}).get("description", "") or ""
             kind = kind.type
+        if isinstance(kind, msgspec.inspect.LiteralType):
+            rows.append((field.name, str, field.default, description))
+            continue
         py_type = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float,
                    msgspec.inspect.StrType: str, msgspec.inspect.BoolType: bool}[type(kind)]
         rows.append((field.name, py_type, field.default, description))
     return rows
+
+
+def engine_config_choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of each field that takes one of a fixed set of strings."""
+    info = msgspec.inspect.type_info(EngineConfig)
+    choices = {}
+    for field in info.fields:
+        kind = field.type
+        if isinstance(kind, msgspec.inspect.Metadata):
+            kind = kind.type
+        if isinstance(kind, msgspec.inspect.LiteralType):
+            choices[field.name] = tuple(kind.values)
+    return choices

@@ -93,7 +93,14 @@ class EngineStats(_Wire, tag="stats_reply"):
     num_finished: int
     num_prompt_tokens: int
     num_generated_tokens: int
-    num_preemptions: int
+    num_preemptions: int               # swaps out + soft resets
+    num_swapped: int                   # requests whose KV blocks wait in the CPU pool now
+    num_swaps_out: int
+    num_swaps_in: int
+    num_soft_resets: int               # preemptions that dropped the KV cache (recompute)
+    cpu_kv_blocks_total: int
+    cpu_kv_blocks_free: int
+    scheduler: str
     prefix_caching: bool
     prefix_cache_queries: int          # prompt tokens looked up at admission
     prefix_cache_hits: int             # of those, tokens served from the cache
@@ -135,12 +142,15 @@ class WorkerReady(_Wire, tag="ready"):
     vocab_size: int
     eos_token_ids: list[int]
     device: str
+    num_cpu_kv_blocks: int = 0     # the swap space, in blocks
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A request the workers have not seen (new, or resumed after preemption by recompute).
+    """A request the workers do not hold: new, resumed after a soft reset, or swapped back in.
 
-    token_ids is the prompt plus any tokens generated before a preemption.
+    token_ids is the prompt plus any tokens generated before a preemption. Blocks past
+    num_computed_tokens are fresh; a swapped-in request's computed blocks are filled by the
+    plan's swap_in copies.
     """
 
     request_id: int
@@ -160,8 +170,12 @@ class StepPlan(_Wire, tag="plan"):
     cached_request_ids: list[int]
     cached_num_scheduled_tokens: list[int]
     cached_new_block_ids: list[list[int]]
-    # Requests the workers must forget (finished, aborted, or preempted by recompute).
+    # Requests the workers must forget (finished, aborted, or preempted).
     dropped_request_ids: list[int] = []
+    # KV block copies as (device block, CPU block) pairs, done by every rank before the forward
+    # pass in this order: swap_out (device -> CPU), clearing fresh blocks, swap_in (CPU -> device).
+    swap_out: list[tuple[int, int]] = []
+    swap_in: list[tuple[int, int]] = []
 
 
 class StepResult(_Wire, tag="result"):

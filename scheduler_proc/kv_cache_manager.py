@@ -55,8 +55,9 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - len(request.block_ids) - len(computed_blocks))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] = ()) -> bool:
-        """Room for `num_new_tokens` more tokens, after `computed_blocks` (prefix hits).
+                       computed_blocks: list[KVBlock] = (), reserve: int = 0) -> bool:
+        """Room for `num_new_tokens` more tokens, after `computed_blocks` (prefix hits), leaving
+        at least `reserve` blocks free.
 
         Hit blocks sitting in the free queue count against the free blocks. A request that does
         not fit changes nothing, not even a reference count.
@@ -67,13 +68,13 @@ class KVCacheManager:
                 - len(request.block_ids)
             if needed <= 0:
                 return True
-            if needed > self.pool.num_free_blocks:
+            if needed + reserve > self.pool.num_free_blocks:
                 return False
             request.block_ids.extend(block.block_id for block in self.pool.allocate(needed))
             return True
         needed = self.blocks_needed(request, num_new_tokens, computed_blocks)
         reviving = sum(1 for block in computed_blocks if block.ref_count == 0)
-        if needed + reviving > self.pool.num_free_blocks:
+        if needed + reviving + reserve > self.pool.num_free_blocks:
             return False
         # Hits first: they leave the free queue before new blocks are popped from it.
         self.pool.touch(computed_blocks)

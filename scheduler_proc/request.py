@@ -9,7 +9,8 @@ from protocol.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"    # soft reset: no KV left, recomputed from prompt + output
+    SWAPPED = "swapped"        # its KV blocks wait in the CPU swap space
     FINISHED = "finished"
 
 
@@ -24,7 +25,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "client", "output_token_ids",
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
-                 "block_hashes", "num_cached_blocks")
+                 "block_hashes", "num_cached_blocks", "cpu_block_ids")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0) -> None:
@@ -45,6 +46,8 @@ class Request:
         # Chained hashes of its full blocks (prefix caching), and how many of its blocks are cached.
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
+        # While swapped out: the CPU blocks holding its computed KV, in block-table order.
+        self.cpu_block_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -1,21 +1,32 @@
-"""Continuous batching policy: which requests run this step and with how many tokens.
+"""Continuous batching: which requests run this step, with how many tokens, and what happens
+when the KV cache runs out.
 
-FIFO: running requests first (decodes and unfinished prefill chunks, in admission order),
-then waiting requests in arrival order while the token budget, max_num_seqs and free blocks
-allow. When blocks run out, the most recently admitted running request is preempted and
-later recomputed from its prompt plus the tokens it already generated.
+Each step, running requests take the token budget first, in the order of the scheduling
+policy (scheduler_proc.policy); then swapped-out requests are brought back; then waiting
+requests are admitted in arrival order while the budget, max_num_seqs and free blocks allow.
+A request is admitted (or swapped in) only if its blocks, after prefix-cache hits, fit with a
+watermark of spare blocks left, unless nothing else runs.
 
-With prefix caching, a request is admitted after its cached prefix: only the rest is computed.
+When a running request cannot get its next block, the most recently admitted running request
+is preempted: its computed KV blocks are offloaded to the CPU swap space if there is room
+(swap, resumed later without recomputing anything), else it is soft reset (blocks freed, and
+it is recomputed later from prompt + generated tokens, prefix caching recovering what it can).
+Swapped requests resume before any new request is admitted, and preempted ones go to the head
+of the waiting queue, so none starves. Block copies travel in the plan.
+
 Hashing newly full blocks and freeing finished requests happen in `maintain`, which the step
 loop runs while the workers compute.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from protocol.messages import NewRequestData, StepPlan, StepResult
+from scheduler_proc.cpu_block_pool import CpuBlockPool
 from scheduler_proc.kv_cache_manager import KVCacheManager
+from scheduler_proc.policy import Policy, running_order
 from scheduler_proc.request import FinishReason, Request, RequestStatus
 
 
@@ -45,22 +56,48 @@ class SchedulerCounters:
     num_finished: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    num_preemptions: int = 0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    num_soft_resets: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_swaps_out + self.num_soft_resets
+
+
+@dataclass
+class _Draft:
+    """The plan of the step being scheduled, filled in as requests are picked."""
+
+    num_scheduled: dict[int, int] = field(default_factory=dict)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_ids: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    cached_blocks: list[list[int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, eos_token_ids: list[int]) -> None:
+                 max_model_len: int, eos_token_ids: list[int], policy: Policy = "fifo",
+                 num_cpu_blocks: int = 0, admission_watermark: float = 0.0) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = policy
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.requests: dict[int, Request] = {}
         self.counters = SchedulerCounters()
+        # Work for the workers that waits for the next plan that reaches them.
         self._dropped: list[int] = []
+        self._swap_out: list[tuple[int, int]] = []
         self._finished_unfreed: list[Request] = []
         self._next_step_id = 0
 
@@ -77,14 +114,17 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         else:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return request
 
     def abort_all(self, reason: FinishReason) -> list[Request]:
-        aborted = list(self.running) + list(self.waiting)
+        aborted = list(self.running) + list(self.swapped) + list(self.waiting)
         self.running.clear()
+        self.swapped.clear()
         self.waiting.clear()
         for request in aborted:
             self._finish(request, reason)
@@ -92,83 +132,130 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.swapped)
 
     @property
     def num_preempted(self) -> int:
+        """Soft-reset requests waiting to be recomputed."""
         return sum(1 for r in self.waiting if r.status is RequestStatus.PREEMPTED)
 
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> ScheduledStep:
+        draft = _Draft()
         budget = self.max_num_batched_tokens
-        num_scheduled: dict[int, int] = {}
-        new_requests: list[NewRequestData] = []
-        cached_ids: list[int] = []
-        cached_tokens: list[int] = []
-        cached_blocks: list[list[int]] = []
-        preempted = False
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._allocate(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                num_scheduled[request.request_id] = num_new
-                budget -= num_new
-                cached_ids.append(request.request_id)
-                cached_tokens.append(num_new)
-                num_blocks = len(request.block_ids)
-                if num_blocks > request.num_blocks_sent:
-                    cached_blocks.append(request.block_ids[request.num_blocks_sent:])
-                    request.num_blocks_sent = num_blocks
-                else:
-                    cached_blocks.append([])
-                index += 1
-
-        # Admitting while preempting would just evict the newcomer next step.
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
-            hits = self.kv.get_computed_blocks(request)
-            num_hit_tokens = len(hits) * self.kv.block_size
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self._allocate(request, num_new, hits):
+        for request in running_order(self.running, self.policy):
+            if budget <= 0:
                 break
-            self.kv.record_admission(request, num_hit_tokens)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            new_requests.append(NewRequestData(
-                request_id=request.request_id, token_ids=request.all_token_ids,
-                block_ids=list(request.block_ids), num_computed_tokens=request.num_computed_tokens,
-                num_scheduled_tokens=num_new, params=request.params))
-            request.num_blocks_sent = len(request.block_ids)
-            request.known_to_workers = True
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_running(request, num_new, draft):
+                self._schedule_running(request, num_new, draft)
+                budget -= num_new
 
-        plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests,
-                        cached_request_ids=cached_ids, cached_num_scheduled_tokens=cached_tokens,
-                        cached_new_block_ids=cached_blocks, dropped_request_ids=self._dropped)
+        # Bringing requests in while preempting would only evict them again next step.
+        if not draft.preempted:
+            while (self.swapped and budget > 0 and len(self.running) < self.max_num_seqs
+                   and self._swap_in(self.swapped[0], budget, draft)):
+                budget -= draft.num_scheduled[self.swapped.popleft().request_id]
+            while (not self.swapped and self.waiting and budget > 0
+                   and len(self.running) < self.max_num_seqs
+                   and self._admit(self.waiting[0], budget, draft)):
+                budget -= draft.num_scheduled[self.waiting.popleft().request_id]
+        return self._finalize(draft)
+
+    def _allocate_running(self, request: Request, num_new: int, draft: _Draft) -> bool:
+        """Blocks for a running request's next tokens, preempting newer requests until they
+        fit; False if the request itself had to be preempted."""
+        while not self._allocate(request, num_new):
+            victim = next(r for r in reversed(self.running)
+                          if r.request_id not in draft.num_scheduled)
+            self._preempt(victim)
+            draft.preempted = True
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_running(self, request: Request, num_new: int, draft: _Draft) -> None:
+        draft.num_scheduled[request.request_id] = num_new
+        draft.cached_ids.append(request.request_id)
+        draft.cached_tokens.append(num_new)
+        num_blocks = len(request.block_ids)
+        if num_blocks > request.num_blocks_sent:
+            draft.cached_blocks.append(request.block_ids[request.num_blocks_sent:])
+            request.num_blocks_sent = num_blocks
+        else:
+            draft.cached_blocks.append([])
+
+    def _admission_reserve(self) -> int:
+        """Spare blocks a newcomer must leave; none when nothing runs, so a request that fits
+        the pool alone always gets in."""
+        return self.watermark_blocks if self.running else 0
+
+    def _admit(self, request: Request, budget: int, draft: _Draft) -> bool:
+        hits = self.kv.get_computed_blocks(request)
+        num_hit_tokens = len(hits) * self.kv.block_size
+        num_new = min(request.num_tokens - num_hit_tokens, budget)
+        if not self._allocate(request, num_new, hits, self._admission_reserve()):
+            return False
+        self.kv.record_admission(request, num_hit_tokens)
+        self._start(request, num_new, draft)
+        return True
+
+    def _swap_in(self, request: Request, budget: int, draft: _Draft) -> bool:
+        """Fresh device blocks for a swapped request; its computed blocks are copied back into
+        the first ones before the forward pass."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._allocate(request, num_new, reserve=self._admission_reserve()):
+            return False
+        draft.swap_in.extend(zip(request.block_ids, request.cpu_block_ids, strict=False))
+        self.cpu_pool.free(request.cpu_block_ids)
+        request.cpu_block_ids = []
+        self.counters.num_swaps_in += 1
+        self._start(request, num_new, draft)
+        return True
+
+    def _start(self, request: Request, num_new: int, draft: _Draft) -> None:
+        """A request joins the running batch; the workers get all they need to know about it."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        draft.num_scheduled[request.request_id] = num_new
+        draft.new_requests.append(NewRequestData(
+            request_id=request.request_id, token_ids=request.all_token_ids,
+            block_ids=list(request.block_ids), num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=num_new, params=request.params))
+        request.num_blocks_sent = len(request.block_ids)
+        request.known_to_workers = True
+
+    def _finalize(self, draft: _Draft) -> ScheduledStep:
+        """The plan of this step. A step that computes nothing is never sent: the workers' work
+        it would carry (requests to forget, swap-outs) waits for take_housekeeping_plan."""
+        if not draft.num_scheduled:
+            return ScheduledStep(plan=StepPlan(step_id=-1, new_requests=[], cached_request_ids=[],
+                                               cached_num_scheduled_tokens=[],
+                                               cached_new_block_ids=[]))
+        plan = StepPlan(step_id=self._next_step_id, new_requests=draft.new_requests,
+                        cached_request_ids=draft.cached_ids,
+                        cached_num_scheduled_tokens=draft.cached_tokens,
+                        cached_new_block_ids=draft.cached_blocks,
+                        dropped_request_ids=self._dropped, swap_out=self._swap_out,
+                        swap_in=draft.swap_in)
         self._dropped = []
+        self._swap_out = []
         self._next_step_id += 1
-        return ScheduledStep(plan=plan, num_scheduled=num_scheduled)
+        return ScheduledStep(plan=plan, num_scheduled=draft.num_scheduled)
 
-    def take_dropped_only_plan(self) -> StepPlan | None:
-        """A plan with nothing to compute, so idle workers still forget finished requests."""
-        if not self._dropped:
+    def take_housekeeping_plan(self) -> StepPlan | None:
+        """A plan that computes nothing, so idle or stalled workers still forget finished
+        requests and offload preempted ones."""
+        if not self._dropped and not self._swap_out:
             return None
         plan = StepPlan(step_id=-1, new_requests=[], cached_request_ids=[],
                         cached_num_scheduled_tokens=[], cached_new_block_ids=[],
-                        dropped_request_ids=self._dropped)
+                        dropped_request_ids=self._dropped, swap_out=self._swap_out)
         self._dropped = []
+        self._swap_out = []
         return plan
 
     def update(self, step: ScheduledStep, result: StepResult) -> StepUpdate:
@@ -209,15 +296,16 @@ class Scheduler:
             self.kv.free(request)
         self._finished_unfreed.clear()
 
-    def _allocate(self, request: Request, num_new_tokens: int, hits: list = ()) -> bool:
+    def _allocate(self, request: Request, num_new_tokens: int, hits: list = (),
+                  reserve: int = 0) -> bool:
         """Allocate; when short of blocks, first take back those of finished requests whose
         freeing was deferred to maintenance, rather than preempt or stall."""
-        if self.kv.allocate_slots(request, num_new_tokens, hits):
+        if self.kv.allocate_slots(request, num_new_tokens, hits, reserve):
             return True
         if not self._finished_unfreed:
             return False
         self._free_finished()
-        return self.kv.allocate_slots(request, num_new_tokens, hits)
+        return self.kv.allocate_slots(request, num_new_tokens, hits, reserve)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -233,15 +321,29 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop its blocks; it resumes from prompt + generated tokens."""
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        """Take a running request off the batch: swap it out if the CPU pool has room for its
+        computed blocks, else soft reset it (recomputed later from prompt + output)."""
+        self.running.remove(request)
         self._forget_on_workers(request)
-        self.waiting.appendleft(request)
-        self.counters.num_preemptions += 1
+        num_computed_blocks = -(-request.num_computed_tokens // self.kv.block_size)
+        cpu_blocks = self.cpu_pool.allocate(num_computed_blocks) if num_computed_blocks else None
+        if cpu_blocks is not None:
+            self._swap_out.extend(zip(request.block_ids, cpu_blocks, strict=False))
+            request.cpu_block_ids = cpu_blocks
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            self.counters.num_swaps_out += 1
+        else:
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+            self.counters.num_soft_resets += 1
+        self.kv.free(request)
 
     def _finish(self, request: Request, reason: FinishReason, free_now: bool = True) -> None:
+        if request.cpu_block_ids:
+            self.cpu_pool.free(request.cpu_block_ids)
+            request.cpu_block_ids = []
         if free_now:
             self.kv.free(request)
         else:

@@ -95,6 +95,7 @@ class SchedulerServer:
                          message.device, message.num_kv_blocks)
         first = ready[0]
         num_blocks = min(r.num_kv_blocks for r in ready.values())
+        num_cpu_blocks = min(r.num_cpu_kv_blocks for r in ready.values())
         block_size = self.config.block_size
         max_model_len = min(first.max_model_len, num_blocks * block_size)
         if self.config.max_model_len:
@@ -103,13 +104,15 @@ class SchedulerServer:
             KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
-            eos_token_ids=first.eos_token_ids)
+            eos_token_ids=first.eos_token_ids, policy=self.config.scheduler,
+            num_cpu_blocks=num_cpu_blocks, admission_watermark=self.config.kv_admission_watermark)
         self.model_info = ModelInfo(tag=0, model=self.config.model, max_model_len=max_model_len,
                                     vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
                                     block_size=block_size, world_size=world)
         self.rpc = make_socket(self.ctx, zmq.ROUTER, self.config.rpc_address, bind=True)
-        log.info("serving on %s (KV cache: %d blocks of %d tokens, max_model_len %d)",
-                 bound_address(self.rpc), num_blocks, block_size, max_model_len)
+        log.info("serving on %s (KV cache: %d blocks of %d tokens, swap space: %d blocks, "
+                 "max_model_len %d, scheduler %s)", bound_address(self.rpc), num_blocks,
+                 block_size, num_cpu_blocks, max_model_len, self.config.scheduler)
 
     # ------------------------------------------------------------------ the step loop
 
@@ -164,7 +167,7 @@ class SchedulerServer:
                 raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
 
     def _send_to_workers_if_needed(self) -> None:
-        plan = self.scheduler.take_dropped_only_plan()
+        plan = self.scheduler.take_housekeeping_plan()
         if plan is not None:
             self._broadcast(self.encoder.encode(plan))
 
@@ -254,6 +257,13 @@ class SchedulerServer:
         prompt = message.prompt_token_ids
         if not prompt:
             return "prompt is empty: send at least one token"
+        cache_tokens = self.scheduler.kv.num_blocks * info.block_size
+        if len(prompt) >= cache_tokens:
+            return (f"prompt has {len(prompt)} tokens but the whole KV cache holds only "
+                    f"{cache_tokens} tokens ({self.scheduler.kv.num_blocks} blocks of "
+                    f"{info.block_size}), so it could never run; shorten the prompt or give the "
+                    "cache more memory (--gpu-memory-utilization, --kv-cache-memory or "
+                    "--num-kv-blocks)")
         if len(prompt) >= info.max_model_len:
             return (f"prompt has {len(prompt)} tokens but this engine's context is "
                     f"{info.max_model_len} tokens (prompt + output); shorten the prompt")
@@ -288,7 +298,12 @@ class SchedulerServer:
             num_steps=counters.num_steps, num_finished=counters.num_finished,
             num_prompt_tokens=counters.num_prompt_tokens,
             num_generated_tokens=counters.num_generated_tokens,
-            num_preemptions=counters.num_preemptions, prefix_caching=kv.enable_caching,
+            num_preemptions=counters.num_preemptions, num_swapped=len(scheduler.swapped),
+            num_swaps_out=counters.num_swaps_out, num_swaps_in=counters.num_swaps_in,
+            num_soft_resets=counters.num_soft_resets,
+            cpu_kv_blocks_total=scheduler.cpu_pool.num_blocks,
+            cpu_kv_blocks_free=scheduler.cpu_pool.num_free_blocks, scheduler=scheduler.policy,
+            prefix_caching=kv.enable_caching,
             prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
             prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,
             maintenance_ms=self.maintenance_ms, maintenance_hidden_ms=self.maintenance_hidden_ms)

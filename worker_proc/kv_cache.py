@@ -1,10 +1,17 @@
 """Sizing and allocating the paged KV cache of one worker."""
 from __future__ import annotations
 
+import ctypes
+import threading
+from dataclasses import dataclass
+
 import psutil
 import torch
 
+from protocol.config import EngineConfig
+from runtime.layers.attention import AttentionBatch, PrefillChunk
 from runtime.model_config import ModelConfig
+from runtime.models.llama import LlamaForCausalLM
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -14,19 +21,142 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
     return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * element
 
 
-def profile_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                       device: torch.device, *, gpu_memory_utilization: float,
-                       cpu_fraction: float, max_useful_blocks: int, tp_size: int = 1) -> int:
-    """How many blocks fit in the memory this worker may use (capped at what could ever be used)."""
-    per_block = bytes_per_block(config, block_size, dtype, tp_size)
+@dataclass(frozen=True)
+class CacheSizing:
+    """How one worker's KV cache was sized, for the start-up log."""
+
+    how: str                        # "num_kv_blocks", "kv_cache_memory" or "profiled"
+    weights_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+    profile_peak_bytes: int = 0     # activations of the profiling forward pass
+    free_bytes: int = 0             # free memory after the weights and the profile run
+    usable_bytes: int = 0           # gpu_memory_utilization x free_bytes
+    capped_at: int = 0              # blocks max_num_seqs x max_model_len can use, if that bit
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def describe(self, block_size: int, utilization: float) -> str:
+        parts = [f"weights {_gib(self.weights_bytes)}"]
+        if self.how == "profiled":
+            parts += [f"profile-run peak {_gib(self.profile_peak_bytes)}",
+                      f"free {_gib(self.free_bytes)} x {utilization:g} = usable "
+                      f"{_gib(self.usable_bytes)}"]
+        elif self.how == "kv_cache_memory":
+            parts.append("KV cache memory set by --kv-cache-memory")
+        else:
+            parts.append("KV blocks set by --num-kv-blocks")
+        line = (", ".join(parts) + f"; KV cache {_gib(self.kv_cache_bytes)} = {self.num_blocks} "
+                f"blocks of {block_size} tokens ({self.bytes_per_block / 1024:.1f} KiB each)")
+        if self.capped_at:
+            line += " (capped at what max_num_seqs x max_model_len can use)"
+        return line
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype,
+                  device: torch.device, *, max_useful_blocks: int, tp_size: int = 1,
+                  local_world_size: int = 1) -> CacheSizing:
+    """Blocks for this worker: --num-kv-blocks, else --kv-cache-memory bytes, else what is left
+    of gpu_memory_utilization x the memory free after the weights and a profiling forward pass
+    of a full token budget, once that pass's activations are set aside."""
+    per_block = bytes_per_block(model.config, config.block_size, dtype, tp_size)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if config.num_kv_blocks:
+        return CacheSizing("num_kv_blocks", weights, per_block, config.num_kv_blocks)
+    if config.kv_cache_memory:
+        wanted = config.kv_cache_memory // per_block
+        return CacheSizing("kv_cache_memory", weights, per_block, min(wanted, max_useful_blocks),
+                           capped_at=max_useful_blocks if wanted > max_useful_blocks else 0)
+    peak = profile_forward_peak(model, config.max_num_batched_tokens,
+                                min(config.max_num_seqs, config.max_num_batched_tokens),
+                                config.block_size, dtype, device, tp_size)
+    free = free_memory(device, local_world_size)
+    usable = int(free * config.gpu_memory_utilization)
+    wanted = max(0, usable - peak) // per_block
+    return CacheSizing("profiled", weights, per_block, min(wanted, max_useful_blocks),
+                       profile_peak_bytes=peak, free_bytes=free, usable_bytes=usable,
+                       capped_at=max_useful_blocks if wanted > max_useful_blocks else 0)
+
+
+def free_memory(device: torch.device, local_world_size: int) -> int:
+    """Bytes this worker may still take: free device memory, or on CPU its share of the
+    available RAM (the workers of a node share it)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        free, total = torch.cuda.mem_get_info(device)
-        # The weights are loaded already, so they are counted in (total - free).
-        budget = total * gpu_memory_utilization - (total - free)
-    else:
-        budget = psutil.virtual_memory().available * cpu_fraction
-    return max(0, min(int(budget // per_block), max_useful_blocks))
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available // max(1, local_world_size)
+
+
+@torch.inference_mode()
+def profile_forward_peak(model: LlamaForCausalLM, num_tokens: int, num_logit_rows: int,
+                         block_size: int, dtype: torch.dtype, device: torch.device,
+                         tp_size: int = 1) -> int:
+    """Peak activation bytes of one forward pass over `num_tokens` prompt tokens (the largest
+    step the scheduler can plan), with logits and sampling for `num_logit_rows` of them."""
+    num_blocks = -(-num_tokens // block_size)
+    kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device, tp_size)
+    for cache in kv_caches:
+        for tensor in cache:
+            tensor.zero_()          # touched now, so it is not counted as activations
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device) % model.config.max_position_embeddings
+    batch = AttentionBatch(block_size=block_size,
+                           slot_mapping=torch.arange(num_tokens, device=device), decodes=[],
+                           prefills=[PrefillChunk(0, num_tokens, None, None)])
+
+    def forward() -> None:
+        hidden = model(input_ids, positions, kv_caches, batch)
+        torch.softmax(model.compute_logits(hidden[-num_logit_rows:]), dim=-1)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        forward()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return _peak_rss_during(forward)
+
+
+def _release_free_heap() -> None:
+    """Give memory malloc holds free (weight loading leaves plenty) back to the OS, so that
+    reusing it does not hide the profile run's activations from the RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass            # not glibc: the peak is then a lower bound
+
+
+def _peak_rss_during(work) -> int:
+    """Growth of this process's resident memory at its highest while `work` runs (CPU has no
+    allocator statistics, so a thread samples RSS)."""
+    _release_free_heap()
+    process = psutil.Process()
+    before = process.memory_info().rss
+    peak = before
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, process.memory_info().rss)
+            done.wait(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        work()
+    finally:
+        done.set()
+        sampler.join()
+    return max(0, max(peak, process.memory_info().rss) - before)
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -11,6 +11,7 @@ from protocol.sampling import SamplingParams
 from runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from runtime.models.llama import LlamaForCausalLM
 from worker_proc.sampler import sample
+from worker_proc.swap_space import SwapSpace
 
 # Single-token queries are attended in groups of this many, longest context first.
 DECODE_GROUP_SIZE = 8
@@ -36,9 +37,11 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, seed: int | None = None) -> None:
+                 block_size: int, device: torch.device, seed: int | None = None,
+                 num_cpu_blocks: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size)
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
@@ -91,7 +94,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         started = time.perf_counter()
+        # Offload before fresh blocks are cleared (a block swapped out may be handed to another
+        # request in the same step), and swap in after (a swapped-in request's partly filled
+        # last block counts as fresh).
+        self.swap_space.swap_out(plan.swap_out)
         scheduled = self.apply_plan_state(plan)
+        self.swap_space.swap_in(plan.swap_in)
         if not scheduled:
             return StepOutput([], [], 0.0, 0.0)
         # Single-token queries first, longest context first, so attention can group them.

@@ -25,7 +25,7 @@ from protocol.transport import Encoder, make_socket, poll_recv
 from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
-from worker_proc.kv_cache import allocate_kv_cache, profile_num_blocks
+from worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
 from worker_proc.model_runner import ModelRunner
 
 log = logging.getLogger("spmd.worker")
@@ -55,18 +55,28 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     if config.max_model_len:
         max_model_len = min(max_model_len, config.max_model_len)
     max_useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-    num_blocks = config.num_kv_blocks or profile_num_blocks(
-        model_config, config.block_size, dtype, ctx.device,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        cpu_fraction=config.cpu_kv_cache_fraction, max_useful_blocks=max_useful)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    sizing = size_kv_cache(config, model, dtype, ctx.device, max_useful_blocks=max_useful,
+                           local_world_size=local_world_size)
+    log.info("rank %d memory: %s", ctx.rank,
+             sizing.describe(config.block_size, config.gpu_memory_utilization))
+    num_blocks = sizing.num_blocks
     if num_blocks < 1:
-        raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
-                           "--gpu-memory-utilization / --cpu-kv-cache-fraction")
+        raise RuntimeError(
+            "no memory left for the KV cache: raise --gpu-memory-utilization, set "
+            "--kv-cache-memory or --num-kv-blocks, lower --max-num-batched-tokens, or use a "
+            "smaller model")
     kv_caches = allocate_kv_cache(model_config, num_blocks, config.block_size, dtype, ctx.device)
-    runner = ModelRunner(model, kv_caches, config.block_size, ctx.device)
+    num_cpu_blocks = int(config.swap_space * 2**30) // sizing.bytes_per_block
+    runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
+                         num_cpu_blocks=num_cpu_blocks)
+    if num_cpu_blocks:
+        log.info("rank %d swap space: %d CPU blocks (%.2f GiB%s)", ctx.rank, num_cpu_blocks,
+                 config.swap_space, ", pinned" if ctx.device.type == "cuda" else "")
     ready = WorkerReady(rank=ctx.rank, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                         vocab_size=model_config.vocab_size,
-                        eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device))
+                        eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
+                        num_cpu_kv_blocks=num_cpu_blocks)
     return runner, ready
 
 

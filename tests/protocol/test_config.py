@@ -9,7 +9,8 @@ from protocol.config import EngineConfig, engine_config_fields
 
 PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dummy_seed": 3,
              "block_size": 8, "num_kv_blocks": 24, "gpu_memory_utilization": 0.5,
-             "cpu_kv_cache_fraction": 0.1, "max_num_batched_tokens": 64, "max_num_seqs": 4,
+             "kv_cache_memory": 1 << 30, "swap_space": 1.5, "scheduler": "prefill_first",
+             "kv_admission_watermark": 0.05, "max_num_batched_tokens": 64, "max_num_seqs": 4,
              "max_model_len": 256, "nproc_per_node": 2, "nnodes": 1, "node_rank": 0,
              "master_addr": "127.0.0.2", "master_port": 29500,
              "rpc_address": "tcp://127.0.0.1:5555", "worker_address": "ipc:///tmp/x",

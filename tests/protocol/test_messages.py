@@ -105,6 +105,8 @@ def _value_for(kind, n: int):
     if isinstance(kind, (inspect.ListType, inspect.VarTupleType)):
         item = _value_for(kind.item_type, n)
         return [item, item] if isinstance(kind, inspect.ListType) else (item,)
+    if isinstance(kind, inspect.TupleType):
+        return tuple(_value_for(item, n + i) for i, item in enumerate(kind.item_types))
     if isinstance(kind, inspect.StructType):
         if kind.cls is SamplingParams:
             return PARAMS

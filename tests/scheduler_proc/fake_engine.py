@@ -6,8 +6,10 @@ when idle; no maintenance on a stalled step). A FakeWorker mirrors what a worker
 ids, block table, computed tokens) from the plans alone and checks every plan against it:
 every context slot a request attends to must hold the KV of exactly its own token prefix (this
 checks prefix-cache hits too), and a request may only write into blocks no other live request
-holds. It samples a token that depends only on the request and its position -- so a request's
-output must not depend on batching, preemption or cache hits.
+holds. Like the real worker, it copies swapped blocks out before clearing the blocks handed out
+fresh and copies swapped blocks back in after that, so a swap-in restores exactly the slots
+the request computed. It samples a token that depends only on the request and its position --
+so a request's output must not depend on batching, preemption, swapping or cache hits.
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ def token_at(request_id: int, position: int) -> int:
 class FakeWorker:
     """Applies plans exactly like worker_proc.model_runner.ModelRunner and checks them."""
 
-    def __init__(self, block_size: int, num_blocks: int) -> None:
+    def __init__(self, block_size: int, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_slots: dict[int, tuple[int, ...]] = {}   # the swap space, like `slots`
         self.state: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
         # slot -> the token prefix whose last token's K/V the slot holds
@@ -45,13 +49,16 @@ class FakeWorker:
         for rid in plan.dropped_request_ids:
             assert rid in self.state, f"plan drops request {rid} the worker does not hold"
             del self.state[rid]
+        self._copy_blocks(plan.swap_out, to_cpu=True)
         scheduled = []
+        fresh = []
         for new in plan.new_requests:
             assert new.request_id not in self.state, f"request {new.request_id} sent twice"
             self.state[new.request_id] = {"tokens": list(new.token_ids),
                                           "blocks": list(new.block_ids),
                                           "computed": new.num_computed_tokens}
             scheduled.append((new.request_id, new.num_scheduled_tokens))
+            fresh.extend(new.block_ids[new.num_computed_tokens // self.block_size:])
         assert (len(plan.cached_request_ids) == len(plan.cached_num_scheduled_tokens)
                 == len(plan.cached_new_block_ids))
         for rid, n, blocks in zip(plan.cached_request_ids, plan.cached_num_scheduled_tokens,
@@ -59,6 +66,11 @@ class FakeWorker:
             assert rid in self.state, f"cached request {rid} unknown to the worker"
             self.state[rid]["blocks"].extend(blocks)
             scheduled.append((rid, n))
+            fresh.extend(blocks)
+        for block in fresh:      # the real worker zeroes them: whatever they held is gone
+            for offset in range(self.block_size):
+                self.slots.pop(block * self.block_size + offset, None)
+        self._copy_blocks(plan.swap_in, to_cpu=False)
         holders: dict[int, set[int]] = {}
         for rid, st in self.state.items():
             assert len(set(st["blocks"])) == len(st["blocks"]), f"request {rid} repeats a block"
@@ -94,6 +106,20 @@ class FakeWorker:
         return StepResult(step_id=plan.step_id, request_ids=ids, sampled_token_ids=tokens,
                           forward_ms=0.0, prepare_ms=0.0)
 
+    def _copy_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        for device_block, cpu_block in pairs:
+            assert 0 <= device_block < self.num_blocks and 0 <= cpu_block < self.num_cpu_blocks
+            for offset in range(self.block_size):
+                device_slot = device_block * self.block_size + offset
+                cpu_slot = cpu_block * self.block_size + offset
+                source, target = ((self.slots, self.cpu_slots) if to_cpu
+                                  else (self.cpu_slots, self.slots))
+                key_from, key_to = (device_slot, cpu_slot) if to_cpu else (cpu_slot, device_slot)
+                if key_from in source:
+                    target[key_to] = source[key_from]
+                else:
+                    target.pop(key_to, None)
+
 
 class EngineLoop:
     """scheduler_proc.server.SchedulerServer.run without sockets."""
@@ -105,7 +131,7 @@ class EngineLoop:
 
     def idle(self) -> None:
         self.scheduler.maintain(None)
-        plan = self.scheduler.take_dropped_only_plan()
+        plan = self.scheduler.take_housekeeping_plan()
         if plan is not None:
             self.worker.execute(plan)
 
@@ -114,7 +140,7 @@ class EngineLoop:
         scheduler = self.scheduler
         scheduled = scheduler.schedule()
         if not scheduled.num_scheduled:
-            plan = scheduler.take_dropped_only_plan()
+            plan = scheduler.take_housekeeping_plan()
             if plan is not None:
                 self.worker.execute(plan)
             return scheduled, None
@@ -141,11 +167,12 @@ class EngineLoop:
 
 
 def make(num_blocks=64, block_size=16, budget=64, max_num_seqs=16, max_model_len=4096,
-         eos=(EOS,), caching=False):
+         eos=(EOS,), caching=False, policy="fifo", num_cpu_blocks=0, watermark=0.0):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len, eos_token_ids=list(eos))
-    return scheduler, EngineLoop(scheduler, FakeWorker(block_size, num_blocks))
+                          max_model_len=max_model_len, eos_token_ids=list(eos), policy=policy,
+                          num_cpu_blocks=num_cpu_blocks, admission_watermark=watermark)
+    return scheduler, EngineLoop(scheduler, FakeWorker(block_size, num_blocks, num_cpu_blocks))
 
 
 def add(scheduler: Scheduler, rid: int, prompt_len: int, prompt=None, **params) -> Request:
@@ -172,4 +199,6 @@ def assert_pool_full(scheduler: Scheduler) -> None:
     kv = scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
     assert all(block.ref_count == 0 for block in kv.pool.blocks)
+    assert scheduler.cpu_pool.num_free_blocks == scheduler.cpu_pool.num_blocks, "leaked CPU block"
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+    assert not scheduler.swapped

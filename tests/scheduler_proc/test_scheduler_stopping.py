@@ -80,11 +80,11 @@ def test_finished_requests_are_dropped_on_the_workers() -> None:
     assert scheduled.plan.dropped_request_ids == [0]
     _, update = step(scheduler, loop)         # request 1 finishes; nothing left to schedule
     assert [r.request_id for r in update.finished] == [1] and not scheduler.has_work
-    plan = scheduler.take_dropped_only_plan()
+    plan = scheduler.take_housekeeping_plan()
     assert plan is not None and plan.dropped_request_ids == [1] and plan.step_id == -1
     loop.worker.execute(plan)
     assert loop.worker.state == {}
-    assert scheduler.take_dropped_only_plan() is None
+    assert scheduler.take_housekeeping_plan() is None
     loop.idle()
     assert_pool_full(scheduler)
 
@@ -109,7 +109,7 @@ def test_abort_of_a_running_request_frees_its_blocks() -> None:
     assert scheduler.abort(12345) is None
     scheduler.abort(1)
     assert b.finish_reason is FinishReason.ABORT
-    plan = scheduler.take_dropped_only_plan()
+    plan = scheduler.take_housekeeping_plan()
     loop.worker.execute(plan)
     assert loop.worker.state == {}
     assert_pool_full(scheduler)
@@ -127,7 +127,7 @@ def test_abort_of_a_waiting_request_and_of_one_in_flight() -> None:
     update = scheduler.update(scheduled, result)
     assert not update.progressed and not update.finished
     assert a.output_token_ids == []
-    assert scheduler.take_dropped_only_plan().dropped_request_ids == [0]
+    assert scheduler.take_housekeeping_plan().dropped_request_ids == [0]
     assert_pool_full(scheduler)
 
 
