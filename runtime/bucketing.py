@@ -1,0 +1,147 @@
+"""Bucketing math: the few batch shapes a worker warms up and captures, and which one a batch
+pads to. Torch-free, so the scheduler uses it too.
+
+A range (min, step, max) ramps up from min by powers of two while below step, then goes up in
+steps of `step` to max: (2, 32, 64) gives 2, 4, 8, 16, 32, 64. Prompt buckets are (batch size,
+sequence length) pairs; decode buckets are (batch size, context length) pairs, context in tokens
+(a multiple of the KV block size, so a bucket is also a whole number of context blocks), both
+the product of their two ranges, keeping only those within the token budget.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+Bucket = tuple[int, int]        # (batch size, sequence or context length)
+
+PHASES = ("prompt", "decode")
+DIMENSIONS = ("bs", "seq")
+
+
+@dataclass(frozen=True)
+class BucketRange:
+    min: int
+    step: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.min and 1 <= self.step and self.min <= self.max):
+            raise ValueError(f"a bucket range needs 1 <= min <= max and step >= 1, got "
+                             f"(min, step, max) = ({self.min}, {self.step}, {self.max})")
+
+    @classmethod
+    def parse(cls, text: str) -> BucketRange:
+        """'min,step,max', as in an engine option or an environment variable."""
+        try:
+            low, step, high = (int(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"a bucket range is three integers 'min,step,max', got {text!r}") from None
+        return cls(low, step, high)
+
+    def values(self) -> list[int]:
+        ramp_up = []
+        value = self.min
+        while value < self.step and value <= self.max:
+            ramp_up.append(value)
+            value *= 2
+        stable = range(self.step, self.max + 1, self.step)
+        return sorted(set(ramp_up).union(stable))
+
+    def __str__(self) -> str:
+        return f"[{self.min}, {self.step}, {self.max}]"
+
+
+@dataclass(frozen=True)
+class PhaseBuckets:
+    """The buckets of one phase (prompt or decode) and how to pick one for a batch."""
+
+    phase: str
+    bs: BucketRange
+    seq: BucketRange
+    buckets: tuple[Bucket, ...]
+
+    @classmethod
+    def generate(cls, phase: str, bs: BucketRange, seq: BucketRange,
+                 max_num_batched_tokens: int) -> PhaseBuckets:
+        """All (bs, seq) pairs whose tokens fit the budget: bs x seq for a prompt, bs for a
+        decode (one new token per sequence)."""
+        buckets = tuple((b, s) for b in bs.values() for s in seq.values()
+                        if (b * s if phase == "prompt" else b) <= max_num_batched_tokens)
+        return cls(phase, bs, seq, buckets)
+
+    def find(self, batch_size: int, length: int) -> Bucket | None:
+        """The smallest bucket that fits the batch in both dimensions, or None if none does."""
+        bs_values = sorted({b for b, _ in self.buckets})
+        seq_values = sorted({s for _, s in self.buckets})
+        i = bisect.bisect_left(bs_values, batch_size)
+        j = bisect.bisect_left(seq_values, length)
+        if i == len(bs_values) or j == len(seq_values):
+            return None
+        if (bs_values[i], seq_values[j]) in self.buckets:
+            return bs_values[i], seq_values[j]
+        fitting = [b for b in self.buckets if b[0] >= batch_size and b[1] >= length]
+        return min(fitting, key=lambda b: (b[0] * b[1], b)) if fitting else None
+
+    def config_line(self) -> str:
+        return (f"{self.phase.capitalize()} bucket config (min, step, max) bs:{self.bs}, "
+                f"seq:{self.seq}")
+
+    def list_line(self) -> str:
+        return f"Generated {len(self.buckets)} {self.phase} buckets: {list(self.buckets)}"
+
+
+def capture_order(buckets: tuple[Bucket, ...] | list[Bucket], strategy: str) -> list[Bucket]:
+    """The order graphs are captured in: `max_bs` (batch size descending, then length
+    ascending) or `min_tokens` (batch size x length ascending)."""
+    if strategy == "max_bs":
+        return sorted(buckets, key=lambda b: (-b[0], b[1]))
+    if strategy == "min_tokens":
+        return sorted(buckets, key=lambda b: (b[0] * b[1], b))
+    raise ValueError(f"unknown capture strategy {strategy!r}: use max_bs or min_tokens")
+
+
+def env_var(phase: str, dimension: str, part: str) -> str:
+    return f"SPMD_{phase.upper()}_{dimension.upper()}_BUCKET_{part.upper()}"
+
+
+def default_ranges(phase: str, *, max_num_seqs: int, max_num_batched_tokens: int,
+                   max_model_len: int, block_size: int) -> dict[str, BucketRange]:
+    """Ranges that cover what the scheduler can plan: up to max_num_seqs sequences, prompt
+    chunks up to the token budget, decode contexts up to max_model_len."""
+    step = max(block_size, 128 // block_size * block_size)
+    if phase == "prompt":
+        longest = min(max_num_batched_tokens, max_model_len)
+        seq = BucketRange(min(step, longest), step, max(step, _round_up(longest, step)))
+        return {"bs": BucketRange(1, 32, max(1, min(max_num_seqs, max_num_batched_tokens // seq.min))),
+                "seq": seq}
+    return {"bs": BucketRange(1, 32, max_num_seqs),
+            "seq": BucketRange(step, step, max(step, _round_up(max_model_len, step)))}
+
+
+def resolve_ranges(phase: str, options: Mapping[str, str], defaults: dict[str, BucketRange],
+                   environ: Mapping[str, str] = os.environ) -> dict[str, BucketRange]:
+    """Per dimension: the engine option ('min,step,max') if set, else the defaults with any of
+    SPMD_{PHASE}_{DIM}_BUCKET_{MIN,STEP,MAX} from the environment applied."""
+    ranges = {}
+    for dimension in DIMENSIONS:
+        option = options.get(dimension, "")
+        if option:
+            ranges[dimension] = BucketRange.parse(option)
+            continue
+        default = defaults[dimension]
+        parts = {}
+        for part in ("min", "step", "max"):
+            name = env_var(phase, dimension, part)
+            raw = environ.get(name)
+            try:
+                parts[part] = int(raw) if raw else getattr(default, part)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        ranges[dimension] = BucketRange(**parts)
+    return ranges
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

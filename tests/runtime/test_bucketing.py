@@ -1,0 +1,101 @@
+"""Bucket ranges, bucket lists, bucket choice and capture orders (runtime/bucketing.py), against
+the figures of the bucketing source document."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.bucketing import (
+    BucketRange,
+    PhaseBuckets,
+    capture_order,
+    default_ranges,
+    resolve_ranges,
+)
+
+PROMPT = PhaseBuckets.generate("prompt", BucketRange(1, 32, 4), BucketRange(128, 128, 1024), 4096)
+DECODE = PhaseBuckets.generate("decode", BucketRange(1, 128, 4), BucketRange(128, 128, 2048), 4096)
+
+
+def test_ranges_ramp_up_by_powers_of_two_then_step() -> None:
+    assert BucketRange(2, 32, 64).values() == [2, 4, 8, 16, 32, 64]
+    assert BucketRange(128, 128, 512).values() == [128, 256, 384, 512]
+    assert BucketRange(1, 32, 4).values() == [1, 2, 4]
+    assert BucketRange(1, 4, 12).values() == [1, 2, 4, 8, 12]
+
+
+def test_the_24_prompt_buckets() -> None:
+    seqs = [128 * i for i in range(1, 9)]
+    assert list(PROMPT.buckets) == [(b, s) for b in (1, 2, 4) for s in seqs]
+    assert len(PROMPT.buckets) == 24
+    assert PROMPT.config_line() == "Prompt bucket config (min, step, max) bs:[1, 32, 4], seq:[128, 128, 1024]"
+    assert PROMPT.list_line().startswith("Generated 24 prompt buckets: [(1, 128), (1, 256),")
+
+
+def test_the_48_decode_buckets_in_order() -> None:
+    assert len(DECODE.buckets) == 48
+    assert DECODE.buckets[:2] == ((1, 128), (1, 256))
+    assert DECODE.buckets[15:17] == ((1, 2048), (2, 128))
+    assert DECODE.buckets[-1] == (4, 2048)
+    assert list(DECODE.buckets) == sorted(DECODE.buckets)
+
+
+def test_buckets_outside_the_token_budget_are_dropped() -> None:
+    prompt = PhaseBuckets.generate("prompt", BucketRange(1, 32, 4), BucketRange(128, 128, 1024), 1024)
+    assert max(b * s for b, s in prompt.buckets) <= 1024
+    assert (4, 256) in prompt.buckets and (4, 384) not in prompt.buckets
+    decode = PhaseBuckets.generate("decode", BucketRange(1, 32, 64), BucketRange(128, 128, 256), 16)
+    assert {b for b, _ in decode.buckets} == {1, 2, 4, 8, 16}
+
+
+def test_a_batch_runs_as_the_smallest_bucket_that_fits() -> None:
+    assert PROMPT.find(3, 412) == (4, 512)
+    assert PROMPT.find(1, 1) == (1, 128)
+    assert PROMPT.find(4, 1024) == (4, 1024)
+    assert DECODE.find(2, 513) == (2, 640)
+
+
+def test_no_bucket_above_the_largest() -> None:
+    assert PROMPT.find(5, 128) is None
+    assert PROMPT.find(1, 1025) is None
+    assert DECODE.find(4, 2049) is None
+
+
+def test_a_missing_pair_falls_back_to_the_fewest_tokens_that_fit() -> None:
+    prompt = PhaseBuckets.generate("prompt", BucketRange(1, 32, 4), BucketRange(128, 128, 512), 1024)
+    assert (4, 384) not in prompt.buckets
+    assert prompt.find(3, 300) is None        # (4, 384) and (4, 512) are over budget
+    assert prompt.find(2, 300) == (2, 384)
+
+
+def test_capture_orders() -> None:
+    buckets = [(1, 128), (1, 256), (32, 128), (32, 256), (64, 128), (64, 256)]
+    assert capture_order(buckets, "max_bs") == [(64, 128), (64, 256), (32, 128), (32, 256),
+                                                (1, 128), (1, 256)]
+    assert capture_order([(2, 512), (4, 128), (1, 256), (1, 1024)], "min_tokens") == [
+        (1, 256), (4, 128), (1, 1024), (2, 512)]
+    with pytest.raises(ValueError, match="max_bs or min_tokens"):
+        capture_order(buckets, "largest")
+
+
+def test_options_then_environment_then_defaults() -> None:
+    defaults = default_ranges("decode", max_num_seqs=64, max_num_batched_tokens=1024,
+                              max_model_len=8192, block_size=16)
+    assert defaults["bs"] == BucketRange(1, 32, 64)
+    assert defaults["seq"] == BucketRange(128, 128, 8192)
+    env = {"SPMD_DECODE_BS_BUCKET_MAX": "16", "SPMD_DECODE_SEQ_BUCKET_STEP": "256"}
+    ranges = resolve_ranges("decode", {"bs": "", "seq": ""}, defaults, env)
+    assert ranges == {"bs": BucketRange(1, 32, 16), "seq": BucketRange(128, 256, 8192)}
+    ranges = resolve_ranges("decode", {"bs": "2,4,8", "seq": ""}, defaults, env)
+    assert ranges["bs"] == BucketRange(2, 4, 8)
+    with pytest.raises(ValueError, match="SPMD_DECODE_BS_BUCKET_MAX"):
+        resolve_ranges("decode", {}, defaults, {"SPMD_DECODE_BS_BUCKET_MAX": "many"})
+    with pytest.raises(ValueError, match="min,step,max"):
+        resolve_ranges("decode", {"seq": "128,256"}, defaults, {})
+
+
+def test_default_prompt_ranges_cover_the_token_budget() -> None:
+    ranges = default_ranges("prompt", max_num_seqs=64, max_num_batched_tokens=1024,
+                            max_model_len=8192, block_size=16)
+    prompt = PhaseBuckets.generate("prompt", ranges["bs"], ranges["seq"], 1024)
+    assert prompt.find(1, 1024) == (1, 1024)
+    assert prompt.find(8, 128) == (8, 128)
