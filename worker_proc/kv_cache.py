@@ -64,7 +64,8 @@ def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dt
                   local_world_size: int = 1) -> CacheSizing:
     """Blocks for this worker: --num-kv-blocks, else --kv-cache-memory bytes, else what is left
     of gpu_memory_utilization x the memory free after the weights and a profiling forward pass
-    of a full token budget, once that pass's activations are set aside."""
+    of a full token budget, once that pass's activations (and on CPU the swap space) are set
+    aside."""
     per_block = bytes_per_block(model.config, config.block_size, dtype, tp_size)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if config.num_kv_blocks:
@@ -78,7 +79,9 @@ def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dt
                                 config.block_size, dtype, device, tp_size)
     free = free_memory(device, local_world_size)
     usable = int(free * config.gpu_memory_utilization)
-    wanted = max(0, usable - peak) // per_block
+    # On CPU the swap space is the same RAM: leave it room.
+    swap = int(config.swap_space * 2**30) if device.type == "cpu" else 0
+    wanted = max(0, usable - peak - swap) // per_block
     return CacheSizing("profiled", weights, per_block, min(wanted, max_useful_blocks),
                        profile_peak_bytes=peak, free_bytes=free, usable_bytes=usable,
                        capped_at=max_useful_blocks if wanted > max_useful_blocks else 0)

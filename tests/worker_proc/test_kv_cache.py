@@ -1,0 +1,260 @@
+"""Sizing one worker's KV cache (worker_proc.kv_cache).
+
+--num-kv-blocks is taken as given; --kv-cache-memory is divided into whole blocks; otherwise
+the pool is what gpu_memory_utilization x free memory leaves once the activations of a
+profiling forward pass are set aside. The last two are capped at the blocks that max_num_seqs
+x max_model_len can use. The profiled path is checked with free memory and the profile peak
+pinned to fixed numbers; the profiling pass itself runs for real on a tiny model. The worker's
+build_runner turns --swap-space into CPU blocks of the same size.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_model_runner import build_pair
+
+from protocol.config import EngineConfig
+from worker_proc import kv_cache
+from worker_proc.distributed import DistributedContext
+from worker_proc.kv_cache import CacheSizing, bytes_per_block, size_kv_cache
+from worker_proc.worker import build_runner
+
+CPU = torch.device("cpu")
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_pair(seed=5)[1]
+
+
+def per_block(model, block_size: int = 16) -> int:
+    config = model.config
+    # K and V, every layer, block_size slots of kv_heads x head_dim float32 values.
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads \
+        * config.head_dim * 4
+
+
+def weights_bytes(model) -> int:
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+@pytest.fixture
+def no_profiling(monkeypatch):
+    """Fail if the explicit sizes run the profiling pass or look at free memory."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("an explicit KV-cache size must not profile or measure memory")
+
+    monkeypatch.setattr(kv_cache, "profile_forward_peak", refuse)
+    monkeypatch.setattr(kv_cache, "free_memory", refuse)
+
+
+def test_bytes_per_block(model) -> None:
+    config = model.config
+    assert bytes_per_block(config, 16, torch.float32) == per_block(model) == 2 * 2 * 16 * 2 * 16 * 4
+    assert bytes_per_block(config, 4, torch.bfloat16) == per_block(model, 4) // 2
+
+
+def test_num_kv_blocks_is_taken_as_given(model, no_profiling) -> None:
+    sizing = size_kv_cache(EngineConfig(num_kv_blocks=37), model, torch.float32, CPU,
+                           max_useful_blocks=1000)
+    assert sizing.how == "num_kv_blocks"
+    assert sizing.num_blocks == 37
+    assert sizing.bytes_per_block == per_block(model)
+    assert sizing.kv_cache_bytes == 37 * per_block(model)
+    assert sizing.weights_bytes == weights_bytes(model)
+    # It wins over --kv-cache-memory.
+    both = size_kv_cache(EngineConfig(num_kv_blocks=5, kv_cache_memory=100 * per_block(model)),
+                         model, torch.float32, CPU, max_useful_blocks=1000)
+    assert (both.how, both.num_blocks) == ("num_kv_blocks", 5)
+
+
+@pytest.mark.parametrize(("memory_blocks", "extra_bytes", "max_useful", "blocks", "capped"), [
+    (10, 0, 1000, 10, 0),
+    (10, -1, 1000, 9, 0),          # whole blocks only
+    (10, 1, 1000, 10, 0),
+    (10, 0, 4, 4, 4),              # more than max_num_seqs x max_model_len can use
+    (10, 0, 10, 10, 0),
+    (0, 100, 1000, 0, 0),          # less than one block
+])
+def test_kv_cache_memory_is_divided_into_whole_blocks(model, no_profiling, memory_blocks,
+                                                      extra_bytes, max_useful, blocks,
+                                                      capped) -> None:
+    memory = memory_blocks * per_block(model) + extra_bytes
+    sizing = size_kv_cache(EngineConfig(kv_cache_memory=memory), model, torch.float32, CPU,
+                           max_useful_blocks=max_useful)
+    assert sizing.how == "kv_cache_memory"
+    assert sizing.num_blocks == blocks
+    assert sizing.capped_at == capped
+    assert sizing.kv_cache_bytes == blocks * per_block(model) <= memory
+
+
+class Pinned:
+    """free_memory and profile_forward_peak replaced by fixed numbers, calls recorded."""
+
+    def __init__(self, monkeypatch, free: int, peak: int) -> None:
+        self.free_calls: list[tuple] = []
+        self.profile_calls: list[tuple] = []
+
+        def free_memory(device, local_world_size):
+            self.free_calls.append((device, local_world_size))
+            return free
+
+        def profile_forward_peak(model, num_tokens, num_logit_rows, block_size, dtype, device,
+                                 tp_size=1):
+            self.profile_calls.append((num_tokens, num_logit_rows, block_size, dtype, device))
+            return peak
+
+        monkeypatch.setattr(kv_cache, "free_memory", free_memory)
+        monkeypatch.setattr(kv_cache, "profile_forward_peak", profile_forward_peak)
+
+
+@pytest.mark.parametrize(("free", "peak", "utilization", "max_useful"), [
+    (8 * GIB, 300 * 2**20, 0.9, 10**9),
+    (8 * GIB, 300 * 2**20, 0.5, 10**9),
+    (8 * GIB, 300 * 2**20, 0.9, 1234),         # capped
+    (2**20, 3 * 2**20, 0.9, 10**9),            # the activations alone exceed the budget
+    (100 * 2**20 + 12345, 7 * 2**20 + 1, 1.0, 10**9),
+])
+def test_profiled_size_is_utilization_times_free_minus_the_peak(model, monkeypatch, free, peak,
+                                                                 utilization, max_useful) -> None:
+    pinned = Pinned(monkeypatch, free, peak)
+    config = EngineConfig(gpu_memory_utilization=utilization, max_num_batched_tokens=96,
+                          max_num_seqs=40, block_size=8)
+    sizing = size_kv_cache(config, model, torch.float32, CPU, max_useful_blocks=max_useful,
+                           local_world_size=3)
+    block_bytes = per_block(model, 8)
+    usable = int(utilization * free)
+    wanted = max(0, usable - peak) // block_bytes
+    assert sizing.how == "profiled"
+    assert sizing.num_blocks == min(wanted, max_useful)
+    assert sizing.capped_at == (max_useful if wanted > max_useful else 0)
+    assert (sizing.free_bytes, sizing.usable_bytes, sizing.profile_peak_bytes) == (
+        free, usable, peak)
+    assert sizing.bytes_per_block == block_bytes
+    assert sizing.kv_cache_bytes + peak <= max(usable, peak)
+    # The profile covers a full token budget, with logits for up to max_num_seqs rows.
+    assert pinned.profile_calls == [(96, 40, 8, torch.float32, CPU)]
+    assert pinned.free_calls == [(CPU, 3)]
+
+
+def test_profile_logit_rows_are_capped_by_the_token_budget(model, monkeypatch) -> None:
+    pinned = Pinned(monkeypatch, 8 * GIB, 0)
+    size_kv_cache(EngineConfig(max_num_batched_tokens=32, max_num_seqs=64), model,
+                  torch.float32, CPU, max_useful_blocks=100)
+    assert pinned.profile_calls[0][:2] == (32, 32)
+
+
+def test_cpu_free_memory_is_a_share_of_available_ram(monkeypatch) -> None:
+    class Memory:
+        available = 12 * GIB + 3
+
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: Memory)
+    assert kv_cache.free_memory(CPU, 1) == 12 * GIB + 3
+    assert kv_cache.free_memory(CPU, 4) == (12 * GIB + 3) // 4
+    assert kv_cache.free_memory(CPU, 0) == 12 * GIB + 3
+
+
+def test_profile_forward_peak_measures_the_activations(model) -> None:
+    num_tokens = 2048
+    peak = kv_cache.profile_forward_peak(model, num_tokens, 64, 16, torch.float32, CPU)
+    hidden_state = num_tokens * model.config.hidden_size * 4
+    assert peak >= hidden_state, f"peak {peak} B is less than one hidden state ({hidden_state} B)"
+    assert peak < GIB, f"peak {peak} B is implausible for a model with 64 hidden units"
+    # The pass leaves the model usable and unchanged.
+    before = [p.clone() for p in model.parameters()]
+    kv_cache.profile_forward_peak(model, 16, 4, 16, torch.float32, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_profiled_path_runs_for_real(model) -> None:
+    """No pinned numbers: a small utilization of this machine's RAM, capped."""
+    config = EngineConfig(gpu_memory_utilization=0.05, max_num_batched_tokens=64)
+    sizing = size_kv_cache(config, model, torch.float32, CPU, max_useful_blocks=50)
+    assert sizing.how == "profiled"
+    assert sizing.profile_peak_bytes > 0
+    assert sizing.free_bytes > 0 and sizing.usable_bytes == int(0.05 * sizing.free_bytes)
+    assert 0 < sizing.num_blocks <= 50
+
+
+def test_describe_profiled() -> None:
+    sizing = CacheSizing("profiled", weights_bytes=GIB // 2, bytes_per_block=720 * 1024,
+                         num_blocks=1000, profile_peak_bytes=GIB // 4, free_bytes=20 * GIB,
+                         usable_bytes=18 * GIB)
+    line = sizing.describe(16, 0.9)
+    for part in ("weights 0.50 GiB", "profile-run peak 0.25 GiB", "free 20.00 GiB x 0.9",
+                 "usable 18.00 GiB", "KV cache 0.69 GiB", "1000 blocks of 16 tokens",
+                 "720.0 KiB each"):
+        assert part in line, f"{part!r} missing from: {line}"
+    assert "capped" not in line
+
+
+def test_describe_explicit_and_capped() -> None:
+    by_blocks = CacheSizing("num_kv_blocks", GIB, 1024, 64).describe(16, 0.9)
+    assert "weights 1.00 GiB" in by_blocks and "--num-kv-blocks" in by_blocks
+    assert "64 blocks of 16 tokens" in by_blocks and "profile-run" not in by_blocks
+    by_memory = CacheSizing("kv_cache_memory", GIB, 2048, 512, capped_at=512).describe(8, 0.9)
+    assert "--kv-cache-memory" in by_memory and "512 blocks of 8 tokens" in by_memory
+    assert "2.0 KiB each" in by_memory
+    assert "capped" in by_memory
+
+
+# ---------------------------------------------------------------------------- build_runner
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+              "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-5, "rope_theta": 1000.0, "hidden_act": "silu",
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4        # block_size 16, float32
+CPU_CONTEXT = DistributedContext(rank=0, local_rank=0, world_size=1, device=CPU, backend="gloo")
+
+
+@pytest.fixture
+def tiny_model_name(tmp_path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return f"dummy:{tmp_path / 'config.json'}"
+
+
+def test_build_runner_sizes_the_swap_space_in_blocks(tiny_model_name) -> None:
+    swap_gib = 100 * TINY_BLOCK_BYTES / GIB + 1e-9       # a hair more than 100 blocks
+    config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=10,
+                          swap_space=swap_gib)
+    runner, ready = build_runner(config, CPU_CONTEXT)
+    assert ready.num_kv_blocks == 10
+    assert ready.num_cpu_kv_blocks == runner.swap_space.num_blocks == 100
+    assert runner.kv_caches[0][0].shape[0] == 10 * 16
+    runner, ready = build_runner(EngineConfig(model=tiny_model_name, dtype="float32",
+                                              num_kv_blocks=10), CPU_CONTEXT)
+    assert ready.num_cpu_kv_blocks == runner.swap_space.num_blocks == 0
+
+
+def test_build_runner_refuses_a_cache_of_no_blocks(tiny_model_name, monkeypatch) -> None:
+    Pinned(monkeypatch, free=TINY_BLOCK_BYTES, peak=TINY_BLOCK_BYTES)
+    with pytest.raises(RuntimeError, match="no memory left for the KV cache"):
+        build_runner(EngineConfig(model=tiny_model_name, dtype="float32"), CPU_CONTEXT)
+
+
+def test_cpu_swap_space_comes_out_of_the_same_ram_as_the_kv_cache(tiny_model_name,
+                                                                   monkeypatch) -> None:
+    """On CPU the KV cache (gpu_memory_utilization x available RAM) and the swap space are the
+    same RAM. A profiled pool must leave room for the swap space (or the engine refuse to
+    start): otherwise, with a swap space above the (1 - utilization) margin, filling the pool
+    and then swapping out takes more RAM than there is available (here: half the available RAM
+    as swap space, and the pool still gets 90% of it)."""
+    free = 4 * 2**20          # 460 blocks usable: below the 1024 that max_num_seqs can use
+    Pinned(monkeypatch, free=free, peak=0)
+    swap_gib = 2 * 2**20 / GIB                            # half of the available RAM
+    config = EngineConfig(model=tiny_model_name, dtype="float32", swap_space=swap_gib,
+                          gpu_memory_utilization=0.9)
+    try:
+        _, ready = build_runner(config, CPU_CONTEXT)
+    except (RuntimeError, ValueError) as error:
+        assert "swap" in str(error), error
+        return
+    total = (ready.num_kv_blocks + ready.num_cpu_kv_blocks) * TINY_BLOCK_BYTES
+    assert total <= free, (
+        f"KV cache {ready.num_kv_blocks} blocks + swap space {ready.num_cpu_kv_blocks} blocks "
+        f"= {total / 2**20:.2f} MiB of RAM, more than the {free / 2**20:.2f} MiB available")
