@@ -47,6 +47,30 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, Meta(ge=1, description="most requests running at once")] = 64
     max_model_len: Annotated[int, Meta(ge=0, description=(
         "longest prompt + output in tokens; 0 uses the model's context length"))] = 0
+    bucketing: Annotated[Literal["auto", "on", "off"], Meta(description=(
+        "pad every batch to one of a few (batch size, length) buckets and warm them all up "
+        "before serving; a step is then either a prompt step or a decode step. auto: on "
+        "with --compile"))] = "auto"
+    prompt_bs_bucket: Annotated[str, Meta(description=(
+        "'min,step,max' of prompt batch-size buckets; empty: SPMD_PROMPT_BS_BUCKET_{MIN,STEP,MAX} "
+        "or a default from max_num_seqs"))] = ""
+    prompt_seq_bucket: Annotated[str, Meta(description=(
+        "'min,step,max' of prompt sequence-length buckets; empty: "
+        "SPMD_PROMPT_SEQ_BUCKET_{MIN,STEP,MAX} or a default from max_num_batched_tokens"))] = ""
+    decode_bs_bucket: Annotated[str, Meta(description=(
+        "'min,step,max' of decode batch-size buckets; empty: SPMD_DECODE_BS_BUCKET_{MIN,STEP,MAX} "
+        "or a default from max_num_seqs"))] = ""
+    decode_seq_bucket: Annotated[str, Meta(description=(
+        "'min,step,max' of decode context-length buckets (tokens); empty: "
+        "SPMD_DECODE_SEQ_BUCKET_{MIN,STEP,MAX} or a default from max_model_len"))] = ""
+    skip_warmup: Annotated[bool, Meta(description=(
+        "serve without running every bucket first (the first batch of each shape then pays "
+        "for compilation)"))] = False
+    compile: Annotated[bool, Meta(description=(
+        "on CPU, compile the model's dense layers with torch.compile(dynamic=False) for each "
+        "bucket at warmup; attention stays eager"))] = False
+    enforce_eager: Annotated[bool, Meta(description=(
+        "never compile or capture graphs, whatever else is set"))] = False
     nproc_per_node: Annotated[int, Meta(ge=1, description="worker processes (devices) per node")] = 1
     nnodes: Annotated[int, Meta(ge=1, description="number of nodes in the job")] = 1
     node_rank: Annotated[int, Meta(ge=0, description="rank of this node (0 runs the scheduler)")] = 0

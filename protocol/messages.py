@@ -101,6 +101,10 @@ class EngineStats(_Wire, tag="stats_reply"):
     cpu_kv_blocks_total: int
     cpu_kv_blocks_free: int
     scheduler: str
+    bucketing: bool
+    batches_outside_buckets: int       # bucketed engines: batches larger than every bucket
+    padding_waste: float               # padded tokens / computed tokens of bucketed steps
+    runtime_graph_compilations: int    # compilations or captures after warmup
     prefix_caching: bool
     prefix_cache_queries: int          # prompt tokens looked up at admission
     prefix_cache_hits: int             # of those, tokens served from the cache
@@ -176,6 +180,9 @@ class StepPlan(_Wire, tag="plan"):
     # pass in this order: swap_out (device -> CPU), clearing fresh blocks, swap_in (CPU -> device).
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
+    # With bucketing: ("prompt", batch size, sequence length) or ("decode", batch size, context
+    # length) every rank pads this step to; None runs it unpadded.
+    bucket: tuple[str, int, int] | None = None
 
 
 class StepResult(_Wire, tag="result"):
@@ -186,6 +193,8 @@ class StepResult(_Wire, tag="result"):
     sampled_token_ids: list[int]
     forward_ms: float
     prepare_ms: float
+    # Graph captures or compilations this step needed after warmup (a shape nobody warmed up).
+    num_compilations: int = 0
 
 
 class WorkerError(_Wire, tag="worker_error"):

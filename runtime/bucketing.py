@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from protocol.config import EngineConfig
+
 Bucket = tuple[int, int]        # (batch size, sequence or context length)
 
 PHASES = ("prompt", "decode")
@@ -145,3 +147,30 @@ def resolve_ranges(phase: str, options: Mapping[str, str], defaults: dict[str, B
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def bucketing_enabled(config: EngineConfig) -> bool:
+    """Whether batches are padded to buckets: `on`, or `auto` when there is something to
+    compile (padding alone only costs)."""
+    if config.bucketing == "auto":
+        return config.compile and not config.enforce_eager
+    return config.bucketing == "on"
+
+
+def engine_buckets(config: EngineConfig, max_model_len: int) -> dict[str, PhaseBuckets]:
+    """The prompt and decode buckets of an engine; the scheduler and every worker compute the
+    same lists from the same configuration and model context length."""
+    options = {"prompt": {"bs": config.prompt_bs_bucket, "seq": config.prompt_seq_bucket},
+               "decode": {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}}
+    buckets = {}
+    for phase in PHASES:
+        defaults = default_ranges(phase, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=max_model_len, block_size=config.block_size)
+        ranges = resolve_ranges(phase, options[phase], defaults)
+        if phase == "decode" and any(v % config.block_size for v in ranges["seq"].values()):
+            raise ValueError(f"decode context buckets {ranges['seq'].values()} must be multiples "
+                             f"of the KV block size {config.block_size}")
+        buckets[phase] = PhaseBuckets.generate(phase, ranges["bs"], ranges["seq"],
+                                               config.max_num_batched_tokens)
+    return buckets

@@ -19,15 +19,20 @@ loop runs while the workers compute.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from protocol.messages import NewRequestData, StepPlan, StepResult
+from runtime.bucketing import PhaseBuckets
+from scheduler_proc.bucket_planner import BucketPlanner, phase_of
 from scheduler_proc.cpu_block_pool import CpuBlockPool
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.policy import Policy, running_order
 from scheduler_proc.request import FinishReason, Request, RequestStatus
+
+log = logging.getLogger("spmd.scheduler")
 
 
 @dataclass
@@ -76,18 +81,23 @@ class _Draft:
     cached_blocks: list[list[int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
+    phase: str | None = None        # with buckets: "prompt" or "decode"
+    longest: int = 0                # with buckets: the step's length dimension so far
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: list[int], policy: Policy = "fifo",
-                 num_cpu_blocks: int = 0, admission_watermark: float = 0.0) -> None:
+                 num_cpu_blocks: int = 0, admission_watermark: float = 0.0,
+                 buckets: dict[str, PhaseBuckets] | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy
+        # With buckets, every step is a prompt or a decode step that fits a bucket.
+        self.planner = BucketPlanner(buckets, policy) if buckets else None
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
         self.waiting: deque[Request] = deque()
@@ -142,15 +152,30 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> ScheduledStep:
-        draft = _Draft()
+        if self.planner is None:
+            return self._finalize(self._schedule_pass(None))
+        phase = self.planner.pick_phase(self.running, self.swapped[0] if self.swapped else None,
+                                        bool(self.waiting))
+        draft = self._schedule_pass(phase)
+        if not draft.num_scheduled:
+            # Nothing of that phase could run (its only candidate may even have had to give
+            # its blocks up): the other phase's requests must not wait on it.
+            draft = self._schedule_pass("decode" if phase == "prompt" else "prompt",
+                                        draft.preempted)
+        return self._finalize(draft)
+
+    def _schedule_pass(self, phase: str | None, preempted: bool = False) -> _Draft:
+        """Fill a step; with buckets, only with requests of `phase` and only while the batch
+        still fits a bucket."""
+        draft = _Draft(phase=phase, preempted=preempted)
         budget = self.max_num_batched_tokens
         for request in running_order(self.running, self.policy):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_running(request, num_new, draft):
+            num_new = self._tokens_to_schedule(request, budget, draft)
+            if num_new and self._allocate_running(request, num_new, draft):
                 self._schedule_running(request, num_new, draft)
                 budget -= num_new
 
@@ -159,11 +184,32 @@ class Scheduler:
             while (self.swapped and budget > 0 and len(self.running) < self.max_num_seqs
                    and self._swap_in(self.swapped[0], budget, draft)):
                 budget -= draft.num_scheduled[self.swapped.popleft().request_id]
-            while (not self.swapped and self.waiting and budget > 0
+            while (not self.swapped and self.waiting and budget > 0 and phase != "decode"
                    and len(self.running) < self.max_num_seqs
                    and self._admit(self.waiting[0], budget, draft)):
                 budget -= draft.num_scheduled[self.waiting.popleft().request_id]
-        return self._finalize(draft)
+        return draft
+
+    def _tokens_to_schedule(self, request: Request, budget: int, draft: _Draft,
+                            num_hit_tokens: int = 0, admitting: bool = False) -> int:
+        """Tokens the request computes in this step; 0 if it does not belong in it (another
+        phase, or no bucket would fit it alongside the requests already in). A newcomer
+        always prefills."""
+        num_left = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        num_new = min(num_left, budget)
+        planner = self.planner
+        if planner is None:
+            return num_new
+        phase = "prompt" if admitting else phase_of(request)
+        if phase != draft.phase:
+            return 0
+        num_new = min(num_new, planner.chunk_limit(phase))
+        length = max(draft.longest, planner.length(phase, request, num_new))
+        return num_new if planner.fits(phase, len(draft.num_scheduled) + 1, length) else 0
+
+    def _note_length(self, request: Request, num_new: int, draft: _Draft) -> None:
+        if self.planner is not None:
+            draft.longest = max(draft.longest, self.planner.length(draft.phase, request, num_new))
 
     def _allocate_running(self, request: Request, num_new: int, draft: _Draft) -> bool:
         """Blocks for a running request's next tokens, preempting newer requests until they
@@ -178,6 +224,7 @@ class Scheduler:
         return True
 
     def _schedule_running(self, request: Request, num_new: int, draft: _Draft) -> None:
+        self._note_length(request, num_new, draft)
         draft.num_scheduled[request.request_id] = num_new
         draft.cached_ids.append(request.request_id)
         draft.cached_tokens.append(num_new)
@@ -196,8 +243,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, draft: _Draft) -> bool:
         hits = self.kv.get_computed_blocks(request)
         num_hit_tokens = len(hits) * self.kv.block_size
-        num_new = min(request.num_tokens - num_hit_tokens, budget)
-        if not self._allocate(request, num_new, hits, self._admission_reserve()):
+        num_new = self._tokens_to_schedule(request, budget, draft, num_hit_tokens, admitting=True)
+        if not num_new or not self._allocate(request, num_new, hits, self._admission_reserve()):
             return False
         self.kv.record_admission(request, num_hit_tokens)
         self._start(request, num_new, draft)
@@ -206,8 +253,8 @@ class Scheduler:
     def _swap_in(self, request: Request, budget: int, draft: _Draft) -> bool:
         """Fresh device blocks for a swapped request; its computed blocks are copied back into
         the first ones before the forward pass."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self._allocate(request, num_new, reserve=self._admission_reserve()):
+        num_new = self._tokens_to_schedule(request, budget, draft)
+        if not num_new or not self._allocate(request, num_new, reserve=self._admission_reserve()):
             return False
         draft.swap_in.extend(zip(request.block_ids, request.cpu_block_ids, strict=False))
         self.cpu_pool.free(request.cpu_block_ids)
@@ -220,6 +267,7 @@ class Scheduler:
         """A request joins the running batch; the workers get all they need to know about it."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._note_length(request, num_new, draft)
         draft.num_scheduled[request.request_id] = num_new
         draft.new_requests.append(NewRequestData(
             request_id=request.request_id, token_ids=request.all_token_ids,
@@ -240,11 +288,24 @@ class Scheduler:
                         cached_num_scheduled_tokens=draft.cached_tokens,
                         cached_new_block_ids=draft.cached_blocks,
                         dropped_request_ids=self._dropped, swap_out=self._swap_out,
-                        swap_in=draft.swap_in)
+                        swap_in=draft.swap_in, bucket=self._bucket(draft))
         self._dropped = []
         self._swap_out = []
         self._next_step_id += 1
         return ScheduledStep(plan=plan, num_scheduled=draft.num_scheduled)
+
+    def _bucket(self, draft: _Draft) -> tuple[str, int, int] | None:
+        if self.planner is None:
+            return None
+        num_tokens = sum(draft.num_scheduled.values())
+        bucket = self.planner.bucket_for(draft.phase, len(draft.num_scheduled), draft.longest,
+                                         num_tokens)
+        if bucket is None:
+            log.warning("a %s batch of %d sequences (longest %d) is larger than every bucket: "
+                        "it runs unpadded and may compile; raise the bucket maxima", draft.phase,
+                        len(draft.num_scheduled), draft.longest)
+            return None
+        return (draft.phase, *bucket)
 
     def take_housekeeping_plan(self) -> StepPlan | None:
         """A plan that computes nothing, so idle or stalled workers still forget finished

@@ -33,6 +33,7 @@ from protocol.messages import (
     scheduler_inbound_decoder,
 )
 from protocol.transport import Encoder, bound_address, make_socket, poll_recv
+from runtime.bucketing import bucketing_enabled, engine_buckets
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.request import FinishReason, Request
 from scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
@@ -70,6 +71,7 @@ class SchedulerServer:
         self._pending: list[tuple[bytes, bytes]] = []
         self.maintenance_ms = 0.0
         self.maintenance_hidden_ms = 0.0
+        self.runtime_graph_compilations = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -100,12 +102,16 @@ class SchedulerServer:
         max_model_len = min(first.max_model_len, num_blocks * block_size)
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
+        buckets = None
+        if bucketing_enabled(self.config):
+            buckets = engine_buckets(self.config, first.max_model_len)
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
             eos_token_ids=first.eos_token_ids, policy=self.config.scheduler,
-            num_cpu_blocks=num_cpu_blocks, admission_watermark=self.config.kv_admission_watermark)
+            num_cpu_blocks=num_cpu_blocks, admission_watermark=self.config.kv_admission_watermark,
+            buckets=buckets)
         self.model_info = ModelInfo(tag=0, model=self.config.model, max_model_len=max_model_len,
                                     vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
                                     block_size=block_size, world_size=world)
@@ -156,6 +162,7 @@ class SchedulerServer:
         """Maintenance is hidden as far as it fits inside the workers' own time for the step."""
         self.maintenance_ms += maintenance_ms
         self.maintenance_hidden_ms += min(maintenance_ms, result.prepare_ms + result.forward_ms)
+        self.runtime_graph_compilations += result.num_compilations
 
     def _broadcast(self, payload: bytes) -> None:
         for rank in range(self.config.world_size):
@@ -291,6 +298,7 @@ class SchedulerServer:
         scheduler = self.scheduler
         kv = scheduler.kv
         counters = scheduler.counters
+        planner = scheduler.planner
         return EngineStats(
             tag=tag, num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
             num_preempted=scheduler.num_preempted, kv_blocks_total=kv.num_blocks,
@@ -303,6 +311,10 @@ class SchedulerServer:
             num_soft_resets=counters.num_soft_resets,
             cpu_kv_blocks_total=scheduler.cpu_pool.num_blocks,
             cpu_kv_blocks_free=scheduler.cpu_pool.num_free_blocks, scheduler=scheduler.policy,
+            bucketing=planner is not None,
+            batches_outside_buckets=planner.counters.batches_outside_buckets if planner else 0,
+            padding_waste=planner.counters.padding_waste if planner else 0.0,
+            runtime_graph_compilations=self.runtime_graph_compilations,
             prefix_caching=kv.enable_caching,
             prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
             prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,

@@ -1,6 +1,7 @@
 """Turns a StepPlan into model inputs, runs the forward pass over the paged cache, and samples."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -8,10 +9,19 @@ import torch
 
 from protocol.messages import StepPlan
 from protocol.sampling import SamplingParams
+from runtime.bucketing import PhaseBuckets
 from runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
-from runtime.models.llama import LlamaForCausalLM
+from runtime.models.llama import (
+    EAGER,
+    LayerPieces,
+    LlamaForCausalLM,
+    attention_inputs,
+    attention_output_and_mlp,
+)
 from worker_proc.sampler import sample
 from worker_proc.swap_space import SwapSpace
+
+log = logging.getLogger("spmd.worker")
 
 # Single-token queries are attended in groups of this many, longest context first.
 DECODE_GROUP_SIZE = 8
@@ -33,15 +43,24 @@ class StepOutput:
     sampled_token_ids: list[int]
     prepare_ms: float
     forward_ms: float
+    num_compilations: int = 0
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, seed: int | None = None,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, scratch_block: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size)
+        # A block no request ever gets (the last one unless told): padding rows read and
+        # write it, and decode groups pad their block tables with it.
+        self.scratch_block = (kv_caches[0][0].shape[0] // block_size - 1
+                              if scratch_block is None else scratch_block)
+        # Compiled layer pieces (--compile), and the token counts they have been run at.
+        self.compiled: LayerPieces | None = None
+        self.compiled_shapes: set[int] = set()
+        self.warmed_up = False
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
@@ -51,8 +70,8 @@ class ModelRunner:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-        # Block 0 stands in for padding in decode groups: masked, but it must hold finite values.
-        self._zero_blocks([0])
+        # Masked or not, the scratch block must hold finite values (see _zero_blocks).
+        self._zero_blocks([self.scratch_block])
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         """Clear blocks as they are handed to a request.
@@ -104,9 +123,10 @@ class ModelRunner:
             return StepOutput([], [], 0.0, 0.0)
         # Single-token queries first, longest context first, so attention can group them.
         scheduled.sort(key=lambda item: (item[1] != 1, -self.requests[item[0]].num_computed_tokens))
-        input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled)
+        input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled, plan.bucket)
         prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, batch)
+        pieces, num_compilations = self._pieces_for(plan.bucket, len(input_ids))
+        hidden = self.model(input_ids, positions, self.kv_caches, batch, pieces)
         tokens: list[int] = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -118,9 +138,65 @@ class ModelRunner:
         for request_id, num_tokens in scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished = time.perf_counter()
-        return StepOutput(sample_ids, tokens, (prepared - started) * 1e3, (finished - prepared) * 1e3)
+        return StepOutput(sample_ids, tokens, (prepared - started) * 1e3,
+                          (finished - prepared) * 1e3, num_compilations)
 
-    def _prepare(self, scheduled: list[tuple[int, int]]):
+    # ------------------------------------------------------------------ compilation and warmup
+
+    def compile_pieces(self, num_shapes: int) -> None:
+        """Compile the layers' dense pieces, one graph per token count (dynamic=False)."""
+        import torch._dynamo
+        # Every layer shares the pieces' code, so the limit is per shape, not per layer.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   num_shapes + 8)
+        self.compiled = LayerPieces(torch.compile(attention_inputs, dynamic=False),
+                                    torch.compile(attention_output_and_mlp, dynamic=False))
+
+    def _pieces_for(self, bucket: tuple[str, int, int] | None, num_tokens: int
+                    ) -> tuple[LayerPieces, int]:
+        """Compiled pieces for a bucketed batch, eager ones otherwise (a batch outside every
+        bucket is not worth a compilation). Also: 1 if this shape compiles after warmup."""
+        if self.compiled is None or bucket is None:
+            return EAGER, 0
+        new_shape = num_tokens not in self.compiled_shapes
+        self.compiled_shapes.add(num_tokens)
+        return self.compiled, int(new_shape and self.warmed_up)
+
+    @torch.inference_mode()
+    def warmup(self, buckets: dict[str, PhaseBuckets], free_memory) -> None:
+        """Run each bucket shape once with padding only, largest first, before serving.
+
+        The dense pieces (what compiles) depend on the token count alone and attention runs
+        eagerly, so buckets with the same token count share one run: for decode, the one with
+        the shortest context."""
+        for phase in ("prompt", "decode"):
+            shapes: dict[int, tuple[int, int]] = {}
+            for bs, length in buckets[phase].buckets:
+                tokens = bs * length if phase == "prompt" else bs
+                if tokens not in shapes or (phase == "decode" and length < shapes[tokens][1]):
+                    shapes[tokens] = (bs, length)
+            order = sorted(shapes.items(), reverse=True)
+            for index, (_, (bs, length)) in enumerate(order, 1):
+                log.info("[Warmup][%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB",
+                         phase.capitalize(), index, len(order), bs, length,
+                         free_memory() / 2**30)
+                input_ids, positions, batch, _, _ = self._prepare([], (phase, bs, length))
+                pieces, _ = self._pieces_for((phase, bs, length), len(input_ids))
+                self.model(input_ids, positions, self.kv_caches, batch, pieces)
+        self.warmed_up = True
+
+    def _decode_group(self, first: int, tables: list[list[int]], lengths: list[int],
+                      num_blocks: int) -> DecodeGroup:
+        """Single-token queries `first`..`first + len(tables)` over `num_blocks` context blocks
+        each; tables are padded with the scratch block, which the mask hides."""
+        filler = [self.scratch_block] * num_blocks
+        blocks = torch.tensor([t[:num_blocks] + filler[len(t):] for t in tables],
+                              device=self.device).view(-1)
+        context = torch.arange(num_blocks * self.block_size)
+        mask = (context < torch.tensor(lengths)[:, None]).view(len(tables), 1, 1, -1)
+        return DecodeGroup(first, len(tables), blocks, mask.to(self.device))
+
+    def _prepare(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int] | None = None):
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -149,18 +225,31 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(request_id)
 
+        pad_start = None
+        if bucket is not None:
+            phase, bucket_bs, bucket_len = bucket
+            pad_start = len(input_ids)
+            num_padding = (bucket_bs * bucket_len if phase == "prompt" else bucket_bs) - pad_start
+            scratch = self.scratch_block * block_size
+            input_ids.extend([0] * num_padding)
+            positions.extend([0] * num_padding)
+            slots.extend(scratch + i % block_size for i in range(num_padding))
+            if phase == "decode":
+                # Padding rows attend to the scratch block's first slot only.
+                decode_tables.extend([[]] * num_padding)
+                decode_lengths.extend([1] * num_padding)
+
         device = self.device
-        decodes = []
-        for first in range(0, len(decode_tables), DECODE_GROUP_SIZE):
-            tables = decode_tables[first:first + DECODE_GROUP_SIZE]
-            lengths = decode_lengths[first:first + DECODE_GROUP_SIZE]
-            num_blocks = -(-max(lengths) // block_size)
-            # Padding blocks point at block 0; the mask hides them.
-            blocks = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
-                                   for t in tables], device=device).view(-1)
-            context = torch.arange(num_blocks * block_size)
-            mask = (context < torch.tensor(lengths)[:, None]).view(len(tables), 1, 1, -1)
-            decodes.append(DecodeGroup(first, len(tables), blocks, mask.to(device)))
+        if bucket is not None and bucket[0] == "decode":
+            # One group of the bucket's shape: bucket_bs rows over bucket_len context tokens.
+            decodes = [self._decode_group(0, decode_tables, decode_lengths,
+                                          bucket[2] // block_size)]
+        else:
+            decodes = [self._decode_group(
+                first, decode_tables[first:first + DECODE_GROUP_SIZE],
+                decode_lengths[first:first + DECODE_GROUP_SIZE],
+                -(-max(decode_lengths[first:first + DECODE_GROUP_SIZE]) // block_size))
+                for first in range(0, len(decode_tables), DECODE_GROUP_SIZE)]
         prefills = []
         for offset, length, start, table in prefill_specs:
             if start == 0:
@@ -174,6 +263,6 @@ class ModelRunner:
                                          mask.to(device)))
         batch = AttentionBatch(
             block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
-            decodes=decodes, prefills=prefills)
+            decodes=decodes, prefills=prefills, pad_start=pad_start)
         return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                 batch, sample_rows, sample_ids)

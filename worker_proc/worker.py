@@ -22,10 +22,11 @@ from protocol.messages import (
     worker_inbound_decoder,
 )
 from protocol.transport import Encoder, make_socket, poll_recv
+from runtime.bucketing import bucketing_enabled, engine_buckets
 from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
-from worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
+from worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
 from worker_proc.model_runner import ModelRunner
 
 log = logging.getLogger("spmd.worker")
@@ -66,10 +67,13 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
             "no memory left for the KV cache: raise --gpu-memory-utilization, set "
             "--kv-cache-memory or --num-kv-blocks, lower --max-num-batched-tokens, or use a "
             "smaller model")
-    kv_caches = allocate_kv_cache(model_config, num_blocks, config.block_size, dtype, ctx.device)
+    # One block more than the scheduler knows of: the scratch block padding writes to.
+    kv_caches = allocate_kv_cache(model_config, num_blocks + 1, config.block_size, dtype,
+                                  ctx.device)
     num_cpu_blocks = int(config.swap_space * 2**30) // sizing.bytes_per_block
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
-                         num_cpu_blocks=num_cpu_blocks)
+                         num_cpu_blocks=num_cpu_blocks, scratch_block=num_blocks)
+    prepare_buckets(runner, config, max_model_len, ctx)
     if num_cpu_blocks:
         log.info("rank %d swap space: %d CPU blocks (%.2f GiB%s)", ctx.rank, num_cpu_blocks,
                  config.swap_space, ", pinned" if ctx.device.type == "cuda" else "")
@@ -78,6 +82,31 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
                         num_cpu_kv_blocks=num_cpu_blocks)
     return runner, ready
+
+
+def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: int,
+                    ctx: DistributedContext) -> None:
+    """With bucketing: log the buckets, compile the layer pieces (--compile) and warm every
+    bucket shape up, so that serving compiles nothing."""
+    if not bucketing_enabled(config):
+        if config.compile and not config.enforce_eager:
+            log.warning("--compile needs bucketing: it is off (--bucketing off)")
+        return
+    buckets = engine_buckets(config, max_model_len)
+    if ctx.rank == 0:
+        for phase_buckets in buckets.values():
+            log.info("%s", phase_buckets.config_line())
+            log.info("%s", phase_buckets.list_line())
+    if config.compile and not config.enforce_eager:
+        runner.compile_pieces(sum(len(b.buckets) for b in buckets.values()))
+    if config.skip_warmup:
+        log.warning("warmup skipped (--skip-warmup): the first batch of each bucket shape will "
+                    "pay for its compilation while serving")
+        runner.warmed_up = True
+        return
+    started = time.perf_counter()
+    runner.warmup(buckets, lambda: free_memory(ctx.device, 1))
+    log.info("rank %d warmup finished in %.1fs", ctx.rank, time.perf_counter() - started)
 
 
 def set_cpu_threads(local_world_size: int) -> None:
@@ -120,7 +149,7 @@ def run_worker(config: EngineConfig) -> int:
                 sock.send(encoder.encode(StepResult(
                     step_id=message.step_id, request_ids=output.request_ids,
                     sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
-                    prepare_ms=output.prepare_ms)))
+                    prepare_ms=output.prepare_ms, num_compilations=output.num_compilations)))
     except Exception:
         message = traceback.format_exc()
         log.error("rank %d failed:\n%s", rank, message)

@@ -39,6 +39,9 @@ class AttentionBatch:
     slot_mapping: torch.Tensor      # [T] where each new token's K/V is written
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # Bucket padding: tokens from here on are padding no chunk or group covers (their K/V
+    # goes to a scratch block); their output is zero.
+    pad_start: int | None = None
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -54,6 +57,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
+    if batch.pad_start is not None:
+        out[batch.pad_start:].zero_()
     bs = batch.block_size
     kv_heads, dim = k.shape[1], k.shape[2]
     for group in batch.decodes:

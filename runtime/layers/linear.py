@@ -24,6 +24,8 @@ _onednn_linear = _onednn_linear_op()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _onednn_linear is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES:
+    # Under torch.compile the compiler picks its own GEMM (it cannot lower this op as called).
+    if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
+            and not torch.compiler.is_compiling()):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -1,13 +1,16 @@
 """Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied head) over a paged KV cache."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers.attention import AttentionBatch, paged_attention
 from runtime.layers.linear import linear
-from runtime.layers.norm import RMSNorm
+from runtime.layers.norm import RMSNorm, rms_norm
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_config import ModelConfig
 
@@ -17,6 +20,8 @@ def _linear_weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class LlamaAttention(nn.Module):
+    """The attention block's weights; its computation is in LayerPieces and paged_attention."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -30,17 +35,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = _linear_weight(config.hidden_size, self.q_size, dtype)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
-        return linear(out.reshape(-1, self.q_size), self.o_proj)
-
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -49,9 +43,39 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = _linear_weight(2 * config.intermediate_size, config.hidden_size, dtype)
         self.down_proj = _linear_weight(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+
+def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused QKV projection and rotary embedding: q [T, heads, dim], k and v [T, kv, dim]."""
+    qkv = linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                        dim=-1)
+    q, k = apply_rotary(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+                        cos, sin)
+    return q, k, v.view(-1, num_kv_heads, head_dim)
+
+
+def attention_output_and_mlp(x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
+                             down_weight: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """Output projection and residual, then norm, SwiGLU MLP and residual."""
+    x = x + linear(attended.reshape(x.shape[0], -1), o_weight)
+    gate, up = linear(rms_norm(x, norm_weight, eps), gate_up_weight).split(intermediate_size, dim=-1)
+    return x + linear(F.silu(gate) * up, down_weight)
+
+
+@dataclass(frozen=True)
+class LayerPieces:
+    """A decoder layer's dense computation, before and after attention. Attention itself runs
+    eagerly between them, so compiled or captured pieces depend on the token count alone."""
+
+    attention_inputs: Callable = attention_inputs
+    attention_output_and_mlp: Callable = attention_output_and_mlp
+
+
+EAGER = LayerPieces()
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -63,9 +87,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+                pieces: LayerPieces) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        q, k, v = pieces.attention_inputs(
+            x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj,
+            attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)
+        return pieces.attention_output_and_mlp(
+            x, attended, attn.o_proj, self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.down_proj,
+            mlp.intermediate_size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,12 +116,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                batch: AttentionBatch) -> torch.Tensor:
-        """Hidden states [T, hidden] of the flattened batch, after the final norm."""
+                batch: AttentionBatch, pieces: LayerPieces = EAGER) -> torch.Tensor:
+        """Hidden states [T, hidden] of the flattened batch, after the final norm. `pieces`
+        computes the layers' dense parts (eager, or compiled for the batch's shape)."""
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, batch)
+            x = layer(x, rope, kv_cache, batch, pieces)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

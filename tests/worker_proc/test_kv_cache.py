@@ -225,7 +225,7 @@ def test_build_runner_sizes_the_swap_space_in_blocks(tiny_model_name) -> None:
     runner, ready = build_runner(config, CPU_CONTEXT)
     assert ready.num_kv_blocks == 10
     assert ready.num_cpu_kv_blocks == runner.swap_space.num_blocks == 100
-    assert runner.kv_caches[0][0].shape[0] == 10 * 16
+    assert runner.kv_caches[0][0].shape[0] == (10 + 1) * 16      # + the scratch block
     runner, ready = build_runner(EngineConfig(model=tiny_model_name, dtype="float32",
                                               num_kv_blocks=10), CPU_CONTEXT)
     assert ready.num_cpu_kv_blocks == runner.swap_space.num_blocks == 0

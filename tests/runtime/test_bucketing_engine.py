@@ -1,0 +1,95 @@
+"""Bucketed engines end to end: greedy outputs are identical with bucketing off, on (eager) and
+on with --compile, warmup leaves nothing to compile while serving, and a batch larger than every
+bucket runs unpadded and is counted."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+
+VOCAB = 256
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Two buckets: prompts one at a time up to 64 tokens, decodes four at a time up to 64 tokens.
+TWO_BUCKETS = dict(bucketing="on", prompt_bs_bucket="1,1,1", prompt_seq_bucket="64,64,64",
+                   decode_bs_bucket="4,4,4", decode_seq_bucket="64,64,64",
+                   max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
+                   num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tmp_path_factory):
+    """A tiny random Llama whose logits are far from ties (weights scaled up), as an HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         max_position_embeddings=256)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name
+                        else 0.25 * torch.randn_like(param))
+    directory = tmp_path_factory.mktemp("sharp-llama")
+    model.save_pretrained(directory, safe_serialization=True)
+    return str(directory), model
+
+
+def prompts(count: int = 8) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist()
+            for n in (1, 5, 17, 33, 40, 51, 9, 24)[:count]]
+
+
+def run(model: str, **options):
+    with LLM(model, **options) as llm:
+        outputs = llm.generate(prompts(), GREEDY)
+        stats = llm.client.stats()
+    return [o.token_ids for o in outputs], stats
+
+
+@pytest.mark.timeout(600)
+def test_greedy_outputs_are_identical_with_bucketing_off_on_and_compiled(
+        sharp_llama, greedy_reference) -> None:
+    directory, model = sharp_llama
+    unbucketed, stats = run(directory, bucketing="off", max_num_batched_tokens=64,
+                            max_num_seqs=4, max_model_len=64, num_kv_blocks=64)
+    assert not stats.bucketing and stats.padding_waste == 0.0
+    refs = [greedy_reference.generate(model, p, GREEDY.max_tokens) for p in prompts()]
+    greedy_reference.check(model, prompts(), unbucketed, refs, min_exact=8)
+
+    eager, stats = run(directory, **TWO_BUCKETS)
+    assert eager == unbucketed
+    assert stats.bucketing and stats.batches_outside_buckets == 0
+    assert stats.padding_waste > 0, "one-at-a-time prompts padded to 64 tokens"
+    assert stats.runtime_graph_compilations == 0
+
+    compiled, stats = run(directory, compile=True, **TWO_BUCKETS)
+    assert compiled == unbucketed
+    assert stats.runtime_graph_compilations == 0, "warmup should have compiled every shape"
+
+
+@pytest.mark.timeout(600)
+def test_without_warmup_the_first_batches_compile_while_serving(sharp_llama) -> None:
+    directory, _ = sharp_llama
+    outputs, stats = run(directory, compile=True, skip_warmup=True, **TWO_BUCKETS)
+    assert stats.runtime_graph_compilations == 2          # the prompt shape and the decode shape
+    reference, _ = run(directory, bucketing="off", max_num_batched_tokens=64, max_num_seqs=4,
+                       max_model_len=64, num_kv_blocks=64)
+    assert outputs == reference
+
+
+@pytest.mark.timeout(600)
+def test_batches_above_the_largest_bucket_run_unpadded_and_are_counted(sharp_llama) -> None:
+    directory, _ = sharp_llama
+    options = dict(TWO_BUCKETS, max_model_len=128)      # contexts now outgrow the 64 bucket
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(directory, compile=True, **options) as llm:
+        bucketed = [o.token_ids for o in llm.generate(prompts(4)[2:], params)]
+        stats = llm.client.stats()
+    assert stats.batches_outside_buckets > 0
+    assert stats.runtime_graph_compilations == 0, "unpadded batches run eagerly"
+    with LLM(directory, bucketing="off", **{k: v for k, v in options.items()
+                                            if "bucket" not in k}) as llm:
+        assert bucketed == [o.token_ids for o in llm.generate(prompts(4)[2:], params)]
