@@ -86,10 +86,15 @@ def bench(config: EngineConfig, args: argparse.Namespace) -> int:
             prompts = random_workload(args.num_requests, args.input_len_min, args.input_len_max,
                                       client.model_info().vocab_size, args.workload_seed)
             report = run_throughput(client, prompts, args.output_len, "spmd-runtime")
+            stats = client.stats()
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
     print(TABLE_HEADER)
     print(report.row(), flush=True)
+    if stats.bucketing:
+        print(f"buckets: {stats.runtime_graph_compilations} compilations after warmup, "
+              f"{stats.batches_outside_buckets} batches outside every bucket, padding waste "
+              f"{stats.padding_waste:.1%} of computed tokens", flush=True)
     if args.json:
         print(report.to_json(), flush=True)
     return 0
