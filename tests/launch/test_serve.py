@@ -16,7 +16,7 @@ import time
 
 import msgspec
 import pytest
-import zmq
+from raw_socket import RawSocket
 
 from protocol.messages import (
     AbortDone,
@@ -27,7 +27,6 @@ from protocol.messages import (
     Outputs,
     RequestAccepted,
     StatsRequest,
-    server_decoder,
 )
 from runtime import Client, SamplingParams
 
@@ -190,28 +189,6 @@ def test_one_bad_prompt_in_a_batch_names_it_and_aborts_the_others(client) -> Non
 def test_invalid_sampling_params_cannot_even_be_built(field, kwargs) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
-
-
-class RawSocket:
-    """A bare DEALER socket speaking msgpack to the server, like a non-Python client would."""
-
-    def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.decoder = server_decoder()
-
-    def send(self, payload: bytes) -> None:
-        self.sock.send(payload)
-
-    def recv(self, timeout_s: float = 30.0):
-        assert self.sock.poll(int(timeout_s * 1000)), "no reply from the server"
-        return self.decoder.decode(self.sock.recv())
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 @pytest.fixture()

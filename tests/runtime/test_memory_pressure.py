@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
-import zmq
 from engine_idle import wait_idle
+from raw_socket import RawSocket
 
 from protocol.messages import (
     AbortDone,
@@ -38,7 +38,6 @@ from protocol.messages import (
     ErrorReply,
     Outputs,
     RequestAccepted,
-    server_decoder,
 )
 from runtime import LLM, SamplingParams
 
@@ -248,27 +247,21 @@ def test_small_swap_space_swaps_some_victims_and_resets_the_others(engines, work
 
 # ---------------------------------------------------------------------------- refusal
 
-class RawClient:
-    """A DEALER socket speaking the client protocol directly: requests are sent back to back
-    (as one frame each, in order) and everything that comes back is filed."""
+class RawClient(RawSocket):
+    """Requests sent back to back (as one frame each, in order), everything that comes back
+    filed."""
 
     def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.decoder = server_decoder()
+        super().__init__(address)
         self.replies: dict[int, object] = {}       # by tag
         self.tokens: dict[int, list[int]] = {}     # by request id
         self.finished: dict[int, str] = {}         # by request id: finish reason
 
-    def send(self, message) -> None:
-        self.sock.send(msgspec.msgpack.encode(message))
-
     def add_all(self, requests: list[tuple[list[int], SamplingParams]]) -> None:
         """AddRequest tags are the indices in `requests`."""
         for tag, (prompt, params) in enumerate(requests):
-            self.send(AddRequest(tag=tag, prompt_token_ids=prompt, params=params))
+            self.send(msgspec.msgpack.encode(AddRequest(tag=tag, prompt_token_ids=prompt,
+                                                        params=params)))
 
     def receive(self, timeout_ms: int = 1000):
         """File the next message and return it (None if nothing came)."""
@@ -294,9 +287,6 @@ class RawClient:
         return len(self.replies) == num_replies and all(
             r in self.finished for r in self.accepted().values())
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 def run_raw(address: str, requests: list[tuple[list[int], SamplingParams]],
@@ -400,7 +390,8 @@ def test_aborts_under_pressure_leave_no_block_behind(engines, workload, roomy) -
                 victim = never_started[-1]
             if victim is not None:
                 aborted[victim] = index_of[victim]
-                client.send(AbortRequest(tag=1000 + index_of[victim], request_id=victim))
+                client.send(msgspec.msgpack.encode(
+                    AbortRequest(tag=1000 + index_of[victim], request_id=victim)))
     finally:
         client.close()
     assert num_preempted_aborts > 0, "no preempted request was seen to abort"
