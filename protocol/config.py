@@ -71,6 +71,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "bucket at warmup; attention stays eager"))] = False
     enforce_eager: Annotated[bool, Meta(description=(
         "never compile or capture graphs, whatever else is set"))] = False
+    dist_backend: Annotated[Literal["auto", "gloo", "nccl", "hccl"], Meta(description=(
+        "torch.distributed backend of the tensor-parallel group: auto picks nccl on CUDA, hccl "
+        "where Habana's plugin is installed, gloo otherwise"))] = "auto"
+    dist_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "seconds a worker waits to join the process group (reach the master) before it "
+        "exits with an error"))] = 300.0
+    row_parallel_chunks: Annotated[int, Meta(ge=0, description=(
+        "split row-parallel layers' input into this many chunks and overlap each chunk's "
+        "all-reduce with the next chunk's matmul (TP > 1 only); 0 reads "
+        "SPMD_ROW_PARALLEL_CHUNKS, else 1 (off)"))] = 0
+    row_parallel_chunk_threshold: Annotated[int, Meta(ge=0, description=(
+        "fewest tokens a batch needs for row-parallel chunking; 0 reads "
+        "SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, else 8192"))] = 0
     nproc_per_node: Annotated[int, Meta(ge=1, description="worker processes (devices) per node")] = 1
     nnodes: Annotated[int, Meta(ge=1, description="number of nodes in the job")] = 1
     node_rank: Annotated[int, Meta(ge=0, description="rank of this node (0 runs the scheduler)")] = 0

@@ -172,7 +172,7 @@ def free_port() -> Callable[[], int]:
 class ServeProcess:
     """`python -m launch serve` on tcp://127.0.0.1:<free port>, stdout and stderr in files."""
 
-    def __init__(self, args: Sequence[str], log_dir: Path) -> None:
+    def __init__(self, args: Sequence[str], log_dir: Path, launcher: Sequence[str] = ()) -> None:
         self.tag = uuid.uuid4().hex
         self.port = free_tcp_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
@@ -182,8 +182,8 @@ class ServeProcess:
         env = dict(os.environ)
         env[PROC_TAG_ENV] = self.tag
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        self.command = [sys.executable, "-m", "launch", "serve", "--rpc-address", self.address,
-                        *args]
+        self.command = [sys.executable, "-m", "launch", *launcher, "serve", "--rpc-address",
+                        self.address, *args]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(self.command, cwd=REPO_ROOT, env=env,
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=err)
@@ -233,15 +233,16 @@ class ServeProcess:
 
 @pytest.fixture(scope="session")
 def spmd_serve(tmp_path_factory) -> Callable[..., ServeProcess]:
-    """Factory: spmd_serve(*serve_args) starts a server; every one is killed (tree) at the end.
+    """Factory: spmd_serve(*serve_args, launcher=launcher_args) starts a server; every one is
+    killed (tree) at the end.
 
     Module fixtures should also call .kill_tree() in their own teardown to free the CPU early.
     """
     started: list[ServeProcess] = []
     log_dir = tmp_path_factory.mktemp("serve-logs")
 
-    def start(*args: str) -> ServeProcess:
-        server = ServeProcess(args, log_dir)
+    def start(*args: str, launcher: Sequence[str] = ()) -> ServeProcess:
+        server = ServeProcess(args, log_dir, launcher)
         started.append(server)
         return server
 

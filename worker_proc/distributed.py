@@ -16,6 +16,8 @@ class DistributedContext:
     world_size: int
     device: torch.device
     backend: str
+    # Gloo group beside the device group, for small control collectives on CPU tensors.
+    cpu_group: object | None = None
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -28,7 +30,35 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(requested_device: str) -> DistributedContext:
+def pick_backend(requested: str, device: torch.device) -> str:
+    """auto: nccl on CUDA, hccl where Habana's torch plugin imports (importing it registers
+    the backend), gloo otherwise. A named backend must be available in this torch."""
+    if requested == "auto":
+        if device.type == "cuda":
+            return "nccl"
+        return "hccl" if _register_hccl() else "gloo"
+    if requested == "hccl":
+        _register_hccl()
+    if requested not in ("gloo", "nccl", "hccl"):
+        raise ValueError(f"unknown --dist-backend {requested!r}: use auto, gloo, nccl or hccl")
+    if not dist.is_backend_available(requested):
+        raise ValueError(f"--dist-backend {requested} is not available in this torch build "
+                         f"(torch {torch.__version__}); use gloo, or auto")
+    if requested == "nccl" and device.type != "cuda":
+        raise ValueError("--dist-backend nccl needs CUDA devices; use gloo on CPU")
+    return requested
+
+
+def _register_hccl() -> bool:
+    try:
+        import habana_frameworks.torch.distributed.hccl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def init_distributed(requested_device: str, requested_backend: str = "auto",
+                     timeout_s: float = 300.0) -> DistributedContext:
     """Join the process group named by the torchrun environment (a group of one without it)."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -40,10 +70,18 @@ def init_distributed(requested_device: str) -> DistributedContext:
     device = pick_device(requested_device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                            world_size=world_size, timeout=timedelta(minutes=10))
-    return DistributedContext(rank, local_rank, world_size, device, backend)
+    backend = pick_backend(requested_backend, device)
+    master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistStoreError) as error:
+        raise RuntimeError(
+            f"rank {rank} could not join the {world_size}-rank process group at {master} "
+            f"within {timeout_s:.0f}s ({error}); check that node 0 is running and that "
+            "--master-addr / --master-port reach it") from None
+    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    return DistributedContext(rank, local_rank, world_size, device, backend, cpu_group)
 
 
 def shutdown_distributed() -> None:

@@ -16,7 +16,7 @@ from runtime.models.llama import (
     LayerPieces,
     LlamaForCausalLM,
     attention_inputs,
-    attention_output_and_mlp,
+    mlp_inputs,
 )
 from worker_proc.sampler import sample
 from worker_proc.swap_space import SwapSpace
@@ -150,7 +150,7 @@ class ModelRunner:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    num_shapes + 8)
         self.compiled = LayerPieces(torch.compile(attention_inputs, dynamic=False),
-                                    torch.compile(attention_output_and_mlp, dynamic=False))
+                                    torch.compile(mlp_inputs, dynamic=False))
 
     def _pieces_for(self, bucket: tuple[str, int, int] | None, num_tokens: int
                     ) -> tuple[LayerPieces, int]:

@@ -23,6 +23,7 @@ from protocol.messages import (
 )
 from protocol.transport import Encoder, make_socket, poll_recv
 from runtime.bucketing import bucketing_enabled, engine_buckets
+from runtime.layers.parallel import TensorParallel
 from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
@@ -46,19 +47,20 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     dtype = resolve_dtype(config.dtype, ctx.device)
     started = time.perf_counter()
     model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed)
-    model = LlamaForCausalLM(model_config, dtype)
+    tp = tensor_parallel(config, ctx)
+    model = LlamaForCausalLM(model_config, dtype, tp)
     model.load_hf_state_dict(weights)
     del weights
     model.to(ctx.device).eval()
-    log.info("rank %d loaded %s (%s, %s) in %.1fs", ctx.rank, config.model, dtype, ctx.device,
-             time.perf_counter() - started)
+    log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
+             config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
     max_model_len = model_config.max_position_embeddings
     if config.max_model_len:
         max_model_len = min(max_model_len, config.max_model_len)
     max_useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     sizing = size_kv_cache(config, model, dtype, ctx.device, max_useful_blocks=max_useful,
-                           local_world_size=local_world_size)
+                           tp_size=tp.size, local_world_size=local_world_size)
     log.info("rank %d memory: %s", ctx.rank,
              sizing.describe(config.block_size, config.gpu_memory_utilization))
     num_blocks = sizing.num_blocks
@@ -69,10 +71,11 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
             "smaller model")
     # One block more than the scheduler knows of: the scratch block padding writes to.
     kv_caches = allocate_kv_cache(model_config, num_blocks + 1, config.block_size, dtype,
-                                  ctx.device)
+                                  ctx.device, tp.size)
     num_cpu_blocks = int(config.swap_space * 2**30) // sizing.bytes_per_block
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
-                         num_cpu_blocks=num_cpu_blocks, scratch_block=num_blocks)
+                         seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
+                         scratch_block=num_blocks)
     prepare_buckets(runner, config, max_model_len, ctx)
     if num_cpu_blocks:
         log.info("rank %d swap space: %d CPU blocks (%.2f GiB%s)", ctx.rank, num_cpu_blocks,
@@ -82,6 +85,24 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
                         num_cpu_kv_blocks=num_cpu_blocks)
     return runner, ready
+
+
+def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorParallel:
+    """Every worker of the job is one rank of a single tensor-parallel group."""
+    chunks = config.row_parallel_chunks or int(os.environ.get("SPMD_ROW_PARALLEL_CHUNKS", "1"))
+    threshold = config.row_parallel_chunk_threshold or int(
+        os.environ.get("SPMD_ROW_PARALLEL_CHUNK_THRESHOLD", "8192"))
+    return TensorParallel(rank=ctx.rank, size=ctx.world_size, row_parallel_chunks=chunks,
+                          row_parallel_chunk_threshold=threshold)
+
+
+def shared_sampling_seed(ctx: DistributedContext) -> int:
+    """A seed for requests without one, the same on every rank: each rank samples the same
+    token from the same (gathered) logits and keeps it in its own request state."""
+    seed = torch.randint(0, 2**62, (1,), device=ctx.device)
+    if ctx.world_size > 1:
+        torch.distributed.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: int,
@@ -128,7 +149,7 @@ def run_worker(config: EngineConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     try:
-        ctx = init_distributed(config.device)
+        ctx = init_distributed(config.device, config.dist_backend, config.dist_timeout_s)
         if ctx.device.type == "cpu":
             set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         runner, ready = build_runner(config, ctx)

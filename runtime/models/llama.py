@@ -11,6 +11,13 @@ from torch import nn
 from runtime.layers.attention import AttentionBatch, paged_attention
 from runtime.layers.linear import linear
 from runtime.layers.norm import RMSNorm, rms_norm
+from runtime.layers.parallel import (
+    ShardLayout,
+    TensorParallel,
+    row_parallel_linear,
+    shard_rows,
+    vocab_parallel_embedding,
+)
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_config import ModelConfig
 
@@ -20,12 +27,13 @@ def _linear_weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class LlamaAttention(nn.Module):
-    """The attention block's weights; its computation is in LayerPieces and paged_attention."""
+    """This rank's attention weights: its query heads and their KV heads (column-parallel
+    QKV), and the matching input columns of the output projection (row-parallel)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shards: ShardLayout) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shards.num_heads
+        self.num_kv_heads = shards.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -37,11 +45,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """This rank's slice of the MLP features: gate/up rows (column-parallel), down columns
+    (row-parallel)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shards: ShardLayout) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = _linear_weight(2 * config.intermediate_size, config.hidden_size, dtype)
-        self.down_proj = _linear_weight(config.hidden_size, config.intermediate_size, dtype)
+        self.intermediate_size = shards.intermediate_size
+        self.gate_up_proj = _linear_weight(2 * self.intermediate_size, config.hidden_size, dtype)
+        self.down_proj = _linear_weight(config.hidden_size, self.intermediate_size, dtype)
 
 
 def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -57,34 +68,41 @@ def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return q, k, v.view(-1, num_kv_heads, head_dim)
 
 
-def attention_output_and_mlp(x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor,
-                             norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
-                             down_weight: torch.Tensor, intermediate_size: int) -> torch.Tensor:
-    """Output projection and residual, then norm, SwiGLU MLP and residual."""
-    x = x + linear(attended.reshape(x.shape[0], -1), o_weight)
+def mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weight: torch.Tensor,
+               eps: float, gate_up_weight: torch.Tensor,
+               intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual, norm, gate/up projection and SwiGLU: (new residual, input of the down
+    projection)."""
+    x = x + attention_output
     gate, up = linear(rms_norm(x, norm_weight, eps), gate_up_weight).split(intermediate_size, dim=-1)
-    return x + linear(F.silu(gate) * up, down_weight)
+    return x, F.silu(gate) * up
 
 
 @dataclass(frozen=True)
 class LayerPieces:
-    """A decoder layer's dense computation, before and after attention. Attention itself runs
-    eagerly between them, so compiled or captured pieces depend on the token count alone."""
+    """A decoder layer's dense computation between attention and the row-parallel layers.
+
+    Attention and the row-parallel projections (attention output, MLP down) run eagerly between
+    these pieces: attention because its shapes follow the requests' contexts, the row-parallel
+    layers because their all-reduces are launched chunk by chunk to overlap the next matmul.
+    Compiled or captured pieces thus depend on the token count alone."""
 
     attention_inputs: Callable = attention_inputs
-    attention_output_and_mlp: Callable = attention_output_and_mlp
+    mlp_inputs: Callable = mlp_inputs
 
 
 EAGER = LayerPieces()
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shards: ShardLayout,
+                 tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, shards)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, shards)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
@@ -94,23 +112,31 @@ class LlamaDecoderLayer(nn.Module):
             x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj,
             attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)
-        return pieces.attention_output_and_mlp(
-            x, attended, attn.o_proj, self.post_attention_layernorm.weight,
-            self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.down_proj,
-            mlp.intermediate_size)
+        attention_output = row_parallel_linear(attended.reshape(x.shape[0], -1), attn.o_proj,
+                                               None, self.tp)
+        x, activation = pieces.mlp_inputs(
+            x, attention_output, self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.intermediate_size)
+        return x + row_parallel_linear(activation, mlp.down_proj, None, self.tp)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """The whole model, or with tensor parallelism (tp.size > 1) this rank's shard of it."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TensorParallel()
+        self.shards = ShardLayout.of(config, tp)
+        vocab_rows = self.shards.vocab_per_rank
         self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype)
+            torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, self.shards, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+            torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype)
 
@@ -119,40 +145,57 @@ class LlamaForCausalLM(nn.Module):
                 batch: AttentionBatch, pieces: LayerPieces = EAGER) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm. `pieces`
         computes the layers' dense parts (eager, or compiled for the batch's shape)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.shards.vocab_start,
+                                     self.tp)
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, batch, pieces)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        """Full-vocabulary logits on every rank (shards gathered), so all ranks sample alike."""
+        logits = self.tp.gather_last_dim(linear(hidden, self.lm_head))
+        return logits[..., :self.config.vocab_size].float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face Llama checkpoints, fusing QKV and gate/up."""
+        """Copy this rank's shard of weights named as in Hugging Face Llama checkpoints, fusing
+        QKV and gate/up."""
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing weight {name}")
             return weights[name]
 
-        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+        shards, head_dim = self.shards, self.config.head_dim
+        q_rows = (self.tp.rank * shards.num_heads * head_dim, shards.num_heads * head_dim)
+        kv_rows = (shards.kv_head_start * head_dim, shards.num_kv_heads * head_dim)
+        mlp_rows = (self.tp.rank * shards.intermediate_size, shards.intermediate_size)
+        vocab_rows = (shards.vocab_start, shards.vocab_per_rank)
+
+        def rows(name: str, span: tuple[int, int]) -> torch.Tensor:
+            return shard_rows(take(name), *span)
+
+        def columns(name: str, span: tuple[int, int]) -> torch.Tensor:
+            return take(name)[:, span[0]:span[0] + span[1]]
+
+        self.embed_tokens.copy_(rows("model.embed_tokens.weight", vocab_rows))
         self.norm.weight.copy_(take("model.norm.weight"))
         if not self.config.tie_word_embeddings:
-            self.lm_head.copy_(take("lm_head.weight"))
+            self.lm_head.copy_(rows("lm_head.weight", vocab_rows))
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn = layer.self_attn
-            attn.qkv_proj.copy_(torch.cat([take(prefix + f"self_attn.{p}_proj.weight")
+            spans = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+            attn.qkv_proj.copy_(torch.cat([rows(prefix + f"self_attn.{p}_proj.weight", spans[p])
                                            for p in "qkv"]))
             if prefix + "self_attn.q_proj.bias" in weights:
                 attn.qkv_bias = nn.Parameter(torch.cat(
-                    [take(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]).to(
+                    [rows(prefix + f"self_attn.{p}_proj.bias", spans[p]) for p in "qkv"]).to(
                         attn.qkv_proj.dtype), requires_grad=False)
-            attn.o_proj.copy_(take(prefix + "self_attn.o_proj.weight"))
-            layer.mlp.gate_up_proj.copy_(torch.cat([take(prefix + "mlp.gate_proj.weight"),
-                                                    take(prefix + "mlp.up_proj.weight")]))
-            layer.mlp.down_proj.copy_(take(prefix + "mlp.down_proj.weight"))
+            attn.o_proj.copy_(columns(prefix + "self_attn.o_proj.weight", q_rows))
+            layer.mlp.gate_up_proj.copy_(torch.cat([rows(prefix + "mlp.gate_proj.weight", mlp_rows),
+                                                    rows(prefix + "mlp.up_proj.weight", mlp_rows)]))
+            layer.mlp.down_proj.copy_(columns(prefix + "mlp.down_proj.weight", mlp_rows))
             layer.input_layernorm.weight.copy_(take(prefix + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 take(prefix + "post_attention_layernorm.weight"))

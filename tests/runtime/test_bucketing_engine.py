@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sharp_llama import sharp_llama as make_sharp_llama
 
 from runtime import LLM, SamplingParams
 
@@ -18,22 +19,8 @@ TWO_BUCKETS = dict(bucketing="on", prompt_bs_bucket="1,1,1", prompt_seq_bucket="
 
 
 @pytest.fixture(scope="module")
-def sharp_llama(tmp_path_factory):
-    """A tiny random Llama whose logits are far from ties (weights scaled up), as an HF directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                         max_position_embeddings=256)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name
-                        else 0.25 * torch.randn_like(param))
-    directory = tmp_path_factory.mktemp("sharp-llama")
-    model.save_pretrained(directory, safe_serialization=True)
-    return str(directory), model
+def sharp_model(tmp_path_factory):
+    return make_sharp_llama(tmp_path_factory.mktemp("sharp-llama"), vocab=VOCAB)
 
 
 def prompts(count: int = 8) -> list[list[int]]:
@@ -51,8 +38,8 @@ def run(model: str, **options):
 
 @pytest.mark.timeout(600)
 def test_greedy_outputs_are_identical_with_bucketing_off_on_and_compiled(
-        sharp_llama, greedy_reference) -> None:
-    directory, model = sharp_llama
+        sharp_model, greedy_reference) -> None:
+    directory, model = sharp_model
     unbucketed, stats = run(directory, bucketing="off", max_num_batched_tokens=64,
                             max_num_seqs=4, max_model_len=64, num_kv_blocks=64)
     assert not stats.bucketing and stats.padding_waste == 0.0
@@ -71,8 +58,8 @@ def test_greedy_outputs_are_identical_with_bucketing_off_on_and_compiled(
 
 
 @pytest.mark.timeout(600)
-def test_without_warmup_the_first_batches_compile_while_serving(sharp_llama) -> None:
-    directory, _ = sharp_llama
+def test_without_warmup_the_first_batches_compile_while_serving(sharp_model) -> None:
+    directory, _ = sharp_model
     outputs, stats = run(directory, compile=True, skip_warmup=True, **TWO_BUCKETS)
     assert stats.runtime_graph_compilations == 2          # the prompt shape and the decode shape
     reference, _ = run(directory, bucketing="off", max_num_batched_tokens=64, max_num_seqs=4,
@@ -81,8 +68,8 @@ def test_without_warmup_the_first_batches_compile_while_serving(sharp_llama) -> 
 
 
 @pytest.mark.timeout(600)
-def test_batches_above_the_largest_bucket_run_unpadded_and_are_counted(sharp_llama) -> None:
-    directory, _ = sharp_llama
+def test_batches_above_the_largest_bucket_run_unpadded_and_are_counted(sharp_model) -> None:
+    directory, _ = sharp_model
     options = dict(TWO_BUCKETS, max_model_len=128)      # contexts now outgrow the 64 bucket
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     with LLM(directory, compile=True, **options) as llm:

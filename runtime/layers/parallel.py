@@ -1,0 +1,123 @@
+"""Tensor parallelism: how each weight is split across the ranks of a TP group, and the
+collectives that put partial results back together.
+
+Column-parallel layers (merged QKV, merged gate/up) split their output features: each rank
+computes its heads or its slice of the MLP. Row-parallel layers (attention output, MLP down)
+split their input features, so each rank holds a partial sum that an all-reduce completes; a
+bias is added once, after the reduction, on every rank. The embedding and the LM head split the
+vocabulary: out-of-shard ids embed to zero before an all-reduce, and shard logits are gathered
+so every rank samples from the same full row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from runtime.layers.linear import linear
+from runtime.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its TP group, and how row-parallel reductions are chunked."""
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None         # the torch.distributed group; None: the default one
+    row_parallel_chunks: int = 1
+    row_parallel_chunk_threshold: int = 8192
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's shard of the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        shards = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(shards, x.contiguous(), group=self.group)
+        return torch.cat(shards, dim=-1)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which heads, MLP features and vocabulary rows one rank holds."""
+
+    num_heads: int                  # query heads on this rank
+    num_kv_heads: int               # key/value heads on this rank (replicated when TP > kv heads)
+    kv_head_start: int
+    intermediate_size: int          # MLP features on this rank
+    vocab_start: int
+    vocab_per_rank: int             # vocabulary rows per rank (the last rank's may be padding)
+
+    @classmethod
+    def of(cls, config: ModelConfig, tp: TensorParallel) -> ShardLayout:
+        size, rank = tp.size, tp.rank
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % size:
+            raise ValueError(f"tensor-parallel size {size} must divide the {heads} attention heads")
+        if kv_heads % size and size % kv_heads:
+            raise ValueError(f"tensor-parallel size {size} must divide the {kv_heads} key/value "
+                             "heads or be a multiple of them (then they are replicated)")
+        if config.intermediate_size % size:
+            raise ValueError(f"tensor-parallel size {size} must divide the MLP's "
+                             f"{config.intermediate_size} features")
+        if kv_heads >= size:
+            num_kv, kv_start = kv_heads // size, rank * (kv_heads // size)
+        else:
+            # More ranks than KV heads: each KV head serves size // kv_heads ranks, whose query
+            # heads are exactly the ones that head's group holds.
+            num_kv, kv_start = 1, rank // (size // kv_heads)
+        vocab_per_rank = -(-config.vocab_size // size)
+        return cls(heads // size, num_kv, kv_start, config.intermediate_size // size,
+                   rank * vocab_per_rank, vocab_per_rank)
+
+
+def shard_rows(weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count), zero-padded past the end (a vocabulary's last shard)."""
+    part = weight[start:start + count]
+    if part.shape[0] < count:
+        pad = torch.zeros((count - part.shape[0],) + tuple(part.shape[1:]), dtype=part.dtype)
+        part = torch.cat([part, pad])
+    return part
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, shard: torch.Tensor, vocab_start: int,
+                             tp: TensorParallel) -> torch.Tensor:
+    if tp.size == 1:
+        return torch.nn.functional.embedding(ids, shard)
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= shard.shape[0])
+    x = torch.nn.functional.embedding(local.masked_fill(outside, 0), shard)
+    x.masked_fill_(outside.unsqueeze(-1), 0.0)
+    return tp.all_reduce(x)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        tp: TensorParallel) -> torch.Tensor:
+    """x [..., in/tp] @ weight[out, in/tp]^T, all-reduced, plus bias once.
+
+    With `row_parallel_chunks` N > 1, TP > 1 and at least `row_parallel_chunk_threshold`
+    tokens, the input is split into N chunks (2D: along tokens; 3D: along the sequence for a
+    prefill, along the batch for a decode) and each chunk's all-reduce is launched
+    asynchronously as soon as its matmul is done, so it overlaps the next chunk's matmul.
+    """
+    num_tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
+    chunks = tp.row_parallel_chunks
+    if chunks <= 1 or tp.size == 1 or num_tokens < tp.row_parallel_chunk_threshold:
+        out = tp.all_reduce(linear(x, weight))
+        return out if bias is None else out + bias
+    dim = 0 if x.dim() == 2 or x.shape[1] == 1 else 1
+    pieces, works = [], []
+    for part in x.chunk(chunks, dim=dim):
+        partial = linear(part.contiguous(), weight)
+        works.append(dist.all_reduce(partial, group=tp.group, async_op=True))
+        pieces.append(partial)
+    for work in works:
+        work.wait()
+    out = torch.cat(pieces, dim=dim)
+    return out if bias is None else out + bias

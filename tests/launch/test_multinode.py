@@ -1,0 +1,81 @@
+"""Tensor parallelism across "nodes" on one machine: two spmdrun launchers with --nnodes 2 on
+loopback (one worker each), and workers started by torchrun beside a scheduler started by hand,
+both give the same greedy outputs as TP=2 on one node."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+from conftest import PROC_TAG_ENV, REPO_ROOT, free_tcp_port, kill_tree
+from sharp_llama import GREEDY, prompts, sharp_llama
+
+from protocol.config import EngineConfig
+from runtime import LLM, Client
+
+ENGINE = ["--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return sharp_llama(tmp_path_factory.mktemp("tp-llama"), 4, 2)[0]
+
+
+@pytest.fixture(scope="module")
+def one_node_tp2(tiny_model) -> list[list[int]]:
+    with LLM(tiny_model, nproc_per_node=2, num_kv_blocks=64, max_num_batched_tokens=64,
+             max_model_len=128) as llm:
+        return [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+
+
+def generate(address: str) -> list[list[int]]:
+    client = Client(address, timeout_s=240.0)
+    try:
+        return [o.token_ids for o in client.generate(prompts(), GREEDY)]
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(600)
+def test_two_launchers_with_one_worker_each_equal_tp2_on_one_node(
+        spmd_serve, tiny_model, one_node_tp2) -> None:
+    master = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_tcp_port())]
+    node0 = spmd_serve("--model", tiny_model, *ENGINE, launcher=[*master, "--node-rank", "0"])
+    node1 = spmd_serve("--model", tiny_model, *ENGINE, launcher=[*master, "--node-rank", "1"])
+    try:
+        node0.wait_serving()
+        assert generate(node0.address) == one_node_tp2
+    finally:
+        node0.kill_tree()
+        node1.kill_tree()
+
+
+@pytest.mark.timeout(600)
+def test_workers_started_by_torchrun_equal_tp2_on_one_node(tmp_path, tiny_model,
+                                                           one_node_tp2) -> None:
+    port = free_tcp_port()
+    rpc = f"tcp://127.0.0.1:{free_tcp_port()}"
+    config = EngineConfig(model=tiny_model, num_kv_blocks=64, max_num_batched_tokens=64,
+                          max_model_len=128, nproc_per_node=2, master_port=port,
+                          worker_address=f"tcp://127.0.0.1:{free_tcp_port()}", rpc_address=rpc)
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, **{PROC_TAG_ENV: tag}, PYTHONPATH=str(REPO_ROOT))
+    log = open(tmp_path / "engine.log", "wb")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_proc", config.to_json()],
+                                 cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
+                                 stdin=subprocess.DEVNULL)
+    workers = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                                "--master-port", str(port), "-m", "worker_proc",
+                                config.to_json()],
+                               cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
+                               stdin=subprocess.DEVNULL)
+    try:
+        assert generate(rpc) == one_node_tp2, (tmp_path / "engine.log").read_text()[-3000:]
+    finally:
+        kill_tree(scheduler, tag)
+        kill_tree(workers, tag)
+        log.close()

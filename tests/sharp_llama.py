@@ -1,0 +1,33 @@
+"""Tiny random Llamas whose logits are far from ties (weights scaled up), saved as Hugging Face
+directories: engine variants that compute the same thing must pick the same greedy tokens."""
+from __future__ import annotations
+
+import torch
+
+from runtime import SamplingParams
+
+VOCAB = 250            # not a multiple of the TP sizes: the last vocabulary shard is padded
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SMALL = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=128)
+
+
+def sharp_llama(directory, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB):
+    """(directory as a string, the transformers model) of a 2-layer Llama with these heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         intermediate_size=128, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name
+                        else 0.25 * torch.randn_like(param))
+    model.save_pretrained(directory, safe_serialization=True)
+    return str(directory), model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 30, 70)]
