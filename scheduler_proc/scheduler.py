@@ -301,9 +301,11 @@ class Scheduler:
         bucket = self.planner.bucket_for(draft.phase, len(draft.num_scheduled), draft.longest,
                                          num_tokens)
         if bucket is None:
-            log.warning("a %s batch of %d sequences (longest %d) is larger than every bucket: "
-                        "it runs unpadded and may compile; raise the bucket maxima", draft.phase,
-                        len(draft.num_scheduled), draft.longest)
+            if self.planner.counters.batches_outside_buckets == 1:
+                log.warning("a %s batch of %d sequences (longest %d) is larger than every "
+                            "bucket: it runs unpadded; raise the bucket maxima (further ones "
+                            "are counted in stats, batches_outside_buckets)", draft.phase,
+                            len(draft.num_scheduled), draft.longest)
             return None
         return (draft.phase, *bucket)
 
