@@ -25,7 +25,7 @@ from protocol.transport import Encoder, make_socket, poll_recv
 from runtime.bucketing import bucketing_enabled, engine_buckets
 from runtime.layers.parallel import TensorParallel
 from runtime.loaders import load_model, resolve_model
-from runtime.models.llama import LlamaForCausalLM
+from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
 from worker_proc.model_runner import ModelRunner
@@ -46,8 +46,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRunner, WorkerReady]:
     dtype = resolve_dtype(config.dtype, ctx.device)
     started = time.perf_counter()
-    model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed)
     tp = tensor_parallel(config, ctx)
+    model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,
+                                       shard_spec_for=lambda c: llama_shard_spec(c, tp))
     model = LlamaForCausalLM(model_config, dtype, tp)
     model.load_hf_state_dict(weights)
     del weights

@@ -30,9 +30,12 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_weights(
-    source: ModelSource, config: ModelConfig, dtype: torch.dtype, seed: int = 0
+    source: ModelSource, config: ModelConfig, dtype: torch.dtype, seed: int = 0,
+    shard_spec=None,
 ) -> dict[str, torch.Tensor]:
-    """CPU state dict with HF Llama names in dtype; seed only matters for dummy sources."""
+    """CPU state dict with HF Llama names in dtype; seed only matters for dummy sources.
+    `shard_spec` lets formats that can (safetensors) read only a rank's shard of each tensor;
+    the others return whole tensors, which the model slices."""
     if source.kind == "gguf":
         from runtime.loaders.gguf import load_gguf_weights
 
@@ -40,7 +43,7 @@ def load_weights(
     if source.kind == "hf":
         from runtime.loaders.hf_dir import load_hf_weights
 
-        return load_hf_weights(source.path, config, dtype)
+        return load_hf_weights(source.path, config, dtype, shard_spec)
     if source.kind == "dummy":
         from runtime.loaders.dummy import random_weights
 
@@ -48,12 +51,14 @@ def load_weights(
     raise ValueError(f"unknown model source kind {source.kind!r}")
 
 
-def load_model(source: ModelSource, dtype: torch.dtype,
-               seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and weights together, reading the source once where that matters (GGUF)."""
+def load_model(source: ModelSource, dtype: torch.dtype, seed: int = 0,
+               shard_spec_for=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and weights together, reading the source once where that matters (GGUF).
+    `shard_spec_for(config)` gives the shard spec of load_weights."""
     if source.kind == "gguf":
         from runtime.loaders.gguf import load_gguf_model
 
         return load_gguf_model(source.path, dtype)
     config = load_model_config(source)
-    return config, load_weights(source, config, dtype, seed)
+    shard_spec = shard_spec_for(config) if shard_spec_for else None
+    return config, load_weights(source, config, dtype, seed, shard_spec)

@@ -52,8 +52,11 @@ def safetensors_files(directory: str) -> list[Path]:
     return files
 
 
-def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Load all safetensors tensors of an HF Llama checkpoint, cast to dtype, checked against config."""
+def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
+                    shard_spec=None) -> dict[str, torch.Tensor]:
+    """Load the safetensors tensors of an HF Llama checkpoint, cast to dtype, checked against
+    config. With `shard_spec` (name -> (dimension, start, count) or None, see
+    runtime.models.llama.llama_shard_spec) only that slice of each tensor is read from disk."""
     from safetensors import safe_open
 
     expected = weight_shapes(config)
@@ -69,13 +72,30 @@ def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype) -> 
                     continue
                 if name not in allowed:
                     raise ValueError(f"{f}: unexpected tensor {name!r} for a Llama model")
-                t = st.get_tensor(name)
-                if tuple(t.shape) != allowed[name]:
+                tensor = st.get_slice(name)
+                shape = tuple(tensor.get_shape())
+                if shape != allowed[name]:
                     raise ValueError(
-                        f"{f}: tensor {name!r} has shape {tuple(t.shape)}, config implies {allowed[name]}"
+                        f"{f}: tensor {name!r} has shape {shape}, config implies {allowed[name]}"
                     )
-                out[name] = t.to(dtype).contiguous()
+                out[name] = _read(tensor, shard_spec(name) if shard_spec else None).to(
+                    dtype).contiguous()
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"{directory}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return out
+
+
+def _read(tensor, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    """The whole tensor, or only the rows/columns of a shard (rows past the end are zeros)."""
+    import torch
+
+    if shard is None:
+        return tensor[:]
+    dim, start, count = shard
+    if dim == 1:
+        return tensor[:, start:start + count]
+    rows = tensor[start:start + count]
+    if rows.shape[0] < count:
+        rows = torch.cat([rows, rows.new_zeros((count - rows.shape[0],) + tuple(rows.shape[1:]))])
+    return rows

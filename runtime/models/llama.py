@@ -160,42 +160,59 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of weights named as in Hugging Face Llama checkpoints, fusing
-        QKV and gate/up."""
+        QKV and gate/up. Weights may be whole (they are sliced here) or this rank's shards
+        already (a loader that read only them, see llama_shard_spec)."""
+        spec = llama_shard_spec(self.config, self.tp)
+
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing weight {name}")
-            return weights[name]
+            tensor, shard = weights[name], spec(name)
+            if shard is None or tensor.shape[shard[0]] == shard[2]:
+                return tensor
+            dim, start, count = shard
+            return shard_rows(tensor, start, count) if dim == 0 else tensor[:, start:start + count]
 
-        shards, head_dim = self.shards, self.config.head_dim
-        q_rows = (self.tp.rank * shards.num_heads * head_dim, shards.num_heads * head_dim)
-        kv_rows = (shards.kv_head_start * head_dim, shards.num_kv_heads * head_dim)
-        mlp_rows = (self.tp.rank * shards.intermediate_size, shards.intermediate_size)
-        vocab_rows = (shards.vocab_start, shards.vocab_per_rank)
-
-        def rows(name: str, span: tuple[int, int]) -> torch.Tensor:
-            return shard_rows(take(name), *span)
-
-        def columns(name: str, span: tuple[int, int]) -> torch.Tensor:
-            return take(name)[:, span[0]:span[0] + span[1]]
-
-        self.embed_tokens.copy_(rows("model.embed_tokens.weight", vocab_rows))
+        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         if not self.config.tie_word_embeddings:
-            self.lm_head.copy_(rows("lm_head.weight", vocab_rows))
+            self.lm_head.copy_(take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn = layer.self_attn
-            spans = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-            attn.qkv_proj.copy_(torch.cat([rows(prefix + f"self_attn.{p}_proj.weight", spans[p])
+            attn.qkv_proj.copy_(torch.cat([take(prefix + f"self_attn.{p}_proj.weight")
                                            for p in "qkv"]))
             if prefix + "self_attn.q_proj.bias" in weights:
                 attn.qkv_bias = nn.Parameter(torch.cat(
-                    [rows(prefix + f"self_attn.{p}_proj.bias", spans[p]) for p in "qkv"]).to(
+                    [take(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]).to(
                         attn.qkv_proj.dtype), requires_grad=False)
-            attn.o_proj.copy_(columns(prefix + "self_attn.o_proj.weight", q_rows))
-            layer.mlp.gate_up_proj.copy_(torch.cat([rows(prefix + "mlp.gate_proj.weight", mlp_rows),
-                                                    rows(prefix + "mlp.up_proj.weight", mlp_rows)]))
-            layer.mlp.down_proj.copy_(columns(prefix + "mlp.down_proj.weight", mlp_rows))
+            attn.o_proj.copy_(take(prefix + "self_attn.o_proj.weight"))
+            layer.mlp.gate_up_proj.copy_(torch.cat([take(prefix + "mlp.gate_proj.weight"),
+                                                    take(prefix + "mlp.up_proj.weight")]))
+            layer.mlp.down_proj.copy_(take(prefix + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(prefix + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 take(prefix + "post_attention_layernorm.weight"))
+
+
+ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def llama_shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
+    """For a Hugging Face Llama weight name: (dimension, start, count) of this rank's shard
+    (rows of column-parallel layers and of the vocabulary, columns of row-parallel layers), or
+    None for weights every rank holds whole (the norms)."""
+    shards, head_dim = ShardLayout.of(config, tp), config.head_dim
+    q = (tp.rank * shards.num_heads * head_dim, shards.num_heads * head_dim)
+    kv = (shards.kv_head_start * head_dim, shards.num_kv_heads * head_dim)
+    mlp = (tp.rank * shards.intermediate_size, shards.intermediate_size)
+    vocab = (shards.vocab_start, shards.vocab_per_rank)
+    rules = {"q_proj": (0, *q), "k_proj": (0, *kv), "v_proj": (0, *kv), "o_proj": (1, *q),
+             "gate_proj": (0, *mlp), "up_proj": (0, *mlp), "down_proj": (1, *mlp),
+             "embed_tokens": (0, *vocab), "lm_head": (0, *vocab)}
+
+    def spec(name: str) -> tuple[int, int, int] | None:
+        parts = name.split(".")
+        return rules.get(parts[-2]) if len(parts) >= 2 else None
+
+    return spec

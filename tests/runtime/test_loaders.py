@@ -198,3 +198,39 @@ def test_resolve_rules_dummy_weights_and_torch_free_config(
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+def test_hf_directory_reads_only_a_ranks_shard(tmp_path) -> None:
+    from sharp_llama import sharp_llama
+
+    from runtime.layers.parallel import TensorParallel
+    from runtime.loaders.hf_dir import load_hf_weights, read_hf_config
+    from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
+
+    directory, _ = sharp_llama(tmp_path, heads=4, kv_heads=2, vocab=250)
+    config = read_hf_config(directory)
+    full = load_hf_weights(directory, config, torch.float32)
+    for rank in range(4):
+        tp = TensorParallel(rank, 4)
+        spec = llama_shard_spec(config, tp)
+        shard = load_hf_weights(directory, config, torch.float32, spec)
+        q = shard["model.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(q, full["model.layers.0.self_attn.q_proj.weight"][16 * rank:16 * rank + 16])
+        k = shard["model.layers.1.self_attn.k_proj.weight"]       # 2 KV heads, 4 ranks: shared
+        kv_head = rank // 2
+        assert torch.equal(k, full["model.layers.1.self_attn.k_proj.weight"][
+            16 * kv_head:16 * kv_head + 16])
+        down = shard["model.layers.0.mlp.down_proj.weight"]
+        assert torch.equal(down, full["model.layers.0.mlp.down_proj.weight"][:, 32 * rank:32 * rank + 32])
+        vocab = shard["model.embed_tokens.weight"]                 # 63 rows a rank, 250 in all
+        assert vocab.shape[0] == 63
+        rows = full["model.embed_tokens.weight"][63 * rank:63 * rank + 63]
+        assert torch.equal(vocab[:rows.shape[0]], rows) and not vocab[rows.shape[0]:].any()
+        assert torch.equal(shard["model.norm.weight"], full["model.norm.weight"])
+        # The model takes shards and whole tensors alike, and ends up with the same weights.
+        from_shards = LlamaForCausalLM(config, torch.float32, tp)
+        from_shards.load_hf_state_dict(shard)
+        from_full = LlamaForCausalLM(config, torch.float32, tp)
+        from_full.load_hf_state_dict(full)
+        for a, b in zip(from_shards.parameters(), from_full.parameters(), strict=True):
+            assert torch.equal(a, b)
