@@ -210,6 +210,11 @@ SchedulerToWorker = StepPlan | Shutdown
 WorkerToScheduler = WorkerReady | StepResult | WorkerError
 
 
+# What decoding an untrusted frame can raise: msgpack strings with invalid UTF-8 surface as
+# UnicodeDecodeError rather than as msgspec's own errors.
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+
+
 def client_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(ClientMessage)
 

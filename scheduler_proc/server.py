@@ -11,6 +11,7 @@ import zmq
 
 from protocol.config import EngineConfig
 from protocol.messages import (
+    DECODE_ERRORS,
     AbortDone,
     AbortRequest,
     AddRequest,
@@ -221,7 +222,7 @@ class SchedulerServer:
     def _handle_client_message(self, client: bytes, payload: bytes) -> None:
         try:
             message = self.client_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        except DECODE_ERRORS as error:
             self._reply(client, ErrorReply(tag=_tag_of(payload), message=f"invalid request: {error}"))
             return
         if isinstance(message, AddRequest):
@@ -384,7 +385,7 @@ def _tag_of(payload: bytes) -> int | None:
     tell which of its requests was refused. Plain msgpack decoding: no objects are built."""
     try:
         fields = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except DECODE_ERRORS:
         return None
     if isinstance(fields, list) and len(fields) > 1 and fields[0] in CLIENT_MESSAGE_TAGS \
             and isinstance(fields[1], int) and not isinstance(fields[1], bool):

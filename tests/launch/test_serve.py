@@ -229,8 +229,10 @@ def test_invalid_params_on_the_wire_get_an_error_reply(raw, client, field, wire_
 
 
 def test_garbage_frames_get_an_error_reply_without_a_tag(raw, client) -> None:
+    # Strings with invalid UTF-8 (bare, and as a message tag) once crashed the scheduler.
     for payload in (os.urandom(64), b"", b"\x93\x01\x02", msgspec.msgpack.encode({"add": 1}),
-                    msgspec.msgpack.encode(["plan", 1, [], [], [], []])):
+                    msgspec.msgpack.encode(["plan", 1, [], [], [], []]), b"\xa2\xff\xfe",
+                    b"\x92\xa2\xff\xfe\x01", b"\x93\xa3add\x01\xa1\xff"):
         raw.send(payload)
         reply = raw.recv()
         assert isinstance(reply, ErrorReply), (payload, reply)
