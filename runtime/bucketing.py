@@ -70,7 +70,7 @@ class PhaseBuckets:
         """All (bs, seq) pairs whose tokens fit the budget: bs x seq for a prompt, bs for a
         decode (one new token per sequence)."""
         buckets = tuple((b, s) for b in bs.values() for s in seq.values()
-                        if (b * s if phase == "prompt" else b) <= max_num_batched_tokens)
+                        if bucket_tokens(phase, b, s) <= max_num_batched_tokens)
         return cls(phase, bs, seq, buckets)
 
     def find(self, batch_size: int, length: int) -> Bucket | None:
@@ -92,6 +92,12 @@ class PhaseBuckets:
 
     def list_line(self) -> str:
         return f"Generated {len(self.buckets)} {self.phase} buckets: {list(self.buckets)}"
+
+
+def bucket_tokens(phase: str, batch_size: int, length: int) -> int:
+    """Tokens a bucket computes: every position of every sequence for a prompt, one new token
+    per sequence for a decode. It is also what a compiled graph's shape depends on."""
+    return batch_size * length if phase == "prompt" else batch_size
 
 
 def capture_order(buckets: tuple[Bucket, ...] | list[Bucket], strategy: str) -> list[Bucket]:
@@ -149,11 +155,15 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def compiling(config: EngineConfig) -> bool:
+    return config.compile and not config.enforce_eager
+
+
 def bucketing_enabled(config: EngineConfig) -> bool:
     """Whether batches are padded to buckets: `on`, or `auto` when there is something to
     compile (padding alone only costs)."""
     if config.bucketing == "auto":
-        return config.compile and not config.enforce_eager
+        return compiling(config)
     return config.bucketing == "on"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.bucketing import Bucket, PhaseBuckets
+from runtime.bucketing import Bucket, PhaseBuckets, bucket_tokens
 from scheduler_proc.policy import Policy
 from scheduler_proc.request import Request
 
@@ -73,7 +73,6 @@ class BucketPlanner:
         if bucket is None:
             self.counters.batches_outside_buckets += 1
             return None
-        padded = bucket[0] * bucket[1] if phase == "prompt" else bucket[0]
-        self.counters.padded_tokens += padded - num_tokens
+        self.counters.padded_tokens += bucket_tokens(phase, *bucket) - num_tokens
         self.counters.computed_tokens += num_tokens
         return bucket

@@ -9,7 +9,7 @@ import torch
 
 from protocol.messages import StepPlan
 from protocol.sampling import SamplingParams
-from runtime.bucketing import PhaseBuckets
+from runtime.bucketing import PhaseBuckets, bucket_tokens
 from runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from runtime.models.llama import (
     EAGER,
@@ -172,7 +172,7 @@ class ModelRunner:
         for phase in ("prompt", "decode"):
             shapes: dict[int, tuple[int, int]] = {}
             for bs, length in buckets[phase].buckets:
-                tokens = bs * length if phase == "prompt" else bs
+                tokens = bucket_tokens(phase, bs, length)
                 if tokens not in shapes or (phase == "decode" and length < shapes[tokens][1]):
                     shapes[tokens] = (bs, length)
             order = sorted(shapes.items(), reverse=True)
@@ -229,7 +229,7 @@ class ModelRunner:
         if bucket is not None:
             phase, bucket_bs, bucket_len = bucket
             pad_start = len(input_ids)
-            num_padding = (bucket_bs * bucket_len if phase == "prompt" else bucket_bs) - pad_start
+            num_padding = bucket_tokens(phase, bucket_bs, bucket_len) - pad_start
             scratch = self.scratch_block * block_size
             input_ids.extend([0] * num_padding)
             positions.extend([0] * num_padding)

@@ -22,7 +22,7 @@ from protocol.messages import (
     worker_inbound_decoder,
 )
 from protocol.transport import Encoder, make_socket, poll_recv
-from runtime.bucketing import bucketing_enabled, engine_buckets
+from runtime.bucketing import bucketing_enabled, compiling, engine_buckets
 from runtime.layers.parallel import TensorParallel
 from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
@@ -111,7 +111,7 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: in
     """With bucketing: log the buckets, compile the layer pieces (--compile) and warm every
     bucket shape up, so that serving compiles nothing."""
     if not bucketing_enabled(config):
-        if config.compile and not config.enforce_eager:
+        if compiling(config):
             log.warning("--compile needs bucketing: it is off (--bucketing off)")
         return
     buckets = engine_buckets(config, max_model_len)
@@ -119,7 +119,7 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: in
         for phase_buckets in buckets.values():
             log.info("%s", phase_buckets.config_line())
             log.info("%s", phase_buckets.list_line())
-    if config.compile and not config.enforce_eager:
+    if compiling(config):
         runner.compile_pieces(sum(len(b.buckets) for b in buckets.values()))
     if config.skip_warmup:
         log.warning("warmup skipped (--skip-warmup): the first batch of each bucket shape will "

@@ -77,7 +77,17 @@ class ShardLayout:
                    rank * vocab_per_rank, vocab_per_rank)
 
 
-def shard_rows(weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+def read_shard(source, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    """`source` whole, or the (dimension, start, count) shard of it: rows (zero-padded past the
+    end) or columns. `source` is a tensor, or a safetensors slice that reads only what is
+    indexed."""
+    if shard is None:
+        return source[:]
+    dim, start, count = shard
+    return shard_rows(source, start, count) if dim == 0 else source[:, start:start + count]
+
+
+def shard_rows(weight, start: int, count: int) -> torch.Tensor:
     """Rows [start, start + count), zero-padded past the end (a vocabulary's last shard)."""
     part = weight[start:start + count]
     if part.shape[0] < count:
@@ -109,15 +119,17 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     num_tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
     chunks = tp.row_parallel_chunks
     if chunks <= 1 or tp.size == 1 or num_tokens < tp.row_parallel_chunk_threshold:
-        out = tp.all_reduce(linear(x, weight))
-        return out if bias is None else out + bias
-    dim = 0 if x.dim() == 2 or x.shape[1] == 1 else 1
+        parts, dim = (x,), 0
+    else:
+        dim = 0 if x.dim() == 2 or x.shape[1] == 1 else 1
+        parts = x.chunk(chunks, dim=dim)
     pieces, works = [], []
-    for part in x.chunk(chunks, dim=dim):
+    for part in parts:
         partial = linear(part.contiguous(), weight)
-        works.append(dist.all_reduce(partial, group=tp.group, async_op=True))
+        if tp.size > 1:
+            works.append(dist.all_reduce(partial, group=tp.group, async_op=True))
         pieces.append(partial)
     for work in works:
         work.wait()
-    out = torch.cat(pieces, dim=dim)
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
     return out if bias is None else out + bias

@@ -59,6 +59,8 @@ def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
     runtime.models.llama.llama_shard_spec) only that slice of each tensor is read from disk."""
     from safetensors import safe_open
 
+    from runtime.layers.parallel import read_shard
+
     expected = weight_shapes(config)
     allowed = {**expected, **optional_bias_shapes(config)}
     out: dict[str, torch.Tensor] = {}
@@ -78,24 +80,10 @@ def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
                     raise ValueError(
                         f"{f}: tensor {name!r} has shape {shape}, config implies {allowed[name]}"
                     )
-                out[name] = _read(tensor, shard_spec(name) if shard_spec else None).to(
+                out[name] = read_shard(tensor, shard_spec(name) if shard_spec else None).to(
                     dtype).contiguous()
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"{directory}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return out
 
-
-def _read(tensor, shard: tuple[int, int, int] | None) -> torch.Tensor:
-    """The whole tensor, or only the rows/columns of a shard (rows past the end are zeros)."""
-    import torch
-
-    if shard is None:
-        return tensor[:]
-    dim, start, count = shard
-    if dim == 1:
-        return tensor[:, start:start + count]
-    rows = tensor[start:start + count]
-    if rows.shape[0] < count:
-        rows = torch.cat([rows, rows.new_zeros((count - rows.shape[0],) + tuple(rows.shape[1:]))])
-    return rows

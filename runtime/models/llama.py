@@ -14,8 +14,8 @@ from runtime.layers.norm import RMSNorm, rms_norm
 from runtime.layers.parallel import (
     ShardLayout,
     TensorParallel,
+    read_shard,
     row_parallel_linear,
-    shard_rows,
     vocab_parallel_embedding,
 )
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
@@ -168,10 +168,9 @@ class LlamaForCausalLM(nn.Module):
             if name not in weights:
                 raise ValueError(f"checkpoint is missing weight {name}")
             tensor, shard = weights[name], spec(name)
-            if shard is None or tensor.shape[shard[0]] == shard[2]:
-                return tensor
-            dim, start, count = shard
-            return shard_rows(tensor, start, count) if dim == 0 else tensor[:, start:start + count]
+            if shard is not None and tensor.shape[shard[0]] == shard[2]:
+                return tensor           # a loader read only this rank's shard
+            return read_shard(tensor, shard)
 
         self.embed_tokens.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
