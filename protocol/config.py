@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+THERMAL_SENSORS = ("auto", "nvml", "psutil", "none")
+
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything a launcher, scheduler or worker needs to know to start.
@@ -84,6 +86,37 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     row_parallel_chunk_threshold: Annotated[int, Meta(ge=0, description=(
         "fewest tokens a batch needs for row-parallel chunking; 0 reads "
         "SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, else 8192"))] = 0
+    thermal_sensor: Annotated[str, Meta(description=(
+        "where each worker reads its device temperature: auto (nvml on CUDA if it "
+        "initialises, else psutil, else none), nvml, psutil, file:PATH (a number read from "
+        "PATH each time; {rank} expands to the worker's rank) or none"))] = "auto"
+    thermal_interval_steps: Annotated[int, Meta(ge=1, description=(
+        "read the sensors and all-reduce the group's maximum every this many steps"))] = 1
+    thermal_target_c: Annotated[float, Meta(gt=0, description=(
+        "hottest-device temperature (Celsius) at which the running batch starts to shrink"))] = 82.0
+    thermal_hysteresis_c: Annotated[float, Meta(ge=0, description=(
+        "throttling stops only below target minus this many degrees, so a temperature "
+        "hovering at the target does not make requests bounce"))] = 3.0
+    thermal_kp: Annotated[float, Meta(gt=0, description=(
+        "running requests taken off the cap per degree over the target (at least one when "
+        "throttling starts)"))] = 1.0
+    thermal_policy: Annotated[str, Meta(description=(
+        "thermal policy class: empty for the built-in proportional controller, module:Class, "
+        "or the name of a spmd_runtime.thermal_policies entry point"))] = ""
+    thermal_victims: Annotated[Literal["lru", "largest_kv", "lowest_priority"], Meta(
+        description=(
+            "which running requests leave when the batch must shrink: lru (the most recently "
+            "admitted or resumed, which lose the least progress), largest_kv (those holding "
+            "the most KV blocks) or lowest_priority (lowest request priority, then lru)"))] = "lru"
+    enable_admin: Annotated[bool, Meta(description=(
+        "accept admin calls (batch control: evict, cap, thermal target); with --admin-token "
+        "set, only calls carrying it"))] = False
+    admin_token: Annotated[str, Meta(description=(
+        "secret every admin call must carry; setting it enables admin calls"))] = ""
+    http_host: Annotated[str, Meta(description=(
+        "address the OpenAI-compatible HTTP front binds to"))] = "127.0.0.1"
+    http_port: Annotated[int, Meta(ge=0, le=65535, description=(
+        "port of the OpenAI-compatible HTTP front started by `spmdrun serve`; 0: no HTTP front"))] = 0
     nproc_per_node: Annotated[int, Meta(ge=1, description="worker processes (devices) per node")] = 1
     nnodes: Annotated[int, Meta(ge=1, description="number of nodes in the job")] = 1
     node_rank: Annotated[int, Meta(ge=0, description="rank of this node (0 runs the scheduler)")] = 0
@@ -99,6 +132,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     step_timeout_s: Annotated[float, Meta(gt=0, description=(
         "seconds without a step result before the workers are declared dead"))] = 300.0
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+
+    def __post_init__(self) -> None:
+        sensor = self.thermal_sensor
+        if sensor not in THERMAL_SENSORS and not (sensor.startswith("file:") and len(sensor) > 5):
+            raise ValueError(f"thermal_sensor must be one of {', '.join(THERMAL_SENSORS)} or "
+                             f"file:PATH, got {sensor!r}")
+
+    @property
+    def admin_enabled(self) -> bool:
+        return self.enable_admin or bool(self.admin_token)
 
     @property
     def world_size(self) -> int:

@@ -5,6 +5,8 @@ Scheduler <-> worker messages are positional arrays (array_like) since they go e
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from protocol.sampling import SamplingParams
@@ -23,6 +25,8 @@ class AddRequest(_Wire, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams = SamplingParams()
     request_id: int | None = None
+    # Larger is more important; thermal eviction with lowest_priority victims uses it.
+    priority: int = 0
 
 
 class AbortRequest(_Wire, tag="abort"):
@@ -46,7 +50,29 @@ class ModelInfoRequest(_Wire, tag="model_info"):
     tag: int
 
 
-ClientMessage = AddRequest | AbortRequest | StatsRequest | ModelInfoRequest | ResetPrefixCacheRequest
+VictimPolicy = Literal["lru", "largest_kv", "lowest_priority"]
+
+
+class AdminBatchRequest(_Wire, tag="admin_batch"):
+    """Operator control of the running batch. Every field left None is left as it is.
+
+    force_evict takes that many running requests off the batch now (through preemption: they
+    complete later); without max_num_seqs it also lowers max_num_seqs to the new running count
+    so they do not come straight back. target_temp_c moves the thermal policy's target. policy
+    picks this call's victims. dry_run changes nothing and answers what would happen.
+    """
+
+    tag: int
+    token: str = ""
+    max_num_seqs: int | None = None
+    force_evict: int | None = None
+    target_temp_c: float | None = None
+    policy: VictimPolicy | None = None
+    dry_run: bool = False
+
+
+ClientMessage = (AddRequest | AbortRequest | StatsRequest | ModelInfoRequest
+                 | ResetPrefixCacheRequest | AdminBatchRequest)
 
 
 # ---------------------------------------------------------------- scheduler -> client
@@ -81,6 +107,28 @@ class Done(_Wire, tag="done"):
     tag: int
 
 
+class AdminBatchReply(_Wire, tag="admin_batch_reply"):
+    tag: int
+    previous_running: int
+    new_running: int
+    evicted_request_ids: list[int]
+    new_max_num_seqs: int
+    # Measured group power per running request times the evictions; None without a power reading.
+    estimated_watts_saved: float | None
+    dry_run: bool = False
+
+
+class ThermalEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A throttle start or stop, or an eviction, as the scheduler saw it (newest last in stats)."""
+
+    step: int                   # the step planned next when it happened
+    kind: str                   # throttle_start, throttle_stop, thermal_evict or admin_evict
+    max_temp_c: float | None
+    cap: int                    # the cap on running requests (after an eviction: the new one)
+    running: int                # running requests after the event
+    request_ids: list[int] = []
+
+
 class EngineStats(_Wire, tag="stats_reply"):
     tag: int
     num_waiting: int
@@ -112,6 +160,18 @@ class EngineStats(_Wire, tag="stats_reply"):
     kv_blocks_cached: int              # blocks holding a hashed, reusable prefix
     maintenance_ms: float              # scheduler bookkeeping done during steps, in total
     maintenance_hidden_ms: float       # of that, overlapped with the workers' forward passes
+    max_num_seqs: int                  # as configured, or as last set by an admin call
+    running_cap: int                   # most requests allowed to run now (thermal cap included)
+    thermal_sensor: str                # rank 0's sensor kind: nvml, psutil, file, none
+    max_temp_c: float | None           # hottest device of the group at the last reading
+    hottest_rank: int | None
+    rank_temps_c: list[float | None]   # every rank's last reading (None: no reading)
+    power_w: float | None              # the group's power draw, where the sensors report it
+    thermal_throttling: bool
+    thermal_target_c: float
+    thermal_evictions: int             # requests taken off the batch by the thermal policy
+    admin_evictions: int               # requests taken off the batch by admin calls
+    thermal_events: list[ThermalEvent]
 
 
 class ModelInfo(_Wire, tag="model_info_reply"):
@@ -130,9 +190,13 @@ class ErrorReply(_Wire, tag="error"):
     tag: int | None
     message: str
     request_id: int | None = None
+    # Set where the kind matters to a client: "forbidden" (bad or missing admin token),
+    # "disabled" (admin calls are off).
+    code: str | None = None
 
 
-ServerMessage = RequestAccepted | Outputs | AbortDone | Done | EngineStats | ModelInfo | ErrorReply
+ServerMessage = (RequestAccepted | Outputs | AbortDone | Done | EngineStats | ModelInfo | ErrorReply
+                 | AdminBatchReply)
 
 
 # ---------------------------------------------------------------- scheduler <-> worker
@@ -147,6 +211,7 @@ class WorkerReady(_Wire, tag="ready"):
     eos_token_ids: list[int]
     device: str
     num_cpu_kv_blocks: int = 0     # the swap space, in blocks
+    thermal_sensor: str = "none"   # the sensor kind this rank reads: nvml, psutil, file, none
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -185,6 +250,15 @@ class StepPlan(_Wire, tag="plan"):
     bucket: tuple[str, int, int] | None = None
 
 
+class ThermalReading(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The group's temperatures at one step, all-reduced (MAX) across the ranks."""
+
+    max_temp_c: float
+    hottest_rank: int
+    temps_c: list[float | None]      # per rank; None where a rank has no reading
+    power_w: float | None = None     # the group's total draw, from the ranks that report one
+
+
 class StepResult(_Wire, tag="result"):
     """Rank 0's answer: one sampled token for each request whose scheduled tokens reached its end."""
 
@@ -195,6 +269,8 @@ class StepResult(_Wire, tag="result"):
     prepare_ms: float
     # Graph captures or compilations this step needed after warmup (a shape nobody warmed up).
     num_compilations: int = 0
+    # Set on steps that read the sensors (every --thermal-interval-steps) when any rank has a reading.
+    thermal: ThermalReading | None = None
 
 
 class WorkerError(_Wire, tag="worker_error"):

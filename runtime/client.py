@@ -12,6 +12,8 @@ import zmq
 from protocol.messages import (
     AbortRequest,
     AddRequest,
+    AdminBatchReply,
+    AdminBatchRequest,
     EngineStats,
     ErrorReply,
     ModelInfo,
@@ -50,8 +52,9 @@ class Client:
     """
 
     def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 600.0,
-                 alive: Callable[[], bool] | None = None) -> None:
+                 alive: Callable[[], bool] | None = None, admin_token: str = "") -> None:
         self.address = address
+        self.admin_token = admin_token
         self.timeout_s = timeout_s
         self._alive = alive
         self._ctx = zmq.Context()
@@ -95,12 +98,18 @@ class Client:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """Run every prompt to completion (batched by the engine) and return outputs in order."""
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the engine) and return outputs in order.
+
+        priority (one for all, or one per prompt; larger is more important) decides who leaves
+        the batch first under --thermal-victims lowest_priority."""
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(params, len(prompt_list))
+        priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         token_lists = [self.encode(p) for p in prompt_list]
-        request_ids = self._submit_all(token_lists, param_list)
+        request_ids = self._submit_all(token_lists, param_list, priorities)
         outputs = {rid: RequestOutput(rid, ids)
                    for rid, ids in zip(request_ids, token_lists, strict=True)}
         pending = set(request_ids)
@@ -122,10 +131,10 @@ class Client:
         return results
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: int | None = None) -> Iterator[StreamDelta]:
+               request_id: int | None = None, priority: int = 0) -> Iterator[StreamDelta]:
         """Yield new tokens (and their text, when a tokenizer is available) as they are generated."""
         token_ids = self.encode(prompt)
-        request_id = self._submit(token_ids, params or SamplingParams(), request_id)
+        request_id = self._submit(token_ids, params or SamplingParams(), request_id, priority)
         detokenizer = IncrementalDetokenizer(self.tokenizer) if (
             self._tokenizer is not None or isinstance(prompt, str)) else None
         finished = False
@@ -155,6 +164,26 @@ class Client:
         """Forget all cached prefixes. Raises ValueError while requests are running."""
         self._call(ResetPrefixCacheRequest(tag=next(self._tags)))
 
+    def admin_batch(self, max_num_seqs: int | None = None, force_evict: int | None = None,
+                    target_temp_c: float | None = None, policy: str | None = None,
+                    dry_run: bool = False) -> AdminBatchReply:
+        """Operator control of the running batch (needs --enable-admin or --admin-token on the
+        server, and this client's admin_token when the server has one).
+
+        force_evict takes that many running requests off the batch now, chosen by `policy`
+        (lru, largest_kv, lowest_priority; default: the server's --thermal-victims); they
+        complete later. max_num_seqs sets the cap on running requests; target_temp_c the
+        thermal target. dry_run names the victims and changes nothing. Raises PermissionError
+        when refused, ValueError for bad values."""
+        try:
+            request = AdminBatchRequest(tag=next(self._tags), token=self.admin_token,
+                                        max_num_seqs=max_num_seqs, force_evict=force_evict,
+                                        target_temp_c=target_temp_c, policy=policy,
+                                        dry_run=dry_run)
+        except TypeError as error:
+            raise ValueError(str(error)) from None
+        return self._call(request)
+
     def close(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
@@ -167,17 +196,19 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _submit(self, token_ids: list[int], params: SamplingParams, request_id: int | None) -> int:
+    def _submit(self, token_ids: list[int], params: SamplingParams, request_id: int | None,
+                priority: int = 0) -> int:
         reply = self._call(AddRequest(tag=next(self._tags), prompt_token_ids=token_ids,
-                                      params=params, request_id=request_id))
+                                      params=params, request_id=request_id, priority=priority))
         return reply.request_id
 
-    def _submit_all(self, token_lists: list[list[int]], params: list[SamplingParams]) -> list[int]:
+    def _submit_all(self, token_lists: list[list[int]], params: list[SamplingParams],
+                    priorities: list[int]) -> list[int]:
         tags = []
-        for ids, p in zip(token_lists, params, strict=True):
+        for ids, p, priority in zip(token_lists, params, priorities, strict=True):
             tag = next(self._tags)
             tags.append(tag)
-            self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p))
+            self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p, priority=priority))
         self._pump_until(lambda: all(t in self._replies for t in tags))
         replies = [self._replies.pop(t) for t in tags]
         accepted = [r.request_id for r in replies if isinstance(r, RequestAccepted)]
@@ -194,6 +225,8 @@ class Client:
         self._pump_until(lambda: tag in self._replies, timeout_s)
         reply = self._replies.pop(tag)
         if isinstance(reply, ErrorReply):
+            if reply.code in ("forbidden", "disabled"):
+                raise PermissionError(reply.message)
             raise ValueError(reply.message)
         return reply
 

@@ -25,11 +25,13 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "client", "output_token_ids",
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
-                 "block_hashes", "num_cached_blocks", "cpu_block_ids")
+                 "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 client: bytes = b"", arrival_seq: int = 0) -> None:
+                 client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
         self.request_id = request_id
+        # Larger is more important (thermal eviction with lowest_priority victims).
+        self.priority = priority
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.client = client

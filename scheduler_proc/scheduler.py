@@ -14,6 +14,10 @@ it is recomputed later from prompt + generated tokens, prefix caching recovering
 Swapped requests resume before any new request is admitted, and preempted ones go to the head
 of the waiting queue, so none starves. Block copies travel in the plan.
 
+Thermal control (scheduler_proc.thermal) caps the running batch from the hottest device's
+temperature: before each step, running requests over the cap leave through the same
+preemption (swap or soft reset), and swapped or waiting requests come back only under the cap.
+
 Hashing newly full blocks and freeing finished requests happen in `maintain`, which the step
 loop runs while the workers compute.
 """
@@ -31,6 +35,7 @@ from scheduler_proc.cpu_block_pool import CpuBlockPool
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.policy import Policy, running_order
 from scheduler_proc.request import FinishReason, Request, RequestStatus
+from scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl, select_victims
 
 log = logging.getLogger("spmd.scheduler")
 
@@ -89,10 +94,15 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: list[int], policy: Policy = "fifo",
                  num_cpu_blocks: int = 0, admission_watermark: float = 0.0,
-                 buckets: dict[str, PhaseBuckets] | None = None) -> None:
+                 buckets: dict[str, PhaseBuckets] | None = None,
+                 thermal: ThermalControl | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # The most requests allowed to run in the step being planned: max_num_seqs, or less
+        # while the thermal policy throttles.
+        self.running_cap = max_num_seqs
+        self.thermal = thermal or ThermalControl(ProportionalThermalPolicy())
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy
@@ -152,6 +162,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> ScheduledStep:
+        self._apply_running_cap()
         if self.planner is None:
             return self._finalize(self._schedule_pass(None))
         phase = self.planner.pick_phase(self.running, self.swapped[0] if self.swapped else None,
@@ -181,14 +192,58 @@ class Scheduler:
 
         # Bringing requests in while preempting would only evict them again next step.
         if not draft.preempted:
-            while (self.swapped and budget > 0 and len(self.running) < self.max_num_seqs
+            while (self.swapped and budget > 0 and len(self.running) < self.running_cap
                    and self._swap_in(self.swapped[0], budget, draft)):
                 budget -= draft.num_scheduled[self.swapped.popleft().request_id]
             while (not self.swapped and self.waiting and budget > 0 and phase != "decode"
-                   and len(self.running) < self.max_num_seqs
+                   and len(self.running) < self.running_cap
                    and self._admit(self.waiting[0], budget, draft)):
                 budget -= draft.num_scheduled[self.waiting.popleft().request_id]
         return draft
+
+    def _apply_running_cap(self) -> None:
+        """Ask the thermal policy for this step's cap; running requests over it leave."""
+        demand = len(self.running) + len(self.swapped) + len(self.waiting)
+        if not demand:
+            # Idle: keep showing the cap in force until throttling stops.
+            self.running_cap = (min(self.running_cap, self.max_num_seqs)
+                                if self.thermal.throttling else self.max_num_seqs)
+            return
+        unlimited = min(self.max_num_seqs, demand)
+        cap = self.max_num_seqs
+        limited = self.thermal.policy.max_running(unlimited)
+        if limited < unlimited:
+            cap = max(1, limited)
+        self.running_cap = cap
+        excess = len(self.running) - cap
+        if excess <= 0:
+            return
+        victims = self._thermal_victims(excess)
+        self.evict(victims)
+        self.thermal.thermal_evictions += len(victims)
+        ids = [r.request_id for r in victims]
+        self.thermal.record(self._next_step_id, "thermal_evict", cap, len(self.running), ids)
+        log.info("thermal cap %d (%.1f C): took requests %s off the batch, %d running",
+                 cap, self.thermal.max_temp_c or float("nan"), ids, len(self.running))
+
+    def _thermal_victims(self, excess: int) -> list[Request]:
+        """The policy's victims; a policy that returns anything but `excess` distinct running
+        requests is overruled (lru order), so a buggy plugin cannot stop the engine."""
+        policy = self.thermal.policy
+        victims = policy.select_victims(list(self.running), excess)
+        running = {id(r) for r in self.running}
+        if len(victims) == excess and len({id(r) for r in victims}) == excess \
+                and all(id(r) in running for r in victims):
+            return victims
+        log.error("%s.select_victims must return %d distinct running requests, got %r: "
+                  "evicting in lru order instead", type(policy).__name__, excess, victims)
+        return select_victims(self.running, excess, "lru")
+
+    def evict(self, victims: list[Request]) -> None:
+        """Take running requests off the batch through preemption (swap if the CPU pool has
+        room, else soft reset); they come back when the cap allows."""
+        for request in victims:
+            self._preempt(request)
 
     def _tokens_to_schedule(self, request: Request, budget: int, draft: _Draft,
                             num_hit_tokens: int = 0, admitting: bool = False) -> int:
@@ -326,6 +381,9 @@ class Scheduler:
         self.counters.num_steps += 1
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         update = StepUpdate()
+        if result.thermal is not None:
+            self.thermal.observe(result.thermal, self._next_step_id, self.running_cap,
+                                 len(self.running))
         for request_id, num_tokens in step.num_scheduled.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:

@@ -1,6 +1,7 @@
 """The scheduler process: serves clients on a ROUTER socket and drives the workers step by step."""
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import signal
@@ -15,6 +16,8 @@ from protocol.messages import (
     AbortDone,
     AbortRequest,
     AddRequest,
+    AdminBatchReply,
+    AdminBatchRequest,
     ClientMessage,
     Done,
     EngineStats,
@@ -38,6 +41,7 @@ from runtime.bucketing import bucketing_enabled, engine_buckets
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.request import FinishReason, Request
 from scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
+from scheduler_proc.thermal import ThermalControl, load_policy_class, select_victims
 
 log = logging.getLogger("spmd.scheduler")
 
@@ -73,6 +77,14 @@ class SchedulerServer:
         self.maintenance_ms = 0.0
         self.maintenance_hidden_ms = 0.0
         self.runtime_graph_compilations = 0
+        self.thermal_sensor = "none"
+        # Fail at start-up, not at the first reading, if the policy cannot be loaded or built.
+        policy_class = load_policy_class(config.thermal_policy)
+        self.thermal = ThermalControl(policy_class(
+            target_c=config.thermal_target_c, hysteresis_c=config.thermal_hysteresis_c,
+            k_p=config.thermal_kp, victims=config.thermal_victims))
+        if config.thermal_policy:
+            log.info("thermal policy: %s", policy_class.__qualname__)
 
     # ------------------------------------------------------------------ start-up
 
@@ -112,7 +124,8 @@ class SchedulerServer:
             max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
             eos_token_ids=first.eos_token_ids, policy=self.config.scheduler,
             num_cpu_blocks=num_cpu_blocks, admission_watermark=self.config.kv_admission_watermark,
-            buckets=buckets)
+            buckets=buckets, thermal=self.thermal)
+        self.thermal_sensor = first.thermal_sensor
         self.model_info = ModelInfo(tag=0, model=self.config.model, max_model_len=max_model_len,
                                     vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
                                     block_size=block_size, world_size=world)
@@ -233,6 +246,8 @@ class SchedulerServer:
             self._reply(client, self._stats(message.tag))
         elif isinstance(message, ModelInfoRequest):
             self._reply(client, msgspec.structs.replace(self.model_info, tag=message.tag))
+        elif isinstance(message, AdminBatchRequest):
+            self._admin_batch(client, message)
         elif isinstance(message, ResetPrefixCacheRequest):
             if self.scheduler.reset_prefix_cache():
                 self._reply(client, Done(tag=message.tag))
@@ -257,7 +272,7 @@ class SchedulerServer:
             self._next_request_id += 1
         self._arrivals += 1
         scheduler.add(Request(request_id, message.prompt_token_ids, message.params, client,
-                              self._arrivals))
+                              self._arrivals, message.priority))
         self._reply(client, RequestAccepted(tag=message.tag, request_id=request_id))
 
     def _validate(self, message: AddRequest) -> str | None:
@@ -283,6 +298,72 @@ class SchedulerServer:
                 return f"request_id must be >= 0, got {message.request_id}"
             if message.request_id in self.scheduler.requests:
                 return f"request_id {message.request_id} is already in use; pick another or omit it"
+        return None
+
+    def _admin_batch(self, client: bytes, message: AdminBatchRequest) -> None:
+        """Operator control of the running batch; see AdminBatchRequest."""
+        config = self.config
+        if not config.admin_enabled:
+            self._reply(client, ErrorReply(tag=message.tag, code="disabled", message=(
+                "admin calls are disabled on this server; start it with --admin-token SECRET "
+                "(or --enable-admin on a trusted network)")))
+            return
+        if config.admin_token and not hmac.compare_digest(
+                message.token.encode(), config.admin_token.encode()):
+            log.warning("refused an admin call with a %s token",
+                        "missing" if not message.token else "wrong")
+            self._reply(client, ErrorReply(tag=message.tag, code="forbidden", message=(
+                "admin token missing or wrong: pass the server's --admin-token "
+                "(Client(admin_token=...))")))
+            return
+        error = self._admin_error(message)
+        if error is not None:
+            self._reply(client, ErrorReply(tag=message.tag, message=error))
+            return
+        scheduler = self.scheduler
+        previous = len(scheduler.running)
+        num_evict = message.force_evict or 0
+        if message.policy is None:
+            victims = scheduler.thermal.policy.select_victims(list(scheduler.running), num_evict)
+        else:
+            victims = select_victims(scheduler.running, num_evict, message.policy)
+        new_running = previous - len(victims)
+        new_max = message.max_num_seqs
+        if new_max is None:
+            new_max = min(scheduler.max_num_seqs, max(1, new_running)) if victims \
+                else scheduler.max_num_seqs
+        per_request = scheduler.thermal.watts_per_request(previous)
+        reply = AdminBatchReply(
+            tag=message.tag, previous_running=previous, new_running=new_running,
+            evicted_request_ids=[r.request_id for r in victims], new_max_num_seqs=new_max,
+            estimated_watts_saved=None if per_request is None else per_request * len(victims),
+            dry_run=message.dry_run)
+        if not message.dry_run:
+            scheduler.evict(victims)
+            scheduler.max_num_seqs = new_max
+            if message.target_temp_c is not None:
+                scheduler.thermal.policy.target_c = message.target_temp_c
+            if victims:
+                scheduler.thermal.admin_evictions += len(victims)
+                scheduler.thermal.record(scheduler.counters.num_steps, "admin_evict", new_max,
+                                         new_running, reply.evicted_request_ids)
+            log.warning("admin batch control: evicted %s, max_num_seqs %d, thermal target "
+                        "%.1f C", reply.evicted_request_ids, new_max,
+                        scheduler.thermal.policy.target_c)
+        self._reply(client, reply)
+
+    def _admin_error(self, message: AdminBatchRequest) -> str | None:
+        running = len(self.scheduler.running)
+        if message.max_num_seqs is not None and message.max_num_seqs < 1:
+            return f"max_num_seqs must be at least 1, got {message.max_num_seqs}"
+        if message.force_evict is not None:
+            if message.force_evict < 0:
+                return f"force_evict must be >= 0, got {message.force_evict}"
+            if message.force_evict > running:
+                return (f"force_evict {message.force_evict} is more than the {running} running "
+                        "requests; ask for at most that many")
+        if message.target_temp_c is not None and not 20.0 <= message.target_temp_c <= 120.0:
+            return f"target_temp_c must be between 20 and 120 (Celsius), got {message.target_temp_c}"
         return None
 
     def _abort_request(self, client: bytes, message: AbortRequest) -> None:
@@ -319,7 +400,24 @@ class SchedulerServer:
             prefix_caching=kv.enable_caching,
             prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
             prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,
-            maintenance_ms=self.maintenance_ms, maintenance_hidden_ms=self.maintenance_hidden_ms)
+            maintenance_ms=self.maintenance_ms, maintenance_hidden_ms=self.maintenance_hidden_ms,
+            **self._thermal_stats())
+
+    def _thermal_stats(self) -> dict:
+        scheduler = self.scheduler
+        thermal = scheduler.thermal
+        reading = thermal.reading
+        return dict(
+            max_num_seqs=scheduler.max_num_seqs,
+            running_cap=scheduler.running_cap if thermal.throttling else scheduler.max_num_seqs,
+            thermal_sensor=self.thermal_sensor,
+            max_temp_c=reading.max_temp_c if reading else None,
+            hottest_rank=reading.hottest_rank if reading else None,
+            rank_temps_c=list(reading.temps_c) if reading else [],
+            power_w=reading.power_w if reading else None,
+            thermal_throttling=thermal.throttling, thermal_target_c=thermal.policy.target_c,
+            thermal_evictions=thermal.thermal_evictions, admin_evictions=thermal.admin_evictions,
+            thermal_events=list(thermal.events))
 
     def _stream(self, update: StepUpdate) -> None:
         """Send every client one frame holding the new tokens of all its requests."""
@@ -399,7 +497,11 @@ def worker_identity(rank: int) -> bytes:
 
 def serve(config: EngineConfig) -> int:
     """Process entry: wait for the workers, then serve until stopped. Returns an exit code."""
-    server = SchedulerServer(config)
+    try:
+        server = SchedulerServer(config)
+    except ValueError as error:     # a configuration the scheduler cannot work with
+        log.error("%s", error)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:

@@ -29,6 +29,7 @@ from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
 from worker_proc.model_runner import ModelRunner
+from worker_proc.thermal import ThermalMonitor
 
 log = logging.getLogger("spmd.worker")
 
@@ -131,6 +132,15 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: in
     log.info("rank %d warmup finished in %.1fs", ctx.rank, time.perf_counter() - started)
 
 
+def start_thermal_monitor(config: EngineConfig, ctx: DistributedContext) -> ThermalMonitor:
+    monitor = ThermalMonitor.create(config.thermal_sensor, config.thermal_interval_steps,
+                                    ctx.rank, ctx.world_size, ctx.device, config.dist_timeout_s)
+    first = monitor.sensor.read()
+    log.info("rank %d thermal sensor %s: %s", ctx.rank, monitor.sensor.kind,
+             first.describe() if first else "no reading")
+    return monitor
+
+
 def set_cpu_threads(local_world_size: int) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count()
     torch.set_num_threads(max(1, cores // max(1, local_world_size)))
@@ -154,6 +164,8 @@ def run_worker(config: EngineConfig) -> int:
         if ctx.device.type == "cpu":
             set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         runner, ready = build_runner(config, ctx)
+        monitor = start_thermal_monitor(config, ctx)
+        ready.thermal_sensor = monitor.sensor.kind
         sock.send(encoder.encode(ready))
         while True:
             frames = poll_recv(sock, 1.0)
@@ -166,12 +178,16 @@ def run_worker(config: EngineConfig) -> int:
             if isinstance(message, Shutdown):
                 return 0
             assert isinstance(message, StepPlan)
+            # The sensor reading and its all-reduce run beside the forward pass.
+            reading = monitor.begin(message.step_id)
             output = runner.execute(message)
+            thermal = monitor.finish(reading)
             if ctx.rank == 0 and message.step_id >= 0:
                 sock.send(encoder.encode(StepResult(
                     step_id=message.step_id, request_ids=output.request_ids,
                     sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
-                    prepare_ms=output.prepare_ms, num_compilations=output.num_compilations)))
+                    prepare_ms=output.prepare_ms, num_compilations=output.num_compilations,
+                    thermal=thermal)))
     except Exception:
         message = traceback.format_exc()
         log.error("rank %d failed:\n%s", rank, message)

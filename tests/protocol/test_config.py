@@ -17,7 +17,10 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "max_model_len": 256, "nproc_per_node": 2, "nnodes": 1, "node_rank": 0,
              "master_addr": "127.0.0.2", "master_port": 29500,
              "rpc_address": "tcp://127.0.0.1:5555", "worker_address": "ipc:///tmp/x",
-             "step_timeout_s": 12.5, "log_level": "debug"}
+             "step_timeout_s": 12.5, "log_level": "debug",
+             "thermal_sensor": "file:/tmp/temp{rank}", "thermal_victims": "largest_kv",
+             "thermal_policy": "my_policies:Gentle", "admin_token": "secret",
+             "http_host": "127.0.0.2"}
 
 
 def _non_default(name: str, kind: type, default):

@@ -92,6 +92,8 @@ def _value_for(kind, n: int):
         kind = kind.type
     if isinstance(kind, inspect.UnionType):
         kind = next(t for t in kind.types if not isinstance(t, inspect.NoneType))
+    if isinstance(kind, inspect.LiteralType):
+        return kind.values[n % len(kind.values)]
     if isinstance(kind, inspect.BoolType):
         return bool(n % 2)
     if isinstance(kind, inspect.IntType):

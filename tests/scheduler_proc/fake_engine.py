@@ -13,7 +13,7 @@ so a request's output must not depend on batching, preemption, swapping or cache
 """
 from __future__ import annotations
 
-from protocol.messages import StepPlan, StepResult
+from protocol.messages import StepPlan, StepResult, ThermalReading
 from protocol.sampling import SamplingParams
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.request import Request
@@ -128,6 +128,8 @@ class EngineLoop:
         self.scheduler = scheduler
         self.worker = worker
         self.steps = []
+        # step id -> the group's temperature reported with that step's result (None: no reading)
+        self.thermal_trace = None
 
     def idle(self) -> None:
         self.scheduler.maintain(None)
@@ -146,6 +148,10 @@ class EngineLoop:
             return scheduled, None
         scheduler.maintain(scheduled)
         result = self.worker.execute(scheduled.plan, sample)
+        if self.thermal_trace is not None:
+            temp = self.thermal_trace(scheduled.plan.step_id)
+            if temp is not None:
+                result.thermal = ThermalReading(max_temp_c=temp, hottest_rank=0, temps_c=[temp])
         update = scheduler.update(scheduled, result)
         self.steps.append(scheduled)
         return scheduled, update
@@ -167,11 +173,12 @@ class EngineLoop:
 
 
 def make(num_blocks=64, block_size=16, budget=64, max_num_seqs=16, max_model_len=4096,
-         eos=(EOS,), caching=False, policy="fifo", num_cpu_blocks=0, watermark=0.0):
+         eos=(EOS,), caching=False, policy="fifo", num_cpu_blocks=0, watermark=0.0, thermal=None):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, eos_token_ids=list(eos), policy=policy,
-                          num_cpu_blocks=num_cpu_blocks, admission_watermark=watermark)
+                          num_cpu_blocks=num_cpu_blocks, admission_watermark=watermark,
+                          thermal=thermal)
     return scheduler, EngineLoop(scheduler, FakeWorker(block_size, num_blocks, num_cpu_blocks))
 
 
