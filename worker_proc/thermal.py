@@ -215,8 +215,10 @@ class ThermalMonitor:
     overlapped with the forward pass: begin() before it, finish() after."""
 
     def __init__(self, sensor: Sensor, rank: int, world_size: int, interval: int,
-                 group=None) -> None:
+                 group=None, enabled: bool = True) -> None:
         self.sensor = sensor
+        # False when no rank has a sensor: then nothing is read or all-reduced at all.
+        self.enabled = enabled
         self.rank = rank
         self.world_size = world_size
         self.interval = interval
@@ -237,9 +239,13 @@ class ThermalMonitor:
         """Every rank must call this, in the same order as its other group creations."""
         sensor = make_sensor(spec, rank, device)
         group = None
+        enabled = sensor.kind != "none"
         if world_size > 1:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        return cls(sensor, rank, world_size, interval, group)
+            any_sensor = torch.tensor([int(enabled)])
+            dist.all_reduce(any_sensor, op=dist.ReduceOp.MAX, group=group)
+            enabled = bool(any_sensor.item())
+        return cls(sensor, rank, world_size, interval, group, enabled)
 
     def _serve(self) -> None:
         while True:
@@ -254,7 +260,7 @@ class ThermalMonitor:
     def begin(self, step_id: int) -> Future | None:
         """Start this step's reading if it is due. Every rank sees the same plans, so every
         rank starts the same collectives."""
-        if step_id < 0 or step_id % self.interval:
+        if not self.enabled or step_id < 0 or step_id % self.interval:
             return None
         pending: Future = Future()
         self._requests.put(pending)

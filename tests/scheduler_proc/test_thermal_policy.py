@@ -128,13 +128,7 @@ def test_victims_wait_for_a_free_slot_under_the_cap() -> None:
                            thermal=control)
     short = [add(scheduler, rid, PROMPT, max_tokens=10) for rid in range(2)]
     long = [add(scheduler, rid, PROMPT, max_tokens=OUTPUT) for rid in range(2, 4)]
-    loop.thermal_trace = lambda step_id: 90.0 if step_id >= 2 else 60.0
-    sizes = []
-    for _ in range(200):
-        if not scheduler.has_work:
-            break
-        scheduled, _ = step(scheduler, loop)
-        sizes.append(len(scheduled.num_scheduled))
+    sizes = run_trace(scheduler, loop, {2: 90.0})
     # 8 degrees over: a cap of 4 - 8 -> 1 request at a time, never more.
     assert sizes[:3] == [4, 4, 4] and max(sizes[3:]) == 1
     assert all(r.is_finished for r in short + long)

@@ -143,6 +143,14 @@ def test_one_rank_monitor_reads_on_due_steps_only(tmp_path) -> None:
         monitor.close()
 
 
+def test_a_group_without_sensors_reads_and_reduces_nothing() -> None:
+    monitor = ThermalMonitor.create("none", 1, rank=0, world_size=1, device=CPU)
+    try:
+        assert not monitor.enabled and monitor.begin(0) is None
+    finally:
+        monitor.close()
+
+
 TWO_RANKS = """
 import os, sys, torch.distributed as dist
 from worker_proc.thermal import ThermalMonitor
