@@ -131,6 +131,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "ZeroMQ address the scheduler and workers talk on; empty picks one"))] = ""
     step_timeout_s: Annotated[float, Meta(gt=0, description=(
         "seconds without a step result before the workers are declared dead"))] = 300.0
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "workers exit when neither a plan nor a heartbeat (sent every second) came from the "
+        "scheduler for this many seconds"))] = 5.0
+    max_message_bytes: Annotated[int, Meta(ge=1024, description=(
+        "largest client frame the scheduler reads; larger ones get an error reply (and past "
+        "4x this, the connection is dropped)"))] = 8 * 2**20
     log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
 
     def __post_init__(self) -> None:

@@ -50,6 +50,12 @@ class ModelInfoRequest(_Wire, tag="model_info"):
     tag: int
 
 
+class Ping(_Wire, tag="ping"):
+    """Is the scheduler alive? Answered with Pong at once, even in the middle of a step."""
+
+    tag: int
+
+
 VictimPolicy = Literal["lru", "largest_kv", "lowest_priority"]
 
 
@@ -72,7 +78,7 @@ class AdminBatchRequest(_Wire, tag="admin_batch"):
 
 
 ClientMessage = (AddRequest | AbortRequest | StatsRequest | ModelInfoRequest
-                 | ResetPrefixCacheRequest | AdminBatchRequest)
+                 | ResetPrefixCacheRequest | AdminBatchRequest | Ping)
 
 
 # ---------------------------------------------------------------- scheduler -> client
@@ -104,6 +110,10 @@ class AbortDone(_Wire, tag="aborted"):
 class Done(_Wire, tag="done"):
     """A control request succeeded."""
 
+    tag: int
+
+
+class Pong(_Wire, tag="pong"):
     tag: int
 
 
@@ -172,6 +182,8 @@ class EngineStats(_Wire, tag="stats_reply"):
     thermal_evictions: int             # requests taken off the batch by the thermal policy
     admin_evictions: int               # requests taken off the batch by admin calls
     thermal_events: list[ThermalEvent]
+    rejected_frames: int               # frames refused before decoding: undecodable or too large
+    invalid_requests: int              # decoded requests refused: bad values, unknown ids, admin
 
 
 class ModelInfo(_Wire, tag="model_info_reply"):
@@ -196,7 +208,7 @@ class ErrorReply(_Wire, tag="error"):
 
 
 ServerMessage = (RequestAccepted | Outputs | AbortDone | Done | EngineStats | ModelInfo | ErrorReply
-                 | AdminBatchReply)
+                 | AdminBatchReply | Pong)
 
 
 # ---------------------------------------------------------------- scheduler <-> worker
@@ -282,7 +294,12 @@ class Shutdown(_Wire, tag="shutdown"):
     reason: str = ""
 
 
-SchedulerToWorker = StepPlan | Shutdown
+class Heartbeat(_Wire, tag="heartbeat"):
+    """The scheduler is alive (sent every second when no plan went out): workers that hear
+    nothing for --heartbeat-timeout-s exit."""
+
+
+SchedulerToWorker = StepPlan | Shutdown | Heartbeat
 WorkerToScheduler = WorkerReady | StepResult | WorkerError
 
 

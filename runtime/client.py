@@ -19,6 +19,8 @@ from protocol.messages import (
     ModelInfo,
     ModelInfoRequest,
     Outputs,
+    Ping,
+    Pong,
     RequestAccepted,
     RequestDelta,
     ResetPrefixCacheRequest,
@@ -51,7 +53,10 @@ class Client:
     Prompts may be strings (tokenized here with the served model's tokenizer) or token-id lists.
     """
 
-    def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 600.0,
+    # Silence after which the client pings the engine (answered even mid-step).
+    PING_INTERVAL_S = 1.0
+
+    def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 30.0,
                  alive: Callable[[], bool] | None = None, admin_token: str = "") -> None:
         self.address = address
         self.admin_token = admin_token
@@ -80,7 +85,7 @@ class Client:
 
     def model_info(self) -> ModelInfo:
         if self._model_info is None:
-            self.wait_ready(self.timeout_s)
+            self.wait_ready()
         return self._model_info
 
     @property
@@ -242,9 +247,10 @@ class Client:
         self._sock.send(self._encoder.encode(message))
 
     def _pump_until(self, done: Callable[[], bool], timeout_s: float | None = None) -> None:
-        """Receive and file messages until `done()`; raise if the engine is silent or gone."""
+        """Receive and file messages until `done()`; raise if the engine is gone: its process
+        exited, or it answered nothing, pings included, for timeout_s."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        last_heard = time.monotonic()
+        last_heard = last_ping = time.monotonic()
         while not done():
             if self._sock.poll(200, zmq.POLLIN):
                 self._dispatch(self._sock.recv())
@@ -252,12 +258,18 @@ class Client:
                 continue
             if self._alive is not None and not self._alive():
                 raise EngineError("the engine process exited; see its log above")
-            if time.monotonic() - last_heard > timeout_s:
-                raise EngineError(f"no answer from the engine at {self.address} "
-                                  f"for {timeout_s:.0f}s")
+            now = time.monotonic()
+            if now - last_heard > timeout_s:
+                raise EngineError(f"the engine at {self.address} answered nothing (not even a "
+                                  f"ping) for {timeout_s:.0f}s: it is down or unreachable")
+            if now - max(last_heard, last_ping) > self.PING_INTERVAL_S:
+                self._send(Ping(tag=0))
+                last_ping = now
 
     def _dispatch(self, payload: bytes) -> None:
         message = self._decoder.decode(payload)
+        if isinstance(message, Pong):
+            return
         if isinstance(message, Outputs):
             for delta in message.deltas:
                 if delta.request_id in self._ignored_requests:

@@ -22,9 +22,12 @@ from protocol.messages import (
     Done,
     EngineStats,
     ErrorReply,
+    Heartbeat,
     ModelInfo,
     ModelInfoRequest,
     Outputs,
+    Ping,
+    Pong,
     RequestAccepted,
     RequestDelta,
     ResetPrefixCacheRequest,
@@ -49,6 +52,7 @@ READY_TIMEOUT_S = 900.0
 CLIENT_MESSAGE_TAGS = frozenset(
     msgspec.inspect.type_info(kind).tag for kind in ClientMessage.__args__)
 MAX_CLIENT_MESSAGES_PER_STEP = 1024
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class WorkersFailed(RuntimeError):
@@ -73,7 +77,11 @@ class SchedulerServer:
         self._next_request_id = 0
         self._arrivals = 0
         self._stopping = False
-        self._pending: list[tuple[bytes, bytes]] = []
+        # Decoded client messages waiting for the loop (pings are answered on arrival).
+        self._pending: list[tuple[bytes, msgspec.Struct]] = []
+        self.rejected_frames = 0
+        self.invalid_requests = 0
+        self._last_sent_to_workers = 0.0
         self.maintenance_ms = 0.0
         self.maintenance_hidden_ms = 0.0
         self.runtime_graph_compilations = 0
@@ -96,7 +104,8 @@ class SchedulerServer:
             if time.monotonic() > deadline:
                 raise WorkersFailed(f"only {len(ready)} of {world} workers became ready in "
                                     f"{READY_TIMEOUT_S:.0f}s")
-            frames = poll_recv(self.workers, 1.0)
+            self._heartbeat_if_due()
+            frames = poll_recv(self.workers, HEARTBEAT_INTERVAL_S)
             if frames is None or self._stopping:
                 if self._stopping:
                     raise WorkersFailed("stopped while waiting for workers")
@@ -130,6 +139,8 @@ class SchedulerServer:
                                     vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
                                     block_size=block_size, world_size=world)
         self.rpc = make_socket(self.ctx, zmq.ROUTER, self.config.rpc_address, bind=True)
+        # Past this, zmq drops the connection without reading the frame into memory.
+        self.rpc.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_message_bytes)
         log.info("serving on %s (KV cache: %d blocks of %d tokens, swap space: %d blocks, "
                  "max_model_len %d, scheduler %s)", bound_address(self.rpc), num_blocks,
                  block_size, num_cpu_blocks, max_model_len, self.config.scheduler)
@@ -146,6 +157,7 @@ class SchedulerServer:
                     # Nothing in flight: finish pending frees before answering anyone.
                     scheduler.maintain(None)
                     self._send_to_workers_if_needed()
+                    self._heartbeat_if_due()
                 self._handle_client_messages(block=stalled or not scheduler.has_work)
                 if not scheduler.has_work:
                     continue
@@ -178,7 +190,21 @@ class SchedulerServer:
         self.maintenance_hidden_ms += min(maintenance_ms, result.prepare_ms + result.forward_ms)
         self.runtime_graph_compilations += result.num_compilations
 
+    def _heartbeat_if_due(self) -> None:
+        """Workers exit when they hear nothing for --heartbeat-timeout-s: tell them we live.
+        Ranks not connected yet are skipped."""
+        if time.monotonic() - self._last_sent_to_workers < HEARTBEAT_INTERVAL_S:
+            return
+        payload = self.encoder.encode(Heartbeat())
+        for rank in range(self.config.world_size):
+            try:
+                self.workers.send_multipart([worker_identity(rank), payload], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._last_sent_to_workers = time.monotonic()
+
     def _broadcast(self, payload: bytes) -> None:
+        self._last_sent_to_workers = time.monotonic()
         for rank in range(self.config.world_size):
             try:
                 self.workers.send_multipart([worker_identity(rank), payload])
@@ -203,6 +229,7 @@ class SchedulerServer:
                                     f"{self.config.step_timeout_s:.0f}s")
             # Keep accepting clients while the workers compute; their messages wait for the loop.
             self._queue_client_messages()
+            self._heartbeat_if_due()
             frames = poll_recv(self.workers, min(remaining, 0.05))
             if frames is None:
                 continue
@@ -215,13 +242,34 @@ class SchedulerServer:
     # ------------------------------------------------------------------ clients
 
     def _queue_client_messages(self) -> None:
+        """Read what clients sent: refuse bad frames, answer pings, queue the rest."""
         while len(self._pending) < MAX_CLIENT_MESSAGES_PER_STEP:
             try:
                 frames = self.rpc.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) >= 2:
-                self._pending.append((frames[0], frames[-1]))
+            if len(frames) < 2:
+                continue
+            client, payload = frames[0], frames[-1]
+            limit = self.config.max_message_bytes
+            if len(payload) > limit:
+                self._reject(client, payload, (
+                    f"message of {len(payload)} bytes is larger than the server's "
+                    f"--max-message-bytes {limit}; send a shorter prompt"))
+                continue
+            try:
+                message = self.client_decoder.decode(payload)
+            except DECODE_ERRORS as error:
+                self._reject(client, payload, f"invalid request: {error}")
+                continue
+            if isinstance(message, Ping):
+                self._reply(client, Pong(tag=message.tag))
+            else:
+                self._pending.append((client, message))
+
+    def _reject(self, client: bytes, payload: bytes, reason: str) -> None:
+        self.rejected_frames += 1
+        self._reply(client, ErrorReply(tag=_tag_of(payload), message=reason))
 
     def _handle_client_messages(self, block: bool) -> None:
         if block and not self._pending:
@@ -229,15 +277,10 @@ class SchedulerServer:
                 return
         self._queue_client_messages()
         pending, self._pending = self._pending, []
-        for client, payload in pending:
-            self._handle_client_message(client, payload)
+        for client, message in pending:
+            self._handle_client_message(client, message)
 
-    def _handle_client_message(self, client: bytes, payload: bytes) -> None:
-        try:
-            message = self.client_decoder.decode(payload)
-        except DECODE_ERRORS as error:
-            self._reply(client, ErrorReply(tag=_tag_of(payload), message=f"invalid request: {error}"))
-            return
+    def _handle_client_message(self, client: bytes, message: msgspec.Struct) -> None:
         if isinstance(message, AddRequest):
             self._add_request(client, message)
         elif isinstance(message, AbortRequest):
@@ -253,7 +296,7 @@ class SchedulerServer:
                 self._reply(client, Done(tag=message.tag))
             else:
                 in_use = self.scheduler.kv.num_blocks - self.scheduler.kv.num_free_blocks
-                self._reply(client, ErrorReply(tag=message.tag, message=(
+                self._refuse(client, ErrorReply(tag=message.tag, message=(
                     f"cannot reset the prefix cache while {in_use} KV blocks are in use; "
                     "retry when no request is running")))
 
@@ -261,8 +304,8 @@ class SchedulerServer:
         scheduler = self.scheduler
         error = self._validate(message)
         if error is not None:
-            self._reply(client, ErrorReply(tag=message.tag, message=error,
-                                           request_id=message.request_id))
+            self._refuse(client, ErrorReply(tag=message.tag, message=error,
+                                            request_id=message.request_id))
             return
         request_id = message.request_id
         if request_id is None:
@@ -304,7 +347,7 @@ class SchedulerServer:
         """Operator control of the running batch; see AdminBatchRequest."""
         config = self.config
         if not config.admin_enabled:
-            self._reply(client, ErrorReply(tag=message.tag, code="disabled", message=(
+            self._refuse(client, ErrorReply(tag=message.tag, code="disabled", message=(
                 "admin calls are disabled on this server; start it with --admin-token SECRET "
                 "(or --enable-admin on a trusted network)")))
             return
@@ -312,13 +355,13 @@ class SchedulerServer:
                 message.token.encode(), config.admin_token.encode()):
             log.warning("refused an admin call with a %s token",
                         "missing" if not message.token else "wrong")
-            self._reply(client, ErrorReply(tag=message.tag, code="forbidden", message=(
+            self._refuse(client, ErrorReply(tag=message.tag, code="forbidden", message=(
                 "admin token missing or wrong: pass the server's --admin-token "
                 "(Client(admin_token=...))")))
             return
         error = self._admin_error(message)
         if error is not None:
-            self._reply(client, ErrorReply(tag=message.tag, message=error))
+            self._refuse(client, ErrorReply(tag=message.tag, message=error))
             return
         scheduler = self.scheduler
         previous = len(scheduler.running)
@@ -369,7 +412,7 @@ class SchedulerServer:
     def _abort_request(self, client: bytes, message: AbortRequest) -> None:
         request = self.scheduler.abort(message.request_id)
         if request is None:
-            self._reply(client, ErrorReply(tag=message.tag, request_id=message.request_id,
+            self._refuse(client, ErrorReply(tag=message.tag, request_id=message.request_id,
                                            message=f"unknown request id {message.request_id}: "
                                                    "it never existed or has already finished"))
             return
@@ -417,7 +460,8 @@ class SchedulerServer:
             power_w=reading.power_w if reading else None,
             thermal_throttling=thermal.throttling, thermal_target_c=thermal.policy.target_c,
             thermal_evictions=thermal.thermal_evictions, admin_evictions=thermal.admin_evictions,
-            thermal_events=list(thermal.events))
+            thermal_events=list(thermal.events), rejected_frames=self.rejected_frames,
+            invalid_requests=self.invalid_requests)
 
     def _stream(self, update: StepUpdate) -> None:
         """Send every client one frame holding the new tokens of all its requests."""
@@ -442,6 +486,11 @@ class SchedulerServer:
             if request.client == client:
                 self.scheduler.abort(request.request_id)
                 log.info("aborted request %d: its client disconnected", request.request_id)
+
+    def _refuse(self, client: bytes, error: ErrorReply) -> None:
+        """A decoded request that cannot be served: the error says what to change."""
+        self.invalid_requests += 1
+        self._reply(client, error)
 
     def _reply(self, client: bytes, message: msgspec.Struct) -> bool:
         try:

@@ -14,6 +14,7 @@ import zmq
 
 from protocol.config import EngineConfig
 from protocol.messages import (
+    Heartbeat,
     Shutdown,
     StepPlan,
     StepResult,
@@ -167,14 +168,26 @@ def run_worker(config: EngineConfig) -> int:
         monitor = start_thermal_monitor(config, ctx)
         ready.thermal_sensor = monitor.sensor.kind
         sock.send(encoder.encode(ready))
+        # Until the scheduler is first heard from, it may still be starting (or waiting for
+        # other nodes): wait as long as for the process group. Then heartbeats keep coming.
+        silence_limit = config.dist_timeout_s
+        last_heard = time.monotonic()
         while True:
             frames = poll_recv(sock, 1.0)
             if frames is None:
                 if os.getppid() != parent:
                     log.error("rank %d: launcher is gone, exiting", rank)
                     return 1
+                if time.monotonic() - last_heard > silence_limit:
+                    log.error("rank %d: no plan or heartbeat from the scheduler for %.0fs: it "
+                              "is gone, exiting", rank, silence_limit)
+                    return 1
                 continue
+            last_heard = time.monotonic()
+            silence_limit = config.heartbeat_timeout_s
             message = decoder.decode(frames[-1])
+            if isinstance(message, Heartbeat):
+                continue
             if isinstance(message, Shutdown):
                 return 0
             assert isinstance(message, StepPlan)

@@ -1,0 +1,117 @@
+"""Faults: the scheduler killed under `spmdrun serve` (launcher and workers exit, clients get
+an error), and workers whose scheduler dies while no launcher watches them (torchrun) exit on
+their own when the heartbeats stop."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+from conftest import PROC_TAG_ENV, REPO_ROOT, free_tcp_port, kill_tree
+from sharp_llama import sharp_llama
+
+from protocol.config import EngineConfig
+from runtime import Client, SamplingParams
+from runtime.client import EngineError
+
+LONG = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+ENGINE = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return sharp_llama(tmp_path_factory.mktemp("faults-llama"), 4, 2)[0]
+
+
+def stream_in_background(address: str):
+    """A client streaming a long request; returns (thread, outcome dict)."""
+    outcome: dict = {}
+
+    def work():
+        with Client(address, timeout_s=4.0) as client:
+            try:
+                for delta in client.stream([5, 6, 7], SamplingParams(
+                        max_tokens=200, temperature=0.0, ignore_eos=True)):
+                    outcome["tokens"] = outcome.get("tokens", 0) + len(delta.token_ids)
+                    time.sleep(0.05)       # a slow reader: the request outlives the kill
+            except EngineError as error:
+                outcome["error"] = str(error)
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return alive
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_scheduler_stops_the_job_and_fails_the_client(spmd_serve, tiny_model) -> None:
+    server = spmd_serve("--model", tiny_model, "--num-kv-blocks", "64", "--max-model-len", "256",
+                        launcher=["--nproc-per-node", "2"])
+    try:
+        server.wait_serving()
+        thread, outcome = stream_in_background(server.address)
+        deadline = time.monotonic() + 60
+        while not outcome.get("tokens") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert outcome.get("tokens"), outcome
+        children = [p for p in server.processes() if p.pid != server.proc.pid]
+        assert len(children) == 3          # scheduler, two workers
+        server.child("scheduler_proc").kill()
+        killed_at = time.monotonic()
+        assert server.proc.wait(10) == 1, server.stderr[-3000:]
+        alive = wait_gone(children, max(0.0, killed_at + 10 - time.monotonic()))
+        assert not alive, f"still running 10 s after the scheduler died: {alive}"
+        assert "scheduler" in server.stderr and "stopped the whole job" in server.stderr
+        thread.join(15)
+        assert not thread.is_alive(), "the client is still waiting"
+        assert "error" in outcome, outcome
+        assert time.monotonic() - killed_at < 15
+    finally:
+        server.kill_tree()
+
+
+@pytest.mark.timeout(300)
+def test_workers_without_a_launcher_exit_when_heartbeats_stop(tmp_path, tiny_model) -> None:
+    port = free_tcp_port()
+    rpc = f"tcp://127.0.0.1:{free_tcp_port()}"
+    config = EngineConfig(model=tiny_model, nproc_per_node=2, master_port=port,
+                          worker_address=f"tcp://127.0.0.1:{free_tcp_port()}", rpc_address=rpc,
+                          heartbeat_timeout_s=3.0, **ENGINE)
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, **{PROC_TAG_ENV: tag}, PYTHONPATH=str(REPO_ROOT))
+    log = open(tmp_path / "engine.log", "wb")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_proc", config.to_json()],
+                                 cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
+                                 stdin=subprocess.DEVNULL)
+    workers = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                                "--master-port", str(port), "-m", "worker_proc",
+                                config.to_json()],
+                               cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
+                               stdin=subprocess.DEVNULL)
+    try:
+        with Client(rpc, timeout_s=120) as client:
+            client.wait_ready(240)
+            (out,) = client.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+            assert len(out.token_ids) == 4
+            # Idle for longer than the heartbeat timeout: heartbeats keep the workers up.
+            time.sleep(4.5)
+            assert workers.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+        scheduler.send_signal(signal.SIGKILL)
+        scheduler.wait(10)
+        # 3 s of silence, then the workers exit and torchrun with them.
+        workers.wait(10 + 3)
+        text = (tmp_path / "engine.log").read_text()
+        assert "no plan or heartbeat from the scheduler for 3s" in text, text[-3000:]
+    finally:
+        kill_tree(scheduler, tag)
+        kill_tree(workers, tag)
