@@ -37,7 +37,8 @@ class RunningEngine:
 
     def connect(self) -> Client:
         """Wait until the engine serves (every worker loaded), then return a client of it."""
-        self.client = Client(self.config.rpc_address, alive=self.alive)
+        self.client = Client(self.config.rpc_address, alive=self.alive,
+                             auth_token=self.config.auth_token)
         self.client.wait_ready()
         return self.client
 

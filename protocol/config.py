@@ -7,6 +7,16 @@ import msgspec
 from msgspec import Meta
 
 THERMAL_SENSORS = ("auto", "nvml", "psutil", "none")
+LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+
+
+def is_local_address(address: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback host."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -113,6 +123,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "set, only calls carrying it"))] = False
     admin_token: Annotated[str, Meta(description=(
         "secret every admin call must carry; setting it enables admin calls"))] = ""
+    allow_remote: Annotated[bool, Meta(description=(
+        "allow the RPC address, the HTTP front or the workers' socket to listen on a "
+        "non-loopback address; needs --auth-token"))] = False
+    auth_token: Annotated[str, Meta(description=(
+        "shared secret every client frame (and, across nodes, every worker frame) must carry; "
+        "frames without it are refused"))] = ""
     http_host: Annotated[str, Meta(description=(
         "address the OpenAI-compatible HTTP front binds to"))] = "127.0.0.1"
     http_port: Annotated[int, Meta(ge=0, le=65535, description=(
@@ -144,6 +160,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if sensor not in THERMAL_SENSORS and not (sensor.startswith("file:") and len(sensor) > 5):
             raise ValueError(f"thermal_sensor must be one of {', '.join(THERMAL_SENSORS)} or "
                              f"file:PATH, got {sensor!r}")
+        remote = [address for address in (self.rpc_address, self.worker_address,
+                                          f"tcp://{self.http_host}:{self.http_port}")
+                  if address and not is_local_address(address)]
+        if self.nnodes > 1 and not is_local_address(f"tcp://{self.master_addr}:0"):
+            remote.append(f"tcp://{self.master_addr} (workers of other nodes)")
+        if remote and not self.allow_remote:
+            raise ValueError(f"{', '.join(remote)} is reachable from other machines: pass "
+                             "--allow-remote with --auth-token SECRET to serve it, or bind to "
+                             "127.0.0.1")
+        if remote and not self.auth_token:
+            raise ValueError(f"--allow-remote needs --auth-token SECRET: {', '.join(remote)} "
+                             "would accept anyone")
 
     @property
     def admin_enabled(self) -> bool:

@@ -12,7 +12,8 @@ import msgspec
 from protocol.sampling import SamplingParams
 
 
-class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,
+            forbid_unknown_fields=True):
     """Base of every tagged message: compact positional encoding, no GC tracking."""
 
 
@@ -27,6 +28,8 @@ class AddRequest(_Wire, tag="add"):
     request_id: int | None = None
     # Larger is more important; thermal eviction with lowest_priority victims uses it.
     priority: int = 0
+    # Seconds the request may take from acceptance; then it ends with finish_reason "timeout".
+    timeout_s: float | None = None
 
 
 class AbortRequest(_Wire, tag="abort"):
@@ -304,8 +307,10 @@ WorkerToScheduler = WorkerReady | StepResult | WorkerError
 
 
 # What decoding an untrusted frame can raise: msgpack strings with invalid UTF-8 surface as
-# UnicodeDecodeError rather than as msgspec's own errors.
-DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+# UnicodeDecodeError rather than as msgspec's own errors, and deeply nested arrays decoded
+# without a type as RecursionError.
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
+                 RecursionError)
 
 
 def client_decoder() -> msgspec.msgpack.Decoder:

@@ -6,7 +6,8 @@ import math
 import msgspec
 
 
-class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
+                     forbid_unknown_fields=True):
     """How to pick each next token and when to stop.
 
     temperature 0 means greedy. A seed makes a sampled request reproducible regardless of

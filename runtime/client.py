@@ -57,9 +57,12 @@ class Client:
     PING_INTERVAL_S = 1.0
 
     def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 30.0,
-                 alive: Callable[[], bool] | None = None, admin_token: str = "") -> None:
+                 alive: Callable[[], bool] | None = None, admin_token: str = "",
+                 auth_token: str = "") -> None:
         self.address = address
         self.admin_token = admin_token
+        # The server's --auth-token, sent with every message when set.
+        self._auth_frames = [auth_token.encode()] if auth_token else []
         self.timeout_s = timeout_s
         self._alive = alive
         self._ctx = zmq.Context()
@@ -70,6 +73,8 @@ class Client:
         self._replies: dict[int, msgspec.Struct] = {}
         self._deltas: dict[int, list[RequestDelta]] = {}
         self._failures: dict[int, str] = {}
+        # Set when the server refuses this client outright (no or wrong --auth-token).
+        self._refused: str | None = None
         # Replies and outputs nobody waits for any more (aborts sent on the caller's behalf).
         self._ignored_tags: set[int] = set()
         self._ignored_requests: set[int] = set()
@@ -103,18 +108,20 @@ class Client:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+                 priority: int | Sequence[int] = 0,
+                 request_timeout_s: float | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (batched by the engine) and return outputs in order.
 
         priority (one for all, or one per prompt; larger is more important) decides who leaves
-        the batch first under --thermal-victims lowest_priority."""
+        the batch first under --thermal-victims lowest_priority. A request still running
+        request_timeout_s after the engine accepted it ends with finish_reason "timeout"."""
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(params, len(prompt_list))
         priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         token_lists = [self.encode(p) for p in prompt_list]
-        request_ids = self._submit_all(token_lists, param_list, priorities)
+        request_ids = self._submit_all(token_lists, param_list, priorities, request_timeout_s)
         outputs = {rid: RequestOutput(rid, ids)
                    for rid, ids in zip(request_ids, token_lists, strict=True)}
         pending = set(request_ids)
@@ -136,10 +143,12 @@ class Client:
         return results
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: int | None = None, priority: int = 0) -> Iterator[StreamDelta]:
+               request_id: int | None = None, priority: int = 0,
+               request_timeout_s: float | None = None) -> Iterator[StreamDelta]:
         """Yield new tokens (and their text, when a tokenizer is available) as they are generated."""
         token_ids = self.encode(prompt)
-        request_id = self._submit(token_ids, params or SamplingParams(), request_id, priority)
+        request_id = self._submit(token_ids, params or SamplingParams(), request_id, priority,
+                                  request_timeout_s)
         detokenizer = IncrementalDetokenizer(self.tokenizer) if (
             self._tokenizer is not None or isinstance(prompt, str)) else None
         finished = False
@@ -202,18 +211,20 @@ class Client:
     # ------------------------------------------------------------------ plumbing
 
     def _submit(self, token_ids: list[int], params: SamplingParams, request_id: int | None,
-                priority: int = 0) -> int:
+                priority: int = 0, timeout_s: float | None = None) -> int:
         reply = self._call(AddRequest(tag=next(self._tags), prompt_token_ids=token_ids,
-                                      params=params, request_id=request_id, priority=priority))
+                                      params=params, request_id=request_id, priority=priority,
+                                      timeout_s=timeout_s))
         return reply.request_id
 
     def _submit_all(self, token_lists: list[list[int]], params: list[SamplingParams],
-                    priorities: list[int]) -> list[int]:
+                    priorities: list[int], timeout_s: float | None = None) -> list[int]:
         tags = []
         for ids, p, priority in zip(token_lists, params, priorities, strict=True):
             tag = next(self._tags)
             tags.append(tag)
-            self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p, priority=priority))
+            self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p, priority=priority,
+                                  timeout_s=timeout_s))
         self._pump_until(lambda: all(t in self._replies for t in tags))
         replies = [self._replies.pop(t) for t in tags]
         accepted = [r.request_id for r in replies if isinstance(r, RequestAccepted)]
@@ -244,7 +255,7 @@ class Client:
             self._deltas.pop(request_id, None)
 
     def _send(self, message: msgspec.Struct) -> None:
-        self._sock.send(self._encoder.encode(message))
+        self._sock.send_multipart([*self._auth_frames, self._encoder.encode(message)])
 
     def _pump_until(self, done: Callable[[], bool], timeout_s: float | None = None) -> None:
         """Receive and file messages until `done()`; raise if the engine is gone: its process
@@ -252,6 +263,8 @@ class Client:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         last_heard = last_ping = time.monotonic()
         while not done():
+            if self._refused is not None:
+                raise PermissionError(self._refused)
             if self._sock.poll(200, zmq.POLLIN):
                 self._dispatch(self._sock.recv())
                 last_heard = time.monotonic()
@@ -278,7 +291,9 @@ class Client:
                     continue
                 self._deltas.setdefault(delta.request_id, []).append(delta)
         elif isinstance(message, ErrorReply) and message.tag is None:
-            if message.request_id is not None and message.request_id not in self._ignored_requests:
+            if message.code == "forbidden":
+                self._refused = message.message
+            elif message.request_id is not None and message.request_id not in self._ignored_requests:
                 self._failures[message.request_id] = message.message
         elif message.tag in self._ignored_tags:
             self._ignored_tags.discard(message.tag)

@@ -38,7 +38,8 @@ class LLM:
         self._process: subprocess.Popen | None = spawn_python(
             "launch", ["serve", "--config-json", self.config.to_json()],
             stdout=subprocess.DEVNULL)
-        self._client = Client(self.config.rpc_address, alive=self._alive)
+        self._client = Client(self.config.rpc_address, alive=self._alive,
+                              auth_token=self.config.auth_token)
         try:
             self._client.wait_ready(startup_timeout_s)
         except BaseException:

@@ -18,6 +18,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"        # EOS or a stop token
     LENGTH = "length"    # max_tokens or the context limit
     ABORT = "abort"      # the client aborted it
+    TIMEOUT = "timeout"  # its deadline (timeout_s in the request) passed
     ERROR = "error"      # the engine failed while it ran
 
 

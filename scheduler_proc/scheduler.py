@@ -128,7 +128,7 @@ class Scheduler:
         self.waiting.append(request)
         self.counters.num_prompt_tokens += len(request.prompt_token_ids)
 
-    def abort(self, request_id: int) -> Request | None:
+    def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -138,7 +138,7 @@ class Scheduler:
             self.swapped.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
+        self._finish(request, reason)
         return request
 
     def abort_all(self, reason: FinishReason) -> list[Request]:

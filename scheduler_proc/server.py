@@ -1,8 +1,10 @@
 """The scheduler process: serves clients on a ROUTER socket and drives the workers step by step."""
 from __future__ import annotations
 
+import heapq
 import hmac
 import logging
+import math
 import os
 import signal
 import time
@@ -82,6 +84,8 @@ class SchedulerServer:
         self.rejected_frames = 0
         self.invalid_requests = 0
         self._last_sent_to_workers = 0.0
+        # (deadline, request id, arrival) of requests with a timeout, soonest first.
+        self._deadlines: list[tuple[float, int, int]] = []
         self.maintenance_ms = 0.0
         self.maintenance_hidden_ms = 0.0
         self.runtime_graph_compilations = 0
@@ -110,7 +114,9 @@ class SchedulerServer:
                 if self._stopping:
                     raise WorkersFailed("stopped while waiting for workers")
                 continue
-            message = self.worker_decoder.decode(frames[-1])
+            message = self._worker_message(frames)
+            if message is None:
+                continue
             if isinstance(message, WorkerError):
                 raise WorkersFailed(f"worker rank {message.rank} failed to start:\n{message.message}")
             if isinstance(message, WorkerReady):
@@ -159,6 +165,7 @@ class SchedulerServer:
                     self._send_to_workers_if_needed()
                     self._heartbeat_if_due()
                 self._handle_client_messages(block=stalled or not scheduler.has_work)
+                self._expire_deadlines()
                 if not scheduler.has_work:
                     continue
                 step = scheduler.schedule()
@@ -233,11 +240,23 @@ class SchedulerServer:
             frames = poll_recv(self.workers, min(remaining, 0.05))
             if frames is None:
                 continue
-            message = self.worker_decoder.decode(frames[-1])
+            message = self._worker_message(frames)
             if isinstance(message, WorkerError):
                 raise WorkersFailed(f"worker rank {message.rank} failed:\n{message.message}")
             if isinstance(message, StepResult) and message.step_id == step.plan.step_id:
                 return message
+
+    def _worker_message(self, frames: list[bytes]):
+        """A worker's message, or None for a frame without the auth token (when one is set)."""
+        if not self._authentic(frames):
+            log.warning("ignored a frame on the worker socket without the auth token")
+            return None
+        return self.worker_decoder.decode(frames[-1])
+
+    def _authentic(self, frames: list[bytes]) -> bool:
+        """With --auth-token, a frame is [identity, token, payload]."""
+        token = self.config.auth_token
+        return not token or (len(frames) == 3 and hmac.compare_digest(frames[1], token.encode()))
 
     # ------------------------------------------------------------------ clients
 
@@ -251,6 +270,12 @@ class SchedulerServer:
             if len(frames) < 2:
                 continue
             client, payload = frames[0], frames[-1]
+            if not self._authentic(frames):
+                self.rejected_frames += 1
+                self._reply(client, ErrorReply(tag=None, code="forbidden", message=(
+                    "this server requires its auth token on every message: "
+                    "Client(address, auth_token=...)")))
+                continue
             limit = self.config.max_message_bytes
             if len(payload) > limit:
                 self._reject(client, payload, (
@@ -316,6 +341,9 @@ class SchedulerServer:
         self._arrivals += 1
         scheduler.add(Request(request_id, message.prompt_token_ids, message.params, client,
                               self._arrivals, message.priority))
+        if message.timeout_s is not None:
+            heapq.heappush(self._deadlines, (time.monotonic() + message.timeout_s, request_id,
+                                             self._arrivals))
         self._reply(client, RequestAccepted(tag=message.tag, request_id=request_id))
 
     def _validate(self, message: AddRequest) -> str | None:
@@ -333,6 +361,9 @@ class SchedulerServer:
         if len(prompt) >= info.max_model_len:
             return (f"prompt has {len(prompt)} tokens but this engine's context is "
                     f"{info.max_model_len} tokens (prompt + output); shorten the prompt")
+        if message.timeout_s is not None and not (
+                math.isfinite(message.timeout_s) and message.timeout_s > 0):
+            return f"timeout_s must be a number of seconds > 0, got {message.timeout_s}"
         bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
         if bad is not None:
             return f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})"
@@ -408,6 +439,20 @@ class SchedulerServer:
         if message.target_temp_c is not None and not 20.0 <= message.target_temp_c <= 120.0:
             return f"target_temp_c must be between 20 and 120 (Celsius), got {message.target_temp_c}"
         return None
+
+    def _expire_deadlines(self) -> None:
+        """Requests past their timeout end now, with finish_reason "timeout"."""
+        now = time.monotonic()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id, arrival = heapq.heappop(self._deadlines)
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.arrival_seq == arrival:   # not a reused id
+                self.scheduler.abort(request_id, FinishReason.TIMEOUT)
+                expired.append(request)
+        if expired:
+            log.info("requests %s passed their deadline", [r.request_id for r in expired])
+            self._stream(StepUpdate(finished=expired))
 
     def _abort_request(self, client: bytes, message: AbortRequest) -> None:
         request = self.scheduler.abort(message.request_id)

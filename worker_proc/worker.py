@@ -147,6 +147,14 @@ def set_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, cores // max(1, local_world_size)))
 
 
+def send(sock: zmq.Socket, config: EngineConfig, payload: bytes, flags: int = 0) -> None:
+    """With --auth-token, every frame to the scheduler carries it."""
+    if config.auth_token:
+        sock.send_multipart([config.auth_token.encode(), payload], flags)
+    else:
+        sock.send(payload, flags)
+
+
 def run_worker(config: EngineConfig) -> int:
     """Process entry; returns the exit code."""
     ctx_zmq = zmq.Context()
@@ -167,7 +175,7 @@ def run_worker(config: EngineConfig) -> int:
         runner, ready = build_runner(config, ctx)
         monitor = start_thermal_monitor(config, ctx)
         ready.thermal_sensor = monitor.sensor.kind
-        sock.send(encoder.encode(ready))
+        send(sock, config, encoder.encode(ready))
         # Until the scheduler is first heard from, it may still be starting (or waiting for
         # other nodes): wait as long as for the process group. Then heartbeats keep coming.
         silence_limit = config.dist_timeout_s
@@ -196,7 +204,7 @@ def run_worker(config: EngineConfig) -> int:
             output = runner.execute(message)
             thermal = monitor.finish(reading)
             if ctx.rank == 0 and message.step_id >= 0:
-                sock.send(encoder.encode(StepResult(
+                send(sock, config, encoder.encode(StepResult(
                     step_id=message.step_id, request_ids=output.request_ids,
                     sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
                     prepare_ms=output.prepare_ms, num_compilations=output.num_compilations,
@@ -205,7 +213,8 @@ def run_worker(config: EngineConfig) -> int:
         message = traceback.format_exc()
         log.error("rank %d failed:\n%s", rank, message)
         try:
-            sock.send(encoder.encode(WorkerError(rank=rank, message=message)), zmq.NOBLOCK)
+            send(sock, config, encoder.encode(WorkerError(rank=rank, message=message)),
+                 zmq.NOBLOCK)
             time.sleep(0.2)  # let the error frame leave before the socket closes
         except zmq.ZMQError:
             pass

@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from launch.cli import LAUNCHER_FIELDS, build_parser, config_from_args
-from protocol.config import EngineConfig, engine_config_fields
+from protocol.config import EngineConfig, engine_config_fields, is_local_address
 
 PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dummy_seed": 3,
              "block_size": 8, "num_kv_blocks": 24, "gpu_memory_utilization": 0.5,
@@ -19,7 +19,7 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "rpc_address": "tcp://127.0.0.1:5555", "worker_address": "ipc:///tmp/x",
              "step_timeout_s": 12.5, "log_level": "debug",
              "thermal_sensor": "file:/tmp/temp{rank}", "thermal_victims": "largest_kv",
-             "thermal_policy": "my_policies:Gentle", "admin_token": "secret",
+             "thermal_policy": "my_policies:Gentle", "admin_token": "secret", "auth_token": "tok",
              "http_host": "127.0.0.2"}
 
 
@@ -120,3 +120,29 @@ def test_config_json_passes_through() -> None:
     config = EngineConfig(**NON_DEFAULT)
     args = build_parser().parse_args(["serve", "--config-json", config.to_json()])
     assert config_from_args(args) == config
+
+
+def test_defaults_listen_on_loopback_only() -> None:
+    config = EngineConfig()
+    assert is_local_address(config.rpc_address) and config.http_host == "127.0.0.1"
+    assert not config.allow_remote and not config.auth_token
+
+
+@pytest.mark.parametrize("options", [
+    dict(rpc_address="tcp://0.0.0.0:7760"), dict(rpc_address="tcp://*:7760"),
+    dict(rpc_address="tcp://10.1.2.3:7760"), dict(http_host="0.0.0.0", http_port=8000),
+    dict(worker_address="tcp://192.168.0.7:9000"),
+    dict(nnodes=2, master_addr="10.0.0.1", master_port=29500)])
+def test_listening_beyond_loopback_needs_allow_remote_and_a_token(options) -> None:
+    with pytest.raises(ValueError, match="--allow-remote with --auth-token"):
+        EngineConfig(**options)
+    with pytest.raises(ValueError, match="needs --auth-token"):
+        EngineConfig(allow_remote=True, **options)
+    config = EngineConfig(allow_remote=True, auth_token="s3cret", **options)
+    assert config.auth_token == "s3cret"
+
+
+@pytest.mark.parametrize("address", ["ipc:///tmp/x", "inproc://x", "tcp://127.0.0.1:1",
+                                     "tcp://127.3.4.5:1", "tcp://localhost:1", "tcp://[::1]:1"])
+def test_local_addresses(address) -> None:
+    assert is_local_address(address)
