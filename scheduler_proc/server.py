@@ -579,7 +579,8 @@ def _tag_of(payload: bytes) -> int | None:
         fields = msgspec.msgpack.decode(payload)
     except DECODE_ERRORS:
         return None
-    if isinstance(fields, list) and len(fields) > 1 and fields[0] in CLIENT_MESSAGE_TAGS \
+    if isinstance(fields, list) and len(fields) > 1 and isinstance(fields[0], str) \
+            and fields[0] in CLIENT_MESSAGE_TAGS \
             and isinstance(fields[1], int) and not isinstance(fields[1], bool):
         return fields[1]
     return None

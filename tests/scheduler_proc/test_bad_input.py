@@ -55,6 +55,7 @@ CASES = [
     ("a bare integer", enc(42), "invalid request"),
     ("a map", enc({"tag": 1, "prompt": [1]}), "invalid request"),
     ("unknown message type", enc(["launch_missiles", 1]), "invalid request"),
+    ("a list as the message type", enc([[], None]), "invalid request"),
     ("a worker's message", enc(["plan", 1, [], [], [], []]), "invalid request"),
     ("invalid UTF-8 as the type", b"\x92\xa2\xff\xfe\x01", "invalid request"),
     ("nested 10,000 deep", b"\x91" * 10_000 + b"\x00", "invalid request"),
