@@ -27,16 +27,25 @@ def complete_addresses(config: EngineConfig) -> EngineConfig:
 def start_engine(config: EngineConfig, supervisor: Supervisor) -> EngineConfig:
     """Spawn this node's processes under `supervisor`; returns the completed config."""
     config = complete_addresses(config)
-    payload = config.to_json()
     if config.node_rank == 0:
-        supervisor.add("scheduler", spawn_python("scheduler_proc", [payload]))
+        supervisor.add("scheduler", spawn_python("scheduler_proc", [config.to_json()]))
+    start_workers(config, supervisor)
+    return config
+
+
+def start_workers(config: EngineConfig, supervisor: Supervisor, generation: int = 0,
+                  master_port: int | None = None) -> None:
+    """This node's workers, torchrun's environment contract for each; a restarted group
+    (generation > 0) meets on a fresh master port."""
+    payload = config.to_json()
     for local_rank in range(config.nproc_per_node):
         rank = config.node_rank * config.nproc_per_node + local_rank
         env = {
             "RANK": str(rank), "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(config.world_size), "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
             "GROUP_RANK": str(config.node_rank),
-            "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port),
+            "MASTER_ADDR": config.master_addr,
+            "MASTER_PORT": str(master_port or config.master_port),
+            "SPMD_WORKER_GENERATION": str(generation),
         }
         supervisor.add(f"worker rank {rank}", spawn_python("worker_proc", [payload], env))
-    return config

@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
+import time
 
 import msgspec
+import zmq
 
-from launch.engine import start_engine
-from launch.supervisor import ChildExited, Supervisor
+from launch.engine import start_engine, start_workers
+from launch.supervisor import Child, ChildExited, Supervisor
 from protocol.config import EngineConfig
-from protocol.transport import private_ipc_address
+from protocol.messages import WorkersLost
+from protocol.transport import free_tcp_port, private_ipc_address
 from runtime.client import Client
+
+RESTART_WINDOW_S = 3600.0
 
 log = logging.getLogger("spmd.launch")
 
@@ -25,6 +31,64 @@ class RunningEngine:
         self.supervisor.install_signal_handlers()
         self.config = start_engine(config, self.supervisor)
         self.client: Client | None = None
+        self.generation = 0
+        self._restarts: list[float] = []
+        self._gave_up = False
+        self.supervisor.on_exit = self._worker_exited
+
+    def _worker_exited(self, child: Child, code: int) -> bool:
+        """A worker died: kill the rest of this node's group and start a new generation, and
+        tell the scheduler, which recomputes what was in flight. Past --max-restarts an hour
+        (or across nodes, where one launcher cannot restart the whole group), tell the
+        scheduler the engine is down and let the job stop."""
+        if not child.name.startswith("worker") or self._gave_up:
+            return False
+        if self.config.node_rank == 0 and self.client is None:
+            return False          # it failed before the engine ever served: a start-up error
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+        reason = f"{child.name} (pid {child.process.pid}) exited with code {code}"
+        final = len(self._restarts) >= self.config.max_restarts or self.config.nnodes > 1
+        self._notify_scheduler(WorkersLost(generation=self.generation + 1, reason=reason,
+                                           final=final))
+        if final:
+            self._gave_up = True
+            log.error("%s; not restarting (%d restarts in the last hour, --max-restarts %d)",
+                      reason, len(self._restarts), self.config.max_restarts)
+            self._let_scheduler_fail_requests()
+            return False
+        self.supervisor.remove(lambda name: name.startswith("worker"))
+        self.generation += 1
+        self._restarts.append(now)
+        log.warning("%s: restarting the worker group (restart %d of %d this hour)", reason,
+                    len(self._restarts), self.config.max_restarts)
+        start_workers(self.config, self.supervisor, self.generation,
+                      master_port=free_tcp_port(self.config.master_addr))
+        return True
+
+    def _notify_scheduler(self, message: WorkersLost) -> None:
+        """Over the workers' socket, with the auth token like a worker's frames."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.IDENTITY, f"launcher-{self.config.node_rank}".encode())
+        try:
+            sock.connect(self.config.worker_address)
+            frames = [self.config.auth_token.encode()] if self.config.auth_token else []
+            sock.send_multipart([*frames, msgspec.msgpack.encode(message)])
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _let_scheduler_fail_requests(self, timeout_s: float = 5.0) -> None:
+        """The scheduler answers every request in flight with the error, then exits."""
+        scheduler = next((c for c in self.supervisor.children if c.name == "scheduler"), None)
+        if scheduler is None:
+            return
+        try:
+            scheduler.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass              # stop_all takes care of it
 
     def alive(self) -> bool:
         if self.supervisor.stop_requested:

@@ -28,6 +28,8 @@ class Supervisor:
     def __init__(self) -> None:
         self.children: list[Child] = []
         self.stop_requested = False
+        # Called with a child that exited and its code; True if it dealt with it (restarted).
+        self.on_exit: Callable[[Child, int], bool] | None = None
 
     def add(self, name: str, process: subprocess.Popen) -> None:
         self.children.append(Child(name, process))
@@ -43,6 +45,10 @@ class Supervisor:
         when a worker fails, the scheduler notices and exits too, and the worker is the cause."""
         exited = [(child, child.process.poll()) for child in self.children]
         exited = [(child, code) for child, code in exited if code is not None]
+        if exited and self.on_exit is not None and not self.stop_requested:
+            child, code = min(exited, key=lambda item: item[0].name == "scheduler")
+            if self.on_exit(child, code):
+                return
         if exited:
             exited.sort(key=lambda item: item[0].name == "scheduler")
             raise ChildExited(*exited[0])
@@ -52,6 +58,20 @@ class Supervisor:
         while not self.stop_requested and not (until and until()):
             self.check()
             time.sleep(interval_s)
+
+    def remove(self, names: Callable[[str], bool], timeout_s: float = 5.0) -> None:
+        """SIGKILL the children whose name matches (they may be stuck in a collective with a
+        dead peer: they are not waited on), reap them and forget them."""
+        doomed = [child for child in self.children if names(child.name)]
+        for child in doomed:
+            if child.process.poll() is None:
+                child.process.kill()
+        for child in doomed:
+            try:
+                child.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.children = [child for child in self.children if child not in doomed]
 
     def stop_all(self, timeout_s: float = 10.0, first_grace_s: float = 5.0) -> None:
         """SIGTERM every child, wait, then SIGKILL whatever is left.

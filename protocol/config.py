@@ -147,6 +147,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "ZeroMQ address the scheduler and workers talk on; empty picks one"))] = ""
     step_timeout_s: Annotated[float, Meta(gt=0, description=(
         "seconds without a step result before the workers are declared dead"))] = 300.0
+    max_restarts: Annotated[int, Meta(ge=0, description=(
+        "times per hour the worker group is restarted after a worker dies (single node), its "
+        "requests recomputed and completed; 0: a dead worker fails every request and ends "
+        "the job"))] = 3
     heartbeat_timeout_s: Annotated[float, Meta(gt=0, description=(
         "workers exit when neither a plan nor a heartbeat (sent every second) came from the "
         "scheduler for this many seconds"))] = 5.0

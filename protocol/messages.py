@@ -185,6 +185,7 @@ class EngineStats(_Wire, tag="stats_reply"):
     thermal_evictions: int             # requests taken off the batch by the thermal policy
     admin_evictions: int               # requests taken off the batch by admin calls
     thermal_events: list[ThermalEvent]
+    num_worker_restarts: int           # times the worker group was replaced after a death
     rejected_frames: int               # frames refused before decoding: undecodable or too large
     invalid_requests: int              # decoded requests refused: bad values, unknown ids, admin
 
@@ -227,6 +228,7 @@ class WorkerReady(_Wire, tag="ready"):
     device: str
     num_cpu_kv_blocks: int = 0     # the swap space, in blocks
     thermal_sensor: str = "none"   # the sensor kind this rank reads: nvml, psutil, file, none
+    generation: int = 0            # which start of the worker group (0, then 1 after a restart...)
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -302,8 +304,17 @@ class Heartbeat(_Wire, tag="heartbeat"):
     nothing for --heartbeat-timeout-s exit."""
 
 
+class WorkersLost(_Wire, tag="workers_lost"):
+    """From a launcher: one of its workers died. Unless final, it has killed the rest of its
+    worker group and started generation `generation`, which will report ready."""
+
+    generation: int
+    reason: str
+    final: bool = False
+
+
 SchedulerToWorker = StepPlan | Shutdown | Heartbeat
-WorkerToScheduler = WorkerReady | StepResult | WorkerError
+WorkerToScheduler = WorkerReady | StepResult | WorkerError | WorkersLost
 
 
 # What decoding an untrusted frame can raise: msgpack strings with invalid UTF-8 surface as

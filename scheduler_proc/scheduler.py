@@ -69,6 +69,7 @@ class SchedulerCounters:
     num_swaps_out: int = 0
     num_swaps_in: int = 0
     num_soft_resets: int = 0
+    num_worker_restarts: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -109,6 +110,7 @@ class Scheduler:
         # With buckets, every step is a prompt or a decode step that fits a bucket.
         self.planner = BucketPlanner(buckets, policy) if buckets else None
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.admission_watermark = admission_watermark
         self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -427,6 +429,32 @@ class Scheduler:
             return False
         self._free_finished()
         return self.kv.allocate_slots(request, num_new_tokens, hits, reserve)
+
+    def restart(self, kv: KVCacheManager, num_cpu_blocks: int) -> list[Request]:
+        """The worker group was replaced: every KV block, on the devices and in the CPU swap
+        space, is gone, and so is the step in flight. Running and swapped requests are soft
+        reset (recomputed from prompt + the tokens they already produced, which were streamed)
+        and go first in the queue, in admission order. Returns them."""
+        in_flight = sorted(self.running + list(self.swapped), key=lambda r: r.arrival_seq)
+        for request in in_flight:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.block_ids = []
+            request.cpu_block_ids = []
+            request.num_blocks_sent = 0
+            request.num_cached_blocks = 0
+            request.known_to_workers = False
+        self.running.clear()
+        self.swapped.clear()
+        self.waiting.extendleft(reversed(in_flight))
+        self.kv = kv
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.watermark_blocks = math.floor(self.admission_watermark * kv.num_blocks)
+        self._dropped = []
+        self._swap_out = []
+        self._finished_unfreed = []
+        self.counters.num_worker_restarts += 1
+        return in_flight
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

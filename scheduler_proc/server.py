@@ -38,6 +38,7 @@ from protocol.messages import (
     StepResult,
     WorkerError,
     WorkerReady,
+    WorkersLost,
     client_decoder,
     scheduler_inbound_decoder,
 )
@@ -55,6 +56,10 @@ CLIENT_MESSAGE_TAGS = frozenset(
     msgspec.inspect.type_info(kind).tag for kind in ClientMessage.__args__)
 MAX_CLIENT_MESSAGES_PER_STEP = 1024
 HEARTBEAT_INTERVAL_S = 1.0
+# After a worker reports an error, how long its launcher has to say whether it restarts the
+# group (or, when it cannot, what died first: the error may only be a peer's broken collective).
+LAUNCHER_GRACE_S = 20.0
+LAUNCHER_GRACE_NO_RESTART_S = 2.0
 
 
 class WorkersFailed(RuntimeError):
@@ -65,6 +70,14 @@ class Stopping(Exception):
     """A stop was requested (SIGTERM/SIGINT) while waiting on the workers."""
 
 
+class GroupLost(Exception):
+    """A launcher reported a dead worker; a new generation of the group is starting."""
+
+    def __init__(self, message: WorkersLost) -> None:
+        super().__init__(message.reason)
+        self.message = message
+
+
 class SchedulerServer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -73,6 +86,11 @@ class SchedulerServer:
         self.client_decoder = client_decoder()
         self.worker_decoder = scheduler_inbound_decoder()
         self.workers = make_socket(self.ctx, zmq.ROUTER, config.worker_address, bind=True)
+        # A restarted worker reconnects with its rank's identity: it takes the old one over.
+        self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.generation = 0
+        # (deadline, error) once a worker failed and its launcher has not spoken yet.
+        self._awaiting_launcher: tuple[float, WorkerError] | None = None
         self.rpc: zmq.Socket | None = None
         self.scheduler: Scheduler | None = None
         self.model_info: ModelInfo | None = None
@@ -100,7 +118,9 @@ class SchedulerServer:
 
     # ------------------------------------------------------------------ start-up
 
-    def wait_for_workers(self) -> None:
+    def _gather_ready(self) -> dict[int, WorkerReady]:
+        """Wait until every rank of the current generation reports ready. Clients already
+        connected (after a restart) get their pings answered and their requests queued."""
         world = self.config.world_size
         ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -109,23 +129,49 @@ class SchedulerServer:
                 raise WorkersFailed(f"only {len(ready)} of {world} workers became ready in "
                                     f"{READY_TIMEOUT_S:.0f}s")
             self._heartbeat_if_due()
-            frames = poll_recv(self.workers, HEARTBEAT_INTERVAL_S)
+            if self.rpc is not None:
+                self._queue_client_messages()
+            frames = poll_recv(self.workers, 0.05 if self.rpc is not None else HEARTBEAT_INTERVAL_S)
             if frames is None or self._stopping:
                 if self._stopping:
                     raise WorkersFailed("stopped while waiting for workers")
                 continue
             message = self._worker_message(frames)
-            if message is None:
-                continue
-            if isinstance(message, WorkerError):
+            if isinstance(message, WorkersLost):
+                self._lost(message)          # a worker died during start-up
+                ready.clear()
+            elif isinstance(message, WorkerError):
                 raise WorkersFailed(f"worker rank {message.rank} failed to start:\n{message.message}")
-            if isinstance(message, WorkerReady):
+            elif isinstance(message, WorkerReady) and message.generation == self.generation:
                 ready[message.rank] = message
                 log.info("worker rank %d ready on %s with %d KV blocks", message.rank,
                          message.device, message.num_kv_blocks)
-        first = ready[0]
+        return ready
+
+    def _lost(self, message: WorkersLost) -> None:
+        """A launcher lost a worker: fail if it cannot restart the group, else expect the
+        next generation."""
+        self._awaiting_launcher = None
+        if message.final:
+            raise WorkersFailed(f"the engine is down: {message.reason}, and the worker group "
+                                "is not restarted (restarts exhausted, --max-restarts, or a "
+                                "multi-node job)")
+        log.warning("%s: the launcher restarts the worker group (generation %d)",
+                    message.reason, message.generation)
+        self.generation = message.generation
+
+    def _kv_cache_manager(self, ready: dict[int, WorkerReady]) -> tuple[KVCacheManager, int]:
         num_blocks = min(r.num_kv_blocks for r in ready.values())
         num_cpu_blocks = min(r.num_cpu_kv_blocks for r in ready.values())
+        kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        return kv, num_cpu_blocks
+
+    def wait_for_workers(self) -> None:
+        world = self.config.world_size
+        ready = self._gather_ready()
+        first = ready[0]
+        kv, num_cpu_blocks = self._kv_cache_manager(ready)
+        num_blocks = kv.num_blocks
         block_size = self.config.block_size
         max_model_len = min(first.max_model_len, num_blocks * block_size)
         if self.config.max_model_len:
@@ -134,8 +180,7 @@ class SchedulerServer:
         if bucketing_enabled(self.config):
             buckets = engine_buckets(self.config, first.max_model_len)
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching),
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            kv, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
             eos_token_ids=first.eos_token_ids, policy=self.config.scheduler,
             num_cpu_blocks=num_cpu_blocks, admission_watermark=self.config.kv_admission_watermark,
@@ -159,29 +204,11 @@ class SchedulerServer:
         try:
             stalled = False
             while not self._stopping:
-                if not scheduler.has_work:
-                    # Nothing in flight: finish pending frees before answering anyone.
-                    scheduler.maintain(None)
-                    self._send_to_workers_if_needed()
-                    self._heartbeat_if_due()
-                self._handle_client_messages(block=stalled or not scheduler.has_work)
-                self._expire_deadlines()
-                if not scheduler.has_work:
-                    continue
-                step = scheduler.schedule()
-                # Nothing fits (validated inputs always fit an empty pool): wait, never spin.
-                stalled = not step.num_scheduled
-                if stalled:
-                    self._send_to_workers_if_needed()
-                    continue
-                payload = self.encoder.encode(step.plan)
-                self._broadcast(payload)
-                started = time.perf_counter()
-                scheduler.maintain(step)
-                maintenance_ms = (time.perf_counter() - started) * 1e3
-                result = self._receive_result(step)
-                self._account_maintenance(maintenance_ms, result)
-                self._stream(scheduler.update(step, result))
+                try:
+                    stalled = self._iterate(scheduler, stalled)
+                except GroupLost as lost:
+                    self._recover(lost.message)
+                    stalled = False
         except Stopping:
             pass
         except WorkersFailed as error:
@@ -190,6 +217,74 @@ class SchedulerServer:
             raise
         finally:
             self._shutdown_workers()
+
+    def _iterate(self, scheduler: Scheduler, stalled: bool) -> bool:
+        """One pass of the step loop; returns whether it stalled (nothing could run)."""
+        if not scheduler.has_work:
+            # Nothing in flight: finish pending frees before answering anyone.
+            scheduler.maintain(None)
+            self._send_to_workers_if_needed()
+            self._heartbeat_if_due()
+        self._drain_worker_messages()
+        self._check_awaiting_launcher()
+        self._handle_client_messages(block=stalled or not scheduler.has_work)
+        self._expire_deadlines()
+        if not scheduler.has_work:
+            return False
+        step = scheduler.schedule()
+        # Nothing fits (validated inputs always fit an empty pool): wait, never spin.
+        if not step.num_scheduled:
+            self._send_to_workers_if_needed()
+            return True
+        payload = self.encoder.encode(step.plan)
+        self._broadcast(payload)
+        started = time.perf_counter()
+        scheduler.maintain(step)
+        maintenance_ms = (time.perf_counter() - started) * 1e3
+        result = self._receive_result(step)
+        self._account_maintenance(maintenance_ms, result)
+        self._stream(scheduler.update(step, result))
+        return False
+
+    def _drain_worker_messages(self) -> None:
+        """While idle: a launcher may report a dead worker, or a worker its own failure."""
+        while True:
+            try:
+                frames = self.workers.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._control_message(self._worker_message(frames))
+
+    def _control_message(self, message) -> None:
+        if isinstance(message, WorkersLost):
+            raise GroupLost(message)
+        if isinstance(message, WorkerError) and self._awaiting_launcher is None:
+            # The rank exits after this; its launcher then restarts the group or says it will
+            # not, naming the worker that died first. That message decides.
+            log.error("worker rank %d failed; waiting for its launcher:\n%s", message.rank,
+                      message.message)
+            grace = LAUNCHER_GRACE_S if self._restartable else LAUNCHER_GRACE_NO_RESTART_S
+            self._awaiting_launcher = (time.monotonic() + grace, message)
+
+    def _check_awaiting_launcher(self) -> None:
+        """No launcher restarted the group after a worker failed (workers started by hand or
+        by torchrun): the engine cannot go on."""
+        if self._awaiting_launcher is not None and time.monotonic() > self._awaiting_launcher[0]:
+            error = self._awaiting_launcher[1]
+            raise WorkersFailed(f"worker rank {error.rank} failed:\n{error.message}")
+
+    @property
+    def _restartable(self) -> bool:
+        return self.config.max_restarts > 0 and self.config.nnodes == 1
+
+    def _recover(self, message: WorkersLost) -> None:
+        """Wait for the restarted worker group, then recompute everything that was in flight."""
+        self._lost(message)
+        ready = self._gather_ready()
+        kv, num_cpu_blocks = self._kv_cache_manager(ready)
+        requeued = self.scheduler.restart(kv, num_cpu_blocks)
+        log.warning("worker group generation %d ready: %d requests recomputed from their "
+                    "prompts and the tokens already streamed", self.generation, len(requeued))
 
     def _account_maintenance(self, maintenance_ms: float, result: StepResult) -> None:
         """Maintenance is hidden as far as it fits inside the workers' own time for the step."""
@@ -237,12 +332,12 @@ class SchedulerServer:
             # Keep accepting clients while the workers compute; their messages wait for the loop.
             self._queue_client_messages()
             self._heartbeat_if_due()
+            self._check_awaiting_launcher()
             frames = poll_recv(self.workers, min(remaining, 0.05))
             if frames is None:
                 continue
             message = self._worker_message(frames)
-            if isinstance(message, WorkerError):
-                raise WorkersFailed(f"worker rank {message.rank} failed:\n{message.message}")
+            self._control_message(message)
             if isinstance(message, StepResult) and message.step_id == step.plan.step_id:
                 return message
 
@@ -479,6 +574,7 @@ class SchedulerServer:
             num_preemptions=counters.num_preemptions, num_swapped=len(scheduler.swapped),
             num_swaps_out=counters.num_swaps_out, num_swaps_in=counters.num_swaps_in,
             num_soft_resets=counters.num_soft_resets,
+            num_worker_restarts=counters.num_worker_restarts,
             cpu_kv_blocks_total=scheduler.cpu_pool.num_blocks,
             cpu_kv_blocks_free=scheduler.cpu_pool.num_free_blocks, scheduler=scheduler.policy,
             bucketing=planner is not None,

@@ -86,7 +86,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     ready = WorkerReady(rank=ctx.rank, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                         vocab_size=model_config.vocab_size,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
-                        num_cpu_kv_blocks=num_cpu_blocks)
+                        num_cpu_kv_blocks=num_cpu_blocks,
+                        generation=int(os.environ.get("SPMD_WORKER_GENERATION", "0")))
     return runner, ready
 
 

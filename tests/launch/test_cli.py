@@ -79,7 +79,8 @@ def test_generate_without_chat_template(hf_smollm2, greedy_reference) -> None:
                          ids=["worker", "scheduler"])
 def test_killed_engine_process_stops_the_whole_job(spmd_serve, victim_module: str,
                                                    victim_name: str) -> None:
-    server = spmd_serve(*DUMMY)
+    # Without restarts (a killed worker is otherwise replaced: see test_faults.py).
+    server = spmd_serve(*DUMMY, "--max-restarts", "0")
     try:
         server.wait_serving()
         worker = server.child("worker_proc")

@@ -115,3 +115,100 @@ def test_workers_without_a_launcher_exit_when_heartbeats_stop(tmp_path, tiny_mod
     finally:
         kill_tree(scheduler, tag)
         kill_tree(workers, tag)
+
+
+PROMPTS = [[(11 * i + 5 * j) % 240 + 1 for j in range(4 + i % 7)] for i in range(20)]
+STREAMED = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+
+class Streams:
+    """20 requests streaming at once, each on its own client and thread."""
+
+    def __init__(self, address: str) -> None:
+        self.tokens: list[list[int]] = [[] for _ in PROMPTS]
+        self.finish: list[str | None] = [None] * len(PROMPTS)
+        self.errors: list[tuple[float, str] | None] = [None] * len(PROMPTS)
+        self.threads = [threading.Thread(target=self._stream, args=(address, i), daemon=True)
+                        for i in range(len(PROMPTS))]
+        for thread in self.threads:
+            thread.start()
+
+    def _stream(self, address: str, index: int) -> None:
+        with Client(address, timeout_s=60) as client:
+            try:
+                for delta in client.stream(PROMPTS[index], STREAMED):
+                    self.tokens[index] += delta.token_ids
+                    self.finish[index] = delta.finish_reason
+            except EngineError as error:
+                self.errors[index] = (time.monotonic(), str(error))
+
+    def wait_all_started(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(self.tokens) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(self.tokens), "not every stream started"
+
+    def join(self, timeout_s: float) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+        assert not any(thread.is_alive() for thread in self.threads), "a stream hangs"
+
+
+def worker_of(server, rank: int) -> psutil.Process:
+    for proc in server.processes():
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            continue
+        if "worker_proc" in " ".join(proc.cmdline()) and env.get("RANK") == str(rank):
+            return proc
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("tp", "victim"), [(1, 0), (2, 1)], ids=["tp1", "tp2"])
+def test_a_killed_worker_is_replaced_and_every_stream_completes(spmd_serve, tiny_model, tp,
+                                                                victim) -> None:
+    server = spmd_serve("--model", tiny_model, "--num-kv-blocks", "128", "--max-model-len", "256",
+                        launcher=["--nproc-per-node", str(tp)])
+    try:
+        server.wait_serving()
+        streams = Streams(server.address)
+        streams.wait_all_started()
+        worker_of(server, victim).kill()
+        streams.join(240)
+        assert streams.errors == [None] * len(PROMPTS), streams.errors
+        assert streams.finish == ["length"] * len(PROMPTS)
+        # Nothing lost, nothing streamed twice: exactly max_tokens, equal to an undisturbed run.
+        assert [len(t) for t in streams.tokens] == [STREAMED.max_tokens] * len(PROMPTS)
+        with Client(server.address, timeout_s=60) as client:
+            stats = client.stats()
+            assert stats.num_worker_restarts == 1 and stats.num_finished == len(PROMPTS)
+            client.reset_prefix_cache()
+            undisturbed = [o.token_ids for o in client.generate(PROMPTS, STREAMED)]
+        assert streams.tokens == undisturbed
+        assert "restarting the worker group (restart 1 of 3 this hour)" in server.stderr
+    finally:
+        server.kill_tree()
+
+
+@pytest.mark.timeout(300)
+def test_without_restarts_every_stream_ends_with_a_clear_error(spmd_serve, tiny_model) -> None:
+    server = spmd_serve("--model", tiny_model, "--num-kv-blocks", "128", "--max-model-len", "256",
+                        "--max-restarts", "0", launcher=["--nproc-per-node", "2"])
+    try:
+        server.wait_serving()
+        streams = Streams(server.address)
+        streams.wait_all_started()
+        procs = [p for p in server.processes() if p.pid != server.proc.pid]
+        worker_of(server, 1).kill()
+        killed_at = time.monotonic()
+        streams.join(60)
+        assert all(error is not None for error in streams.errors), streams.errors
+        for at, message in streams.errors:
+            assert "the engine is down" in message and "worker rank 1" in message, message
+            assert at - killed_at < 5.0
+        assert server.proc.wait(30) == 1
+        assert not wait_gone(procs, 10.0)
+    finally:
+        server.kill_tree()
