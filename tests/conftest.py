@@ -167,6 +167,41 @@ def free_port() -> Callable[[], int]:
     return free_tcp_port
 
 
+# ---------------------------------------------------------------------------- torchrun
+
+class TorchrunEngine:
+    """A scheduler started by hand and its workers started by torchrun (no spmdrun launcher),
+    from one config with nproc_per_node workers; output in log_path. Use as a context manager:
+    both process trees are killed on exit."""
+
+    def __init__(self, config, log_path: Path) -> None:
+        self.tag = uuid.uuid4().hex
+        self.log_path = log_path
+        env = dict(os.environ, **{PROC_TAG_ENV: self.tag}, PYTHONPATH=str(REPO_ROOT))
+        log = open(log_path, "wb")
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        self.scheduler = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_proc", config.to_json()], cwd=REPO_ROOT, env=env,
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        self.workers = subprocess.Popen(
+            [torchrun, "--nproc-per-node", str(config.nproc_per_node), "--master-addr",
+             "127.0.0.1", "--master-port", str(config.master_port), "-m", "worker_proc",
+             config.to_json()], cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
+            stdin=subprocess.DEVNULL)
+        log.close()
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __enter__(self) -> "TorchrunEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        kill_tree(self.scheduler, self.tag)
+        kill_tree(self.workers, self.tag)
+
+
 # ---------------------------------------------------------------------------- spmdrun serve
 
 class ServeProcess:

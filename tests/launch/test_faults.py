@@ -3,17 +3,13 @@ an error), and workers whose scheduler dies while no launcher watches them (torc
 their own when the heartbeats stop."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-import uuid
 
 import psutil
 import pytest
-from conftest import PROC_TAG_ENV, REPO_ROOT, free_tcp_port, kill_tree
+from conftest import TorchrunEngine, free_tcp_port
 from sharp_llama import sharp_llama
 
 from protocol.config import EngineConfig
@@ -86,35 +82,19 @@ def test_workers_without_a_launcher_exit_when_heartbeats_stop(tmp_path, tiny_mod
     config = EngineConfig(model=tiny_model, nproc_per_node=2, master_port=port,
                           worker_address=f"tcp://127.0.0.1:{free_tcp_port()}", rpc_address=rpc,
                           heartbeat_timeout_s=3.0, **ENGINE)
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, **{PROC_TAG_ENV: tag}, PYTHONPATH=str(REPO_ROOT))
-    log = open(tmp_path / "engine.log", "wb")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_proc", config.to_json()],
-                                 cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
-                                 stdin=subprocess.DEVNULL)
-    workers = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                                "--master-port", str(port), "-m", "worker_proc",
-                                config.to_json()],
-                               cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
-                               stdin=subprocess.DEVNULL)
-    try:
+    with TorchrunEngine(config, tmp_path / "engine.log") as engine:
         with Client(rpc, timeout_s=120) as client:
             client.wait_ready(240)
             (out,) = client.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
             assert len(out.token_ids) == 4
             # Idle for longer than the heartbeat timeout: heartbeats keep the workers up.
             time.sleep(4.5)
-            assert workers.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
-        scheduler.send_signal(signal.SIGKILL)
-        scheduler.wait(10)
+            assert engine.workers.poll() is None, engine.log[-3000:]
+        engine.scheduler.send_signal(signal.SIGKILL)
+        engine.scheduler.wait(10)
         # 3 s of silence, then the workers exit and torchrun with them.
-        workers.wait(10 + 3)
-        text = (tmp_path / "engine.log").read_text()
-        assert "no plan or heartbeat from the scheduler for 3s" in text, text[-3000:]
-    finally:
-        kill_tree(scheduler, tag)
-        kill_tree(workers, tag)
+        engine.workers.wait(10 + 3)
+        assert "no plan or heartbeat from the scheduler for 3s" in engine.log, engine.log[-3000:]
 
 
 PROMPTS = [[(11 * i + 5 * j) % 240 + 1 for j in range(4 + i % 7)] for i in range(20)]

@@ -3,13 +3,8 @@ loopback (one worker each), and workers started by torchrun beside a scheduler s
 both give the same greedy outputs as TP=2 on one node."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import uuid
-
 import pytest
-from conftest import PROC_TAG_ENV, REPO_ROOT, free_tcp_port, kill_tree
+from conftest import TorchrunEngine, free_tcp_port
 from sharp_llama import GREEDY, prompts, sharp_llama
 
 from protocol.config import EngineConfig
@@ -61,21 +56,5 @@ def test_workers_started_by_torchrun_equal_tp2_on_one_node(tmp_path, tiny_model,
     config = EngineConfig(model=tiny_model, num_kv_blocks=64, max_num_batched_tokens=64,
                           max_model_len=128, nproc_per_node=2, master_port=port,
                           worker_address=f"tcp://127.0.0.1:{free_tcp_port()}", rpc_address=rpc)
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, **{PROC_TAG_ENV: tag}, PYTHONPATH=str(REPO_ROOT))
-    log = open(tmp_path / "engine.log", "wb")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_proc", config.to_json()],
-                                 cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
-                                 stdin=subprocess.DEVNULL)
-    workers = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                                "--master-port", str(port), "-m", "worker_proc",
-                                config.to_json()],
-                               cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
-                               stdin=subprocess.DEVNULL)
-    try:
-        assert generate(rpc) == one_node_tp2, (tmp_path / "engine.log").read_text()[-3000:]
-    finally:
-        kill_tree(scheduler, tag)
-        kill_tree(workers, tag)
-        log.close()
+    with TorchrunEngine(config, tmp_path / "engine.log") as engine:
+        assert generate(rpc) == one_node_tp2, engine.log[-3000:]
