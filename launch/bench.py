@@ -70,14 +70,18 @@ TABLE_HEADER = (f"{'engine':<24} {'requests':>8} {'in tok':>9} {'out tok':>9} {'
                 f"{'req/s':>8} {'in tok/s':>10} {'out tok/s':>10}")
 
 
-def run_throughput(client, prompts: list[list[int]], output_len: int, engine: str) -> ThroughputReport:
-    """Time one offline batch through an engine client (greedy, EOS ignored, fixed output length)."""
+def run_throughput(client, prompts: list[list[int]], output_len: int, engine: str,
+                   alive=None, auth_token: str = "") -> ThroughputReport:
+    """Time one offline batch through an engine client (greedy, EOS ignored, fixed output length).
+    alive() tells whether the engine's processes still run (a dead engine fails at once);
+    auth_token is the server's --auth-token, if it has one."""
+    from launch.progress import generate_with_progress
     from protocol.sampling import SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     # Warm-up on tokens no benchmark prompt starts with, so it seeds no prefix cache hit.
     client.generate([[3] * 8], SamplingParams(max_tokens=2, temperature=0.0))
     started = time.perf_counter()
-    outputs = client.generate(prompts, params)
+    outputs = generate_with_progress(client.address, prompts, params, engine, alive, auth_token)
     elapsed = time.perf_counter() - started
     return ThroughputReport(engine, len(prompts), sum(map(len, prompts)),
                             sum(len(o.token_ids) for o in outputs), elapsed)

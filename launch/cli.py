@@ -5,13 +5,14 @@ Every engine option is generated from the fields of protocol.config.EngineConfig
 from __future__ import annotations
 
 import argparse
-import logging
+import math
 import sys
 
 import msgspec
 
 from protocol.config import EngineConfig, engine_config_choices, engine_config_fields
 from protocol.sampling import SamplingParams
+from runtime.log_format import configure_logging
 
 LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
 
@@ -121,14 +122,39 @@ def build_parser() -> argparse.ArgumentParser:
     pressure.add_argument("--rounds", type=int, default=1,
                           help="runs of each variant, rotating their order (default: %(default)s)")
     add_engine_options(pressure, exclude=LAUNCHER_FIELDS + ("swap_space",))
+
+    serving = bench_kinds.add_parser(
+        "serving", help="online load at a request rate against the HTTP front or the RPC "
+        "endpoint: throughput, time to first token, time per output token, inter-token latency")
+    serving.add_argument("--endpoint", choices=("http", "rpc"), default="http",
+                         help="what to send requests to (default: %(default)s)")
+    serving.add_argument("--url", default="",
+                         help="a running server: http://host:port (HTTP front) or its RPC "
+                         "address; empty starts an engine here with the engine options")
+    serving.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
+    serving.add_argument("--num-requests", type=int, default=32)
+    serving.add_argument("--input-len-min", type=int, default=32)
+    serving.add_argument("--input-len-max", type=int, default=256)
+    serving.add_argument("--num-prefixes", type=int, default=4,
+                         help="shared-prefix: distinct prefixes (default: %(default)s)")
+    serving.add_argument("--prefix-len", type=int, default=128)
+    serving.add_argument("--suffix-len", type=int, default=32)
+    serving.add_argument("--output-len", type=int, default=64)
+    serving.add_argument("--request-rate", type=float, default=math.inf,
+                         help="requests per second, Poisson arrivals; inf sends all at once "
+                         "(default: %(default)s)")
+    serving.add_argument("--max-concurrency", type=int, default=0,
+                         help="most requests in flight; 0: no limit (default: %(default)s)")
+    serving.add_argument("--workload-seed", type=int, default=0)
+    serving.add_argument("--json", action="store_true", help="print one JSON line too")
+    add_engine_options(serving, exclude=LAUNCHER_FIELDS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level)
     from launch import commands
     if args.command == "generate":
         return commands.generate(config, args)

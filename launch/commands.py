@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
 from collections.abc import Callable
 
@@ -14,11 +16,15 @@ from launch.bench import (
     run_throughput,
     shared_prefix_workload,
 )
+from launch.bench_serving import ServingReport, measure, served_model
 from launch.cli import sampling_from_args
+from launch.http_front import start_http_front
+from launch.progress import generate_with_progress
 from launch.running import RunningEngine, exit_with_failure
 from launch.supervisor import ChildExited
 from protocol.config import EngineConfig
 from protocol.messages import EngineStats
+from protocol.transport import free_tcp_port
 from runtime.chat import chat_prompt_ids
 from runtime.client import EngineError
 
@@ -49,7 +55,11 @@ def generate(config: EngineConfig, args: argparse.Namespace) -> int:
             tokenizer = client.tokenizer
             token_lists = [client.encode(p) if args.no_chat_template else chat_prompt_ids(tokenizer, p)
                            for p in prompts]
-            outputs = client.generate(token_lists, params)
+            outputs = generate_with_progress(engine.config.rpc_address, token_lists, params,
+                                             "generate", alive=engine.alive,
+                                             auth_token=engine.config.auth_token)
+            for output in outputs:
+                output.text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
         except ValueError as error:
@@ -66,14 +76,19 @@ def serve(config: EngineConfig) -> int:
             return _supervise_workers_only(engine)
         try:
             engine.connect()
+            if config.http_port:
+                url = start_http_front(engine.config, engine.supervisor, engine.alive)
+                print(f"spmdrun: HTTP front on {url}", flush=True)
             print(f"spmdrun: serving {config.model} on {engine.config.rpc_address}", flush=True)
             engine.supervisor.wait()
-        except (EngineError, ChildExited) as error:
+        except (EngineError, ChildExited, RuntimeError) as error:
             return exit_with_failure(engine, error)
     return 0
 
 
 def bench(config: EngineConfig, args: argparse.Namespace) -> int:
+    if args.bench_kind == "serving":
+        return bench_serving(config, args)
     if args.bench_kind == "prefix":
         return bench_prefix(config, args)
     if args.bench_kind == "pressure":
@@ -85,7 +100,8 @@ def bench(config: EngineConfig, args: argparse.Namespace) -> int:
             client = engine.connect()
             prompts = random_workload(args.num_requests, args.input_len_min, args.input_len_max,
                                       client.model_info().vocab_size, args.workload_seed)
-            report = run_throughput(client, prompts, args.output_len, "spmd-runtime")
+            report = run_throughput(client, prompts, args.output_len, "spmd-runtime", engine.alive,
+                                    engine.config.auth_token)
             stats = client.stats()
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
@@ -118,7 +134,8 @@ def _run_variants(variants: list[tuple[str, EngineConfig]], workload: Workload, 
                 try:
                     client = engine.connect()
                     prompts = workload(client.model_info().vocab_size)
-                    report = run_throughput(client, prompts, output_len, label)
+                    report = run_throughput(client, prompts, output_len, label, engine.alive,
+                                            engine.config.auth_token)
                     stats = client.stats()
                 except (EngineError, ChildExited) as error:
                     return exit_with_failure(engine, error)
@@ -178,3 +195,52 @@ def bench_pressure(config: EngineConfig, args: argparse.Namespace) -> int:
           f"'vs roomy' is output tok/s relative to the roomy pool over {args.rounds} round(s)",
           flush=True)
     return 0
+
+
+def bench_serving(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Online load against a running server (--url), or against an engine started here."""
+    if args.num_requests < 1 or args.output_len < 1 or not args.request_rate > 0:
+        print("spmdrun bench serving: --num-requests, --output-len and --request-rate must be "
+              "positive", file=sys.stderr)
+        return 2
+    if args.url:
+        try:
+            report = asyncio.run(_serving_load(args.url, args, None, config.auth_token))
+        except (EngineError, RuntimeError, OSError, ValueError) as error:
+            print(f"spmdrun bench serving: {error}", file=sys.stderr)
+            return 1
+    else:
+        if args.endpoint == "http" and not config.http_port:
+            config = msgspec.structs.replace(config, http_port=free_tcp_port(config.http_host))
+        with RunningEngine(config, private_rpc=True) as engine:
+            if config.node_rank != 0:
+                return _supervise_workers_only(engine)
+            try:
+                engine.connect()
+                url = engine.config.rpc_address
+                if args.endpoint == "http":
+                    url = start_http_front(engine.config, engine.supervisor, engine.alive)
+                report = asyncio.run(_serving_load(url, args, engine.alive,
+                                                   engine.config.auth_token))
+            except (EngineError, ChildExited, RuntimeError) as error:
+                return exit_with_failure(engine, error)
+    print(report.table(), flush=True)
+    if args.json:
+        print(json.dumps(report.summary()), flush=True)
+    return 0
+
+
+async def _serving_load(url: str, args: argparse.Namespace, alive,
+                        auth_token: str) -> ServingReport:
+    endpoint = "http" if url.startswith(("http://", "https://")) else "rpc"
+    model, vocab_size = await served_model(url, auth_token)
+    if args.dataset == "random":
+        prompts = random_workload(args.num_requests, args.input_len_min, args.input_len_max,
+                                  vocab_size, args.workload_seed)
+    else:
+        repeat = -(-args.num_requests // args.num_prefixes)
+        prompts = shared_prefix_workload(args.num_prefixes, args.prefix_len, args.suffix_len,
+                                         repeat, vocab_size, args.workload_seed)[:args.num_requests]
+    return await measure(endpoint, url.rstrip("/"), model, prompts, args.output_len,
+                         args.request_rate, args.max_concurrency, args.workload_seed, alive,
+                         auth_token)

@@ -1,0 +1,64 @@
+"""Progress of long offline work: a tqdm bar on a terminal, a few plain log lines otherwise."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from protocol.sampling import SamplingParams
+from runtime.async_client import AsyncClient
+from runtime.outputs import RequestOutput
+
+log = logging.getLogger("spmd.progress")
+
+
+class Progress:
+    """Counts finished items. On a terminal, a bar on `stream`; otherwise a log line at every
+    tenth of the total, so that redirected logs stay short and readable."""
+
+    def __init__(self, total: int, description: str, stream: TextIO | None = None) -> None:
+        stream = sys.stderr if stream is None else stream
+        self.total = total
+        self.description = description
+        self.done = 0
+        self._bar = None
+        self._next_log = 1
+        if stream.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, desc=description, unit="req", file=stream,
+                             dynamic_ncols=True, leave=False)
+
+    def update(self, count: int = 1) -> None:
+        self.done += count
+        if self._bar is not None:
+            self._bar.update(count)
+            return
+        if self.done * 10 >= self._next_log * self.total or self.done == self.total:
+            log.info("%s: %d/%d done", self.description, self.done, self.total)
+            self._next_log = self.done * 10 // max(self.total, 1) + 1
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def generate_with_progress(address: str, token_lists: list[list[int]], params: SamplingParams,
+                           description: str, alive: Callable[[], bool] | None = None,
+                           auth_token: str = "") -> list[RequestOutput]:
+    """Run a batch of prompts to completion on the engine at `address`, showing progress."""
+
+    async def run() -> list[RequestOutput]:
+        async with AsyncClient(address, alive=alive, auth_token=auth_token) as client:
+            with Progress(len(token_lists), description) as progress:
+                return await client.generate(token_lists, [params] * len(token_lists),
+                                             on_finished=lambda _: progress.update())
+
+    return asyncio.run(run())

@@ -1,0 +1,319 @@
+"""Asyncio RPC client of a running engine: many concurrent requests share one DEALER socket.
+
+One reader task files every frame: control replies resolve the caller's future by tag, output
+deltas go to the queue of their request's RequestStream. Used by the HTTP front and by
+`spmdrun bench serving`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from protocol.messages import (
+    AbortRequest,
+    AddRequest,
+    AdminBatchReply,
+    AdminBatchRequest,
+    EngineStats,
+    ErrorReply,
+    ModelInfo,
+    ModelInfoRequest,
+    Outputs,
+    Ping,
+    RequestAccepted,
+    RequestDelta,
+    StatsRequest,
+    server_decoder,
+)
+from protocol.sampling import SamplingParams
+from protocol.transport import Encoder, make_socket
+from runtime.client import EngineError
+from runtime.outputs import RequestOutput
+
+log = logging.getLogger("spmd.async_client")
+
+
+class RequestStream:
+    """The deltas of one accepted request, in order, until the one with a finish_reason.
+
+    `async for delta in stream`; close() aborts the request unless it has finished, without
+    awaiting, so it is safe in the `finally` of a cancelled task, and ends the iteration of
+    whoever still waits on the stream.
+    """
+
+    def __init__(self, client: AsyncClient, request_id: int) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._client = client
+        # None: closed by its owner; an exception: the request failed.
+        self._queue: asyncio.Queue[RequestDelta | Exception | None] = asyncio.Queue()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._client.abort_nowait(self.request_id)
+            self._queue.put_nowait(None)
+
+
+class AsyncClient:
+    """Talks to an engine over its RPC address from one asyncio event loop.
+
+    A call waits as long as the engine answers anything; when the engine has been silent for
+    timeout_s while calls or requests are outstanding (it is pinged in between), or `alive()`
+    says its process is gone, they fail with EngineError.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 600.0, ping_after_s: float = 5.0,
+                 admin_token: str = "", auth_token: str = "",
+                 alive: Callable[[], bool] | None = None) -> None:
+        self.address = address
+        # With the server's --auth-token, every frame is [token, payload].
+        self._auth_frames = [auth_token.encode()] if auth_token else []
+        self._alive = alive
+        self.timeout_s = timeout_s
+        self.ping_after_s = ping_after_s
+        self.admin_token = admin_token
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False)
+        self._encoder = Encoder()
+        self._decoder = server_decoder()
+        self._tags = itertools.count(1)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._adds: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, RequestStream] = {}
+        self._reader: asyncio.Task | None = None
+        self._model_info: ModelInfo | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    async def wait_ready(self) -> ModelInfo:
+        """Wait until the engine answers (every worker loaded); EngineError after timeout_s."""
+        self._model_info = await self._call(ModelInfoRequest(tag=next(self._tags)))
+        return self._model_info
+
+    async def model_info(self) -> ModelInfo:
+        if self._model_info is None:
+            await self.wait_ready()
+        return self._model_info
+
+    async def ping(self, timeout_s: float) -> bool:
+        """True when the scheduler answers within timeout_s (it does even in the middle of a step)."""
+        try:
+            await asyncio.wait_for(self._call(Ping(tag=next(self._tags))), timeout_s)
+            return True
+        except (asyncio.TimeoutError, EngineError, PermissionError):
+            return False
+
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: int | None = None, priority: int = 0) -> RequestStream:
+        """Add a request; raises ValueError with the engine's reason when it is refused."""
+        tag = next(self._tags)
+        future = self._expect(self._adds, tag)
+        self._send(AddRequest(tag=tag, prompt_token_ids=prompt_token_ids, params=params,
+                              request_id=request_id, priority=priority))
+        return await future
+
+    async def generate(self, token_lists: list[list[int]], params: list[SamplingParams],
+                       on_finished: Callable[[RequestOutput], None] | None = None,
+                       ) -> list[RequestOutput]:
+        """Run every prompt to completion (batched by the engine); outputs keep the input order.
+        on_finished is called as each one finishes, in whatever order they finish."""
+        streams: list[RequestStream] = []
+        try:
+            for index, (ids, p) in enumerate(zip(token_lists, params, strict=True)):
+                try:
+                    streams.append(await self.submit(ids, p))
+                except ValueError as error:
+                    raise ValueError(f"prompt {index}: {error}") from None
+
+            async def collect(ids: list[int], stream: RequestStream) -> RequestOutput:
+                output = RequestOutput(stream.request_id, ids)
+                async for delta in stream:
+                    output.token_ids.extend(delta.token_ids)
+                    output.finish_reason = delta.finish_reason
+                if on_finished is not None:
+                    on_finished(output)
+                return output
+
+            return list(await asyncio.gather(*(collect(ids, stream) for ids, stream
+                                               in zip(token_lists, streams, strict=False))))
+        finally:
+            for stream in streams:
+                stream.close()
+
+    async def abort(self, request_id: int) -> None:
+        """Stop a request; raises ValueError for unknown (or already finished) ids."""
+        await self._call(AbortRequest(tag=next(self._tags), request_id=request_id))
+
+    def abort_nowait(self, request_id: int) -> None:
+        """Send an abort and forget it: the reply and any later deltas are dropped."""
+        self._streams.pop(request_id, None)
+        self._send(AbortRequest(tag=next(self._tags), request_id=request_id))
+
+    async def stats(self) -> EngineStats:
+        return await self._call(StatsRequest(tag=next(self._tags)))
+
+    async def admin_batch(self, *, token: str | None = None, max_num_seqs: int | None = None,
+                          force_evict: int | None = None, target_temp_c: float | None = None,
+                          policy: str | None = None, dry_run: bool = False) -> AdminBatchReply:
+        """Operator control of the running batch (see AdminBatchRequest). Raises PermissionError
+        when the engine refuses the token or has admin calls off, ValueError for bad values."""
+        return await self._call(AdminBatchRequest(
+            tag=next(self._tags), token=self.admin_token if token is None else token,
+            max_num_seqs=max_num_seqs, force_evict=force_evict, target_temp_c=target_temp_c,
+            policy=policy, dry_run=dry_run))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._fail_all(EngineError("the client was closed"))
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _expect(self, table: dict[int, asyncio.Future], tag: int) -> asyncio.Future:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        future = asyncio.get_running_loop().create_future()
+        table[tag] = future
+        return future
+
+    async def _call(self, message: msgspec.Struct):
+        future = self._expect(self._calls, message.tag)
+        self._send(message)
+        try:
+            reply = await future
+        finally:
+            self._calls.pop(message.tag, None)
+        if isinstance(reply, ErrorReply):
+            if reply.code in ("forbidden", "disabled"):
+                raise PermissionError(reply.message)
+            raise ValueError(reply.message)
+        return reply
+
+    def _send(self, message: msgspec.Struct) -> None:
+        # DEALER sends queue locally (bounded by the high-water mark) and never block here.
+        self._sock.send_multipart([*self._auth_frames, self._encoder.encode(message)], zmq.NOBLOCK)
+
+    def _outstanding(self) -> bool:
+        return bool(self._calls or self._adds or self._streams)
+
+    async def _read(self) -> None:
+        """File every frame; ping a silent engine and fail everyone when it stays silent."""
+        try:
+            await self._read_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:   # a bug here must not leave every caller waiting forever
+            log.exception("the RPC reader failed")
+            self._fail_all(EngineError(f"the RPC reader failed: {error!r}"))
+
+    async def _read_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_heard = pinged = loop.time()
+        while True:
+            if await self._sock.poll(200, zmq.POLLIN):
+                self._dispatch(await self._sock.recv())
+                last_heard = loop.time()
+                continue
+            now = loop.time()
+            if not self._outstanding():
+                last_heard = now
+                continue
+            if self._alive is not None and not self._alive():
+                self._fail_all(EngineError("the engine process exited; see its log above"))
+                last_heard = now
+            elif now - last_heard > self.timeout_s:
+                self._fail_all(EngineError(f"no answer from the engine at {self.address} "
+                                           f"for {self.timeout_s:.0f}s"))
+                last_heard = now
+            elif now - last_heard > self.ping_after_s and now - pinged > self.ping_after_s:
+                # Any answer proves the engine alive; the Pong itself is dropped (unknown tag).
+                self._send(Ping(tag=0))
+                pinged = now
+
+    def _dispatch(self, payload: bytes) -> None:
+        try:
+            message = self._decoder.decode(payload)
+        except msgspec.DecodeError as error:
+            log.warning("undecodable frame from the engine: %s", error)
+            return
+        if isinstance(message, Outputs):
+            for delta in message.deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is None:
+                    continue    # aborted by us: its last deltas are of no interest
+                if delta.finish_reason is not None:
+                    del self._streams[delta.request_id]
+                stream._queue.put_nowait(delta)
+            return
+        if isinstance(message, ErrorReply) and message.tag is None:
+            if message.code == "forbidden":   # a frame without the server's auth token
+                self._fail_all(PermissionError(message.message))
+                return
+            stream = self._streams.pop(message.request_id, None)
+            if stream is not None:
+                stream._queue.put_nowait(EngineError(message.message))
+            else:
+                log.warning("engine error: %s", message.message)
+            return
+        add = self._adds.pop(message.tag, None)
+        if add is not None:
+            self._resolve_add(add, message)
+            return
+        call = self._calls.get(message.tag)
+        if call is not None and not call.done():
+            call.set_result(message)
+
+    def _resolve_add(self, future: asyncio.Future, message: msgspec.Struct) -> None:
+        if isinstance(message, RequestAccepted):
+            # Registered before the caller resumes: the next frame may already carry its tokens.
+            stream = RequestStream(self, message.request_id)
+            self._streams[message.request_id] = stream
+            if future.done():   # the caller gave up (cancelled) while the add was in flight
+                stream.close()
+            else:
+                future.set_result(stream)
+        elif not future.done():
+            text = message.message if isinstance(message, ErrorReply) else repr(message)
+            future.set_exception(ValueError(text))
+
+    def _fail_all(self, error: Exception) -> None:
+        for table in (self._calls, self._adds):
+            for future in table.values():
+                if not future.done():
+                    future.set_exception(error)
+            table.clear()
+        for stream in self._streams.values():
+            stream._queue.put_nowait(error)
+        self._streams.clear()

@@ -1,0 +1,64 @@
+"""One choice of an OpenAI response: its engine request, its text so far and its timings."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from runtime.async_client import RequestStream
+from runtime.serving.metrics import ServingMetrics
+from runtime.serving.text_stream import TextStream
+
+
+class ChoiceRun:
+    def __init__(self, index: int, stream: RequestStream, text: TextStream,
+                 metrics: ServingMetrics, started: float) -> None:
+        self.index = index
+        self.stream = stream
+        self.text = text
+        self.metrics = metrics
+        self.started = started       # time.perf_counter() when the HTTP request arrived
+        self.finish_reason: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.text.num_tokens
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Non-empty text pieces until the choice finishes (finish_reason is then set).
+
+        Leaving early (a disconnect cancels the consumer) aborts the engine request, and so does
+        a stop string: the engine would otherwise keep generating what nobody reads.
+        """
+        last_token_at: float | None = None
+        try:
+            async for delta in self.stream:
+                now = time.perf_counter()
+                if delta.token_ids:
+                    if last_token_at is None:
+                        self.metrics.time_to_first_token.observe(now - self.started)
+                    else:
+                        gap = (now - last_token_at) / len(delta.token_ids)
+                        for _ in delta.token_ids:
+                            self.metrics.inter_token_latency.observe(gap)
+                    last_token_at = now
+                piece = self.text.add(delta.token_ids, delta.finish_reason is not None)
+                if self.text.stopped:
+                    self.finish_reason = "stop"
+                elif delta.finish_reason is not None:
+                    self.finish_reason = delta.finish_reason
+                if piece:
+                    yield piece
+                if self.finish_reason is not None:
+                    break
+        finally:
+            self.stream.close()
+        if self.finish_reason is None:
+            self.finish_reason = "abort"   # closed by its owner before the engine finished it
+        self.metrics.request_latency.observe(time.perf_counter() - self.started)
+        self.metrics.finished.labels(self.finish_reason).inc()
+
+    async def collect(self) -> str:
+        return "".join([piece async for piece in self.pieces()])
+
+    def close(self) -> None:
+        self.stream.close()

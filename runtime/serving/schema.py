@@ -1,0 +1,166 @@
+"""OpenAI request bodies, and their translation into engine SamplingParams with errors that say
+what to change."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from protocol.sampling import SamplingParams
+from runtime.serving.errors import APIError
+
+# Fields of the OpenAI API this server does not implement, with the values that mean "off":
+# a request may carry them (SDKs send some by default) as long as it asks for nothing else.
+UNSUPPORTED_FIELDS = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+}
+MAX_STOP_STRINGS = 4
+MAX_CHOICES = 64
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationBody(BaseModel):
+    """What completions and chat completions share."""
+
+    # Unknown fields are kept (not rejected) so that UNSUPPORTED_FIELDS can be checked.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions beyond the OpenAI API.
+    top_k: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(GenerationBody):
+    # Text, token ids, or a list of either (one choice group per prompt).
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionBody(GenerationBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class AdminBatchBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: int | None = None
+    force_evict: int | None = None
+    target_temp_c: float | None = None
+    policy: Literal["lru", "largest_kv", "lowest_priority"] | None = None
+    dry_run: bool = False
+
+
+def check_supported(body: GenerationBody) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+            raise APIError(f"{name} is not supported by this server; remove it from the request",
+                           param=name, code="unsupported_parameter")
+
+
+def stop_strings(body: GenerationBody) -> tuple[str, ...]:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+                       param="stop")
+    if any(not s for s in stops):
+        raise APIError("stop strings must not be empty", param="stop")
+    return tuple(stops)
+
+
+def chat_messages(body: ChatCompletionBody) -> list[dict]:
+    """Messages as the chat template takes them: plain-text content only."""
+    if not body.messages:
+        raise APIError("messages must hold at least one message", param="messages")
+    messages = []
+    for index, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages.{index}.content: only text parts are supported, "
+                                   f"got a part of type {part.type!r}",
+                                   param=f"messages.{index}.content")
+            content = "".join(part.text for part in content)
+        messages.append({"role": message.role, "content": content or ""})
+    return messages
+
+
+def requested_max_tokens(body: GenerationBody) -> int | None:
+    if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
+
+
+def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
+                    default_max_tokens: int | None, choice: int) -> SamplingParams:
+    """Engine parameters of one choice. Without max_tokens, a completion gets
+    default_max_tokens (None: the rest of the context) cut to what the context leaves."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens, and your "
+                       f"prompt has {prompt_len} tokens, which leaves no room for a completion; "
+                       "shorten the prompt", param="prompt" if isinstance(body, CompletionBody)
+                       else "messages", code="context_length_exceeded")
+    max_tokens = requested_max_tokens(body)
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens < 1:
+        raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    elif prompt_len + max_tokens > max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens, but you "
+                       f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                       f"{max_tokens} for the completion); shorten the prompt or lower max_tokens "
+                       f"to at most {room}", param="max_tokens", code="context_length_exceeded")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if not 0 <= temperature <= 2:
+        raise APIError(f"temperature must be between 0 and 2, got {temperature}",
+                       param="temperature")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0 < top_p <= 1:
+        raise APIError(f"top_p must be greater than 0 and at most 1, got {top_p}", param="top_p")
+    top_k = -1 if body.top_k is None else body.top_k
+    if top_k != -1 and top_k < 1:
+        raise APIError(f"top_k must be -1 (off) or at least 1, got {top_k}", param="top_k")
+    # Choices of one request differ yet stay reproducible: choice i samples with seed + i.
+    seed = None if body.seed is None else body.seed + choice
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, seed=seed, ignore_eos=body.ignore_eos)
+
+
+def choice_count(body: GenerationBody) -> int:
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
+    return body.n
