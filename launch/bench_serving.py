@@ -220,14 +220,16 @@ async def measure(endpoint: str, url: str, model: str, prompts: list[list[int]],
                   request_rate: float, max_concurrency: int, seed: int,
                   alive: Callable[[], bool] | None = None, auth_token: str = "") -> ServingReport:
     """One warm-up request, then the timed load against `url` (http://... or an RPC address;
-    auth_token is the RPC server's --auth-token, if it has one)."""
+    auth_token is the server's --auth-token, if it has one: sent on every RPC frame, or as the
+    HTTP API key)."""
     warmup = [3] * 8   # no workload prompt starts like this: it seeds no prefix-cache hit
     if endpoint == "http":
         import httpx
         logging.getLogger("httpx").setLevel(logging.WARNING)   # not one line per request
         timeout = httpx.Timeout(600.0, connect=30.0)
         limits = httpx.Limits(max_connections=max(len(prompts), 1) + 1, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits,
+                                     headers=api_key_header(auth_token)) as http:
             send = http_sender(http, url, model, output_len)
             _check_warmup(await http_sender(http, url, model, 2)(warmup))
             results, duration = await run_load(send, prompts, request_rate, max_concurrency, seed)
@@ -245,7 +247,7 @@ async def served_model(url: str, auth_token: str = "") -> tuple[str, int]:
     if url.startswith(("http://", "https://")):
         import httpx
         try:
-            async with httpx.AsyncClient(timeout=30.0) as http:
+            async with httpx.AsyncClient(timeout=30.0, headers=api_key_header(auth_token)) as http:
                 reply = await http.get(f"{url.rstrip('/')}/v1/models")
                 reply.raise_for_status()
                 card = reply.json()["data"][0]
@@ -255,6 +257,10 @@ async def served_model(url: str, auth_token: str = "") -> tuple[str, int]:
     async with AsyncClient(url, timeout_s=120.0, auth_token=auth_token) as client:
         info = await client.wait_ready()
     return info.model, info.vocab_size
+
+
+def api_key_header(auth_token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
 
 
 def _check_warmup(result: RequestResult) -> None:

@@ -6,6 +6,10 @@ import math
 import msgspec
 
 
+INT32 = 2**31
+INT64 = 2**63
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
                      forbid_unknown_fields=True):
     """How to pick each next token and when to stop.
@@ -35,10 +39,14 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
                 or (self.top_k != -1 and self.top_k < 1):
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -INT64 <= self.seed < INT64):
+            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
+        if self.max_tokens >= INT32 or self.top_k >= INT32:
+            raise ValueError(f"max_tokens and top_k must be below 2**31, got {self.max_tokens}, "
+                             f"{self.top_k}")
         for token_id in self.stop_token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < INT64:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
 
     @property

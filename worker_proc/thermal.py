@@ -36,6 +36,10 @@ log = logging.getLogger("spmd.worker")
 
 # A rank without a reading contributes this to the MAX: below any real temperature.
 NO_READING = -1.0e9
+# A sensor that fails to read (a file caught mid-write, a busy BMC) repeats its last good
+# reading this many times before it counts as having none: one missed read of the hot rank
+# must not make the group look cool and end a throttle episode.
+MAX_STALE_READINGS = 3
 
 
 @dataclass
@@ -232,6 +236,8 @@ class ThermalMonitor:
         self.background_s = 0.0
         self.wait_s = 0.0
         self.num_readings = 0
+        self._last: SensorReading | None = None
+        self._misses = 0
 
     @classmethod
     def create(cls, spec: str, interval: int, rank: int, world_size: int,
@@ -276,7 +282,7 @@ class ThermalMonitor:
 
     def _read_and_reduce(self) -> ThermalReading | None:
         started = time.perf_counter()
-        local = self.sensor.read()
+        local = self._read_local()
         table = torch.full((2, self.world_size), NO_READING, dtype=torch.float64)
         if local is not None:
             table[0, self.rank] = local.temp_c
@@ -294,6 +300,16 @@ class ThermalMonitor:
         powers = [p for p in table[1].tolist() if p > NO_READING / 2]
         return ThermalReading(max_temp_c=max_temp, hottest_rank=hottest, temps_c=temps,
                               power_w=sum(powers) if powers else None)
+
+    def _read_local(self) -> SensorReading | None:
+        local = self.sensor.read()
+        if local is not None:
+            self._last, self._misses = local, 0
+            return local
+        if self._last is not None and self._misses < MAX_STALE_READINGS:
+            self._misses += 1
+            return self._last
+        return None
 
     def close(self) -> None:
         self._requests.put(None)

@@ -76,10 +76,37 @@ def build_app(config: EngineConfig) -> FastAPI:
             client.close()
 
     app = FastAPI(title="spmd-runtime", lifespan=lifespan)
+    if config.auth_token:
+        _require_api_key(app, config.auth_token)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.include_router(router)
     return app
+
+
+# Open without the API key: liveness probes, and admin (which takes the admin token instead).
+OPEN_PATHS = frozenset({"/health", "/v1/admin/batch"})
+
+
+def bearer_matches(authorization: str | None, expected: str) -> bool:
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              expected.encode())
+
+
+def _require_api_key(app: FastAPI, auth_token: str) -> None:
+    """With --auth-token, every endpoint but /health and admin wants it as the bearer token
+    (the OpenAI clients' api_key)."""
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if request.url.path in OPEN_PATHS or bearer_matches(
+                request.headers.get("authorization"), auth_token):
+            return await call_next(request)
+        error = APIError("missing or wrong API key: send the server's --auth-token as "
+                         "'Authorization: Bearer <token>' (api_key= in OpenAI clients)",
+                         status=401, type="authentication_error", code="invalid_api_key")
+        return JSONResponse(error.body(), status_code=error.status)
 
 
 def _load_tokenizer(model: str):
@@ -137,13 +164,12 @@ async def admin_batch(request: Request, body: AdminBatchBody,
     if not expected:
         raise APIError("admin calls are disabled on this server: start it with --admin-token",
                        status=403, type="permission_error", code="admin_disabled")
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+    if not bearer_matches(authorization, expected):
         raise APIError("missing or wrong admin token: send the header 'Authorization: Bearer "
                        "<token>' with the server's --admin-token", status=401,
                        type="authentication_error", code="invalid_admin_token")
     try:
-        reply = await state.client.admin_batch(token=token.strip(), **body.model_dump())
+        reply = await state.client.admin_batch(token=expected, **body.model_dump())
     except PermissionError as error:
         raise APIError(str(error), status=403, type="permission_error", code="forbidden") from None
     except ValueError as error:
@@ -193,6 +219,11 @@ def _completion_prompts(state: ServingState, body: CompletionBody) -> list[list[
             item = list(state.tokenizer(item).input_ids)
         if not item:
             raise APIError("prompt must not be empty", param="prompt")
+        vocab = state.info.vocab_size
+        bad = next((t for t in item if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="prompt")
         token_lists.append(list(item))
     return token_lists
 

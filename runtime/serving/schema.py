@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.sampling import SamplingParams
 from runtime.serving.errors import APIError
@@ -76,9 +76,9 @@ class ChatCompletionBody(GenerationBody):
 class AdminBatchBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_num_seqs: int | None = None
-    force_evict: int | None = None
-    target_temp_c: float | None = None
+    max_num_seqs: int | None = Field(default=None, ge=1, lt=2**31)
+    force_evict: int | None = Field(default=None, ge=0, lt=2**31)
+    target_temp_c: float | None = Field(default=None, allow_inf_nan=False)
     policy: Literal["lru", "largest_kv", "lowest_priority"] | None = None
     dry_run: bool = False
 
@@ -156,8 +156,11 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
         raise APIError(f"top_k must be -1 (off) or at least 1, got {top_k}", param="top_k")
     # Choices of one request differ yet stay reproducible: choice i samples with seed + i.
     seed = None if body.seed is None else body.seed + choice
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, seed=seed, ignore_eos=body.ignore_eos)
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=seed, ignore_eos=body.ignore_eos)
+    except ValueError as error:           # values past what the wire carries (64-bit seeds)
+        raise APIError(str(error)) from None
 
 
 def choice_count(body: GenerationBody) -> int:

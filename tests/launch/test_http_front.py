@@ -7,6 +7,7 @@ through the RPC Client of the same server.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -23,6 +24,7 @@ from runtime.chat import chat_prompt_ids
 MAX_MODEL_LEN = 256
 ADMIN_TOKEN = "test-admin-secret"
 AUTH_TOKEN = "test-rpc-secret"
+API_KEY = {"Authorization": f"Bearer {AUTH_TOKEN}"}
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -50,14 +52,14 @@ def rpc(server):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=120,
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=AUTH_TOKEN, timeout=120,
                        max_retries=0) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+    with httpx.Client(base_url=server.base_url, timeout=120, headers=API_KEY) as client:
         yield client
 
 
@@ -240,11 +242,72 @@ def test_errors_say_what_to_change(http, oai) -> None:
     assert_still_serving(oai)
 
 
+def test_with_auth_token_every_endpoint_but_health_wants_it_as_api_key(server) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": AUTH_TOKEN}):
+            for method, path in (("GET", "/v1/models"), ("GET", "/metrics"),
+                                 ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+                reply = anonymous.request(method, path, headers=headers,
+                                          json={"model": "smollm2", "prompt": "x"})
+                assert reply.status_code == 401, (path, headers, reply.text)
+                assert reply.json()["error"]["code"] == "invalid_api_key"
+                assert "--auth-token" in reply.json()["error"]["message"]
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+
+
+# ---------------------------------------------------------------------------- load
+
+STREAMS = 200
+
+
+async def _stream_all(base_url: str) -> list[tuple[str, int, bool]]:
+    """STREAMS streaming completions at once: (text, completion tokens, saw [DONE]) each."""
+    limits = httpx.Limits(max_connections=STREAMS + 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, headers=API_KEY,
+                                 limits=limits) as client:
+        async def one(index: int) -> tuple[str, int, bool]:
+            text, tokens, done = "", 0, False
+            async with client.stream("POST", "/v1/completions", json={
+                    "model": "smollm2", "prompt": [1000 + index % 50, 2000, 3000],
+                    "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}) as reply:
+                assert reply.status_code == 200
+                async for line in reply.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        for choice in chunk["choices"]:
+                            text += choice["text"]
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+            return text, tokens, done
+        return await asyncio.gather(*(one(i) for i in range(STREAMS)))
+
+
+@pytest.mark.timeout(600)
+def test_two_hundred_concurrent_streams_each_complete_once(server, rpc, oai) -> None:
+    before = wait_idle(rpc)
+    results = asyncio.run(_stream_all(server.base_url))
+    assert all(done and tokens == 3 for _, tokens, done in results)
+    after = wait_idle(rpc)
+    assert after.num_finished - before.num_finished == STREAMS
+    assert after.kv_blocks_in_use == 0 and after.num_running == after.num_waiting == 0
+    # The same text as each prompt alone (greedy).
+    for index in (0, 1, 49):
+        alone = oai.completions.create(model="smollm2", prompt=[1000 + index, 2000, 3000],
+                                       max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        assert results[index][0] == alone.choices[0].text
+
+
 # ---------------------------------------------------------------------------- disconnects
 
 def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server, rpc) -> None:
     before = wait_idle(rpc)
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+    with httpx.Client(base_url=server.base_url, timeout=120, headers=API_KEY) as client:
         with client.stream("POST", "/v1/completions", json={
                 "model": "smollm2", "prompt": [1000, 1001, 1002], "max_tokens": 240,
                 "temperature": 0, "ignore_eos": True, "stream": True}) as reply:
@@ -259,7 +322,8 @@ def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server, r
 
 def test_disconnect_while_waiting_for_a_whole_completion_aborts_it(server, rpc) -> None:
     before = wait_idle(rpc)
-    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(120, read=1.0)) as client:
+    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(120, read=1.0),
+                      headers=API_KEY) as client:
         with pytest.raises(httpx.ReadTimeout):
             client.post("/v1/completions", json={
                 "model": "smollm2", "prompt": [1000, 1001, 1002], "max_tokens": 240,
@@ -317,7 +381,7 @@ def test_admin_batch_needs_the_bearer_token(server, http, rpc) -> None:
     assert_error(http.post("/v1/admin/batch", json={"policy": "random"}, headers=auth), 400,
                  "policy", "policy")
     wait_idle(rpc)
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+    with httpx.Client(base_url=server.base_url, timeout=120, headers=API_KEY) as client:
         with client.stream("POST", "/v1/completions", json={
                 "model": "smollm2", "prompt": [1000, 1001], "max_tokens": 200,
                 "temperature": 0, "ignore_eos": True, "stream": True}) as running:

@@ -7,6 +7,7 @@ with nothing hot and no eviction (prefix cache reset in between).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -48,6 +49,13 @@ class Background:
         return [o.token_ids for o in self.outputs]
 
 
+def write_atomically(path, value: float) -> None:
+    """As a sidecar should: a reader never sees a half-written file."""
+    staging = path.with_suffix(".tmp")
+    staging.write_text(f"{value}\n")
+    os.replace(staging, path)
+
+
 def wait_for(client: Client, condition, what: str, timeout_s: float = 60.0, on_poll=None):
     """Poll stats until condition(stats); on_poll(stats) sees every poll's stats."""
     deadline = time.monotonic() + timeout_s
@@ -78,7 +86,7 @@ def test_hot_rank_throttles_the_tp_group_without_bouncing(tmp_path) -> None:
 
     def set_temps(rank0: float, rank1: float) -> None:
         for path, value in zip(temps, (rank0, rank1), strict=True):
-            path.write_text(f"{value}\n")
+            write_atomically(path, value)
     set_temps(60.0, 60.0)
     token_lists = prompts(6)
     with LLM(model, nproc_per_node=2, thermal_sensor=f"file:{tmp_path}/temp{{rank}}",
@@ -187,7 +195,7 @@ def test_custom_policy_class_from_a_test_module(tmp_path) -> None:
         run = Background(llm, token_lists, LONG)
         wait_for(client, lambda s: s.num_running == 5, "five requests running")
         # 40 C is far below the built-in controller's 82 C target; this policy caps at two.
-        (tmp_path / "temp").write_text("40")
+        write_atomically(tmp_path / "temp", 40.0)
         capped = wait_for(client, lambda s: s.thermal_evictions == 3, "the policy's evictions")
         assert capped.running_cap == 2 and capped.num_running == 2 and capped.thermal_throttling
         (evict,) = [e for e in capped.thermal_events if e.kind == "thermal_evict"]
@@ -201,5 +209,5 @@ def test_custom_policy_class_from_a_test_module(tmp_path) -> None:
                 break
             time.sleep(0.005)
         assert outputs is not None and max(running_seen) <= 2
-        (tmp_path / "temp").write_text("20")
+        write_atomically(tmp_path / "temp", 20.0)
         assert outputs == reference(llm, token_lists)
