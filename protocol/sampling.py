@@ -5,7 +5,6 @@ import math
 
 import msgspec
 
-
 INT32 = 2**31
 INT64 = 2**63
 

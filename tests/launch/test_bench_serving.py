@@ -85,7 +85,7 @@ WORKLOAD = ("--num-requests", "6", "--input-len-min", "8", "--input-len-max", "2
 
 @pytest.mark.timeout(400)
 def test_bench_against_the_http_front(server) -> None:
-    summary = bench("--url", server.base_url, *WORKLOAD)
+    summary = bench("--url", server.base_url, "--auth-token", AUTH_TOKEN, *WORKLOAD)
     assert summary["successful_requests"] == 6 and summary["failed_requests"] == 0
     assert summary["output_tokens"] == 6 * 5
     assert 6 * 8 <= summary["input_tokens"] <= 6 * 24

@@ -18,7 +18,7 @@ import pytest
 from conftest import descendants
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime import Client, SamplingParams
+from runtime import LLM, Client, SamplingParams
 from runtime.chat import chat_prompt_ids
 
 MAX_MODEL_LEN = 256
@@ -144,6 +144,22 @@ def test_chat_matches_the_rpc_client(oai, rpc) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+@pytest.mark.timeout(300)
+def test_completions_and_chat_match_llm_generate(oai) -> None:
+    """The same greedy requests through the in-process API, on an engine of its own."""
+    with LLM("smollm2", max_model_len=MAX_MODEL_LEN) as llm:
+        (completion,) = llm.generate([PROMPT], greedy(12))
+        (chat,) = llm.generate([chat_prompt_ids(llm.tokenizer, MESSAGES)], greedy(16))
+    reply = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert reply.choices[0].text == completion.text
+    streamed = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12,
+                                      temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.text
+    reply = oai.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=16,
+                                        temperature=0)
+    assert reply.choices[0].message.content == chat.text
 
 
 def test_raw_stream_is_server_sent_events_ending_in_done(http) -> None:
@@ -291,11 +307,15 @@ async def _stream_all(base_url: str) -> list[tuple[str, int, bool]]:
 @pytest.mark.timeout(600)
 def test_two_hundred_concurrent_streams_each_complete_once(server, rpc, oai) -> None:
     before = wait_idle(rpc)
+    scheduler = server.child("scheduler_proc")
+    idle_rss = scheduler.memory_info().rss
     results = asyncio.run(_stream_all(server.base_url))
     assert all(done and tokens == 3 for _, tokens, done in results)
     after = wait_idle(rpc)
     assert after.num_finished - before.num_finished == STREAMS
     assert after.kv_blocks_in_use == 0 and after.num_running == after.num_waiting == 0
+    growth_mib = (scheduler.memory_info().rss - idle_rss) / 2**20
+    assert growth_mib < 8, f"the scheduler kept {growth_mib:.1f} MiB after 200 streams"
     # The same text as each prompt alone (greedy).
     for index in (0, 1, 49):
         alone = oai.completions.create(model="smollm2", prompt=[1000 + index, 2000, 3000],

@@ -1,6 +1,6 @@
 """Property-based fuzzing of the HTTP request models and their translation into engine
 requests: whatever JSON a client posts, the front either builds AddRequests that the scheduler
-decodes, or answers with a validation or API error (a 4xx), never anything else. 4,500
+decodes, or answers with a validation or API error (a 4xx), never anything else. 3,000
 generated bodies."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from runtime.serving.schema import (
     stop_strings,
 )
 
-FUZZ = settings(max_examples=1500, deadline=None, database=None,
+FUZZ = settings(max_examples=1000, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 STATE = types.SimpleNamespace(tokenizer=None, info=types.SimpleNamespace(vocab_size=1000))
 
