@@ -3,6 +3,8 @@ loopback (one worker each), and workers started by torchrun beside a scheduler s
 both give the same greedy outputs as TP=2 on one node."""
 from __future__ import annotations
 
+import socket
+
 import pytest
 from conftest import TorchrunEngine, free_tcp_port
 from sharp_llama import GREEDY, prompts, sharp_llama
@@ -25,6 +27,19 @@ def one_node_tp2(tiny_model) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts(), GREEDY)]
 
 
+def free_port_pair() -> int:
+    """A free port P with P + 1 free too: the scheduler's worker socket binds P + 1."""
+    for _ in range(100):
+        port = free_tcp_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
 def generate(address: str) -> list[list[int]]:
     client = Client(address, timeout_s=240.0)
     try:
@@ -37,7 +52,7 @@ def generate(address: str) -> list[list[int]]:
 def test_two_launchers_with_one_worker_each_equal_tp2_on_one_node(
         spmd_serve, tiny_model, one_node_tp2) -> None:
     master = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_tcp_port())]
+              "--master-port", str(free_port_pair())]
     node0 = spmd_serve("--model", tiny_model, *ENGINE, launcher=[*master, "--node-rank", "0"])
     node1 = spmd_serve("--model", tiny_model, *ENGINE, launcher=[*master, "--node-rank", "1"])
     try:
