@@ -128,12 +128,14 @@ class AsyncClient:
             return False
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: int | None = None, priority: int = 0) -> RequestStream:
-        """Add a request; raises ValueError with the engine's reason when it is refused."""
+                     request_id: int | None = None, priority: int = 0,
+                     timeout_s: float | None = None) -> RequestStream:
+        """Add a request; raises ValueError with the engine's reason when it is refused. One
+        still running timeout_s after acceptance ends with finish_reason "timeout"."""
         tag = next(self._tags)
         future = self._expect(self._adds, tag)
         self._send(AddRequest(tag=tag, prompt_token_ids=prompt_token_ids, params=params,
-                              request_id=request_id, priority=priority))
+                              request_id=request_id, priority=priority, timeout_s=timeout_s))
         return await future
 
     async def generate(self, token_lists: list[list[int]], params: list[SamplingParams],

@@ -244,7 +244,7 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     runs: list[ChoiceRun] = []
     try:
         for index, (prompt, params) in enumerate(plans):
-            stream = await state.client.submit(prompt, params)
+            stream = await state.client.submit(prompt, params, timeout_s=body.timeout)
             runs.append(ChoiceRun(index, stream, TextStream(state.tokenizer, stops),
                                   state.metrics, started))
     except ValueError as error:

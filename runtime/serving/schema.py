@@ -44,6 +44,8 @@ class GenerationBody(BaseModel):
     # Extensions beyond the OpenAI API.
     top_k: int | None = None
     ignore_eos: bool = False
+    # Seconds the request may run; then it ends with finish_reason "timeout".
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @property
     def include_usage(self) -> bool:

@@ -274,6 +274,20 @@ def test_with_auth_token_every_endpoint_but_health_wants_it_as_api_key(server) -
             bad.models.list()
 
 
+def test_request_timeout_ends_it_with_finish_reason_timeout(http, rpc) -> None:
+    reply = http.post("/v1/completions", json={
+        "model": "smollm2", "prompt": [1000, 1001, 1002], "max_tokens": 240, "temperature": 0,
+        "ignore_eos": True, "timeout": 0.5})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["finish_reason"] == "timeout"
+    assert 0 < body["usage"]["completion_tokens"] < 240
+    assert wait_idle(rpc).kv_blocks_in_use == 0
+    for bad in (0, -1):
+        assert_error(http.post("/v1/completions", json={
+            "model": "smollm2", "prompt": "x", "timeout": bad}), 400, "timeout", "timeout")
+
+
 # ---------------------------------------------------------------------------- load
 
 STREAMS = 200
