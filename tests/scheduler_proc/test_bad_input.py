@@ -141,7 +141,7 @@ def test_bad_input_matrix_while_a_stream_runs(server) -> None:
 @pytest.mark.timeout(120)
 def test_request_past_its_deadline_ends_with_timeout(server) -> None:
     with Client(server.address, timeout_s=60) as client:
-        (out,) = client.generate([STREAM_PROMPT], STREAM_PARAMS, request_timeout_s=0.3)
+        (out,) = client.generate([STREAM_PROMPT], STREAM_PARAMS, request_timeout_s=0.02)
         assert out.finish_reason == "timeout"
         assert len(out.token_ids) < STREAM_PARAMS.max_tokens
         (full,) = client.generate([STREAM_PROMPT], STREAM_PARAMS)
