@@ -62,7 +62,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bucketing: Annotated[Literal["auto", "on", "off"], Meta(description=(
         "pad every batch to one of a few (batch size, length) buckets and warm them all up "
         "before serving; a step is then either a prompt step or a decode step. auto: on "
-        "with --compile"))] = "auto"
+        "with --compile, and on CUDA (for its graphs) unless --enforce-eager"))] = "auto"
     prompt_bs_bucket: Annotated[str, Meta(description=(
         "'min,step,max' of prompt batch-size buckets; empty: SPMD_PROMPT_BS_BUCKET_{MIN,STEP,MAX} "
         "or a default from max_num_seqs"))] = ""
@@ -83,6 +83,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "bucket at warmup; attention stays eager"))] = False
     enforce_eager: Annotated[bool, Meta(description=(
         "never compile or capture graphs, whatever else is set"))] = False
+    graph_reserved_mem: Annotated[float, Meta(ge=0, lt=1, description=(
+        "on CUDA with bucketing, share of the usable memory set aside for captured graphs "
+        "before the KV cache is sized; 0 captures none"))] = 0.1
+    graph_prompt_ratio: Annotated[float, Meta(ge=0, le=1, description=(
+        "share of the graph memory first offered to prompt graphs (the rest to decode "
+        "graphs); what one phase leaves unused goes to the other in a second pass"))] = 0.3
+    graph_prompt_strategy: Annotated[Literal["min_tokens", "max_bs"], Meta(description=(
+        "order prompt graphs are captured in until their memory is spent: min_tokens "
+        "(batch size x length ascending) or max_bs (batch size descending, then length "
+        "ascending)"))] = "min_tokens"
+    graph_decode_strategy: Annotated[Literal["min_tokens", "max_bs"], Meta(description=(
+        "order decode graphs are captured in (see --graph-prompt-strategy); max_bs first "
+        "captures the large batches a loaded server decodes"))] = "max_bs"
     dist_backend: Annotated[Literal["auto", "gloo", "nccl", "hccl"], Meta(description=(
         "torch.distributed backend of the tensor-parallel group: auto picks nccl on CUDA, hccl "
         "where Habana's plugin is installed, gloo otherwise"))] = "auto"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.config import EngineConfig
@@ -110,6 +110,73 @@ def capture_order(buckets: tuple[Bucket, ...] | list[Bucket], strategy: str) -> 
     raise ValueError(f"unknown capture strategy {strategy!r}: use max_bs or min_tokens")
 
 
+@dataclass
+class GraphPhaseReport:
+    """What one phase captured, for the start-up log."""
+
+    phase: str
+    num_buckets: int
+    captured: list[Bucket]
+    used_bytes: int = 0
+
+    def line(self) -> str:
+        share = 100.0 * len(self.captured) / self.num_buckets if self.num_buckets else 0.0
+        return (f"Graph/{self.phase.capitalize()} captured:{len(self.captured)} ({share:.1f}%) "
+                f"used_mem:{format_bytes(self.used_bytes)} buckets:{sorted(self.captured)}")
+
+
+def plan_graph_captures(buckets: Mapping[str, Sequence[Bucket]], budget_bytes: int,
+                        prompt_ratio: float, strategies: Mapping[str, str],
+                        capture: Callable[[str, Bucket], int]) -> dict[str, GraphPhaseReport]:
+    """Capture graphs phase by phase, each in its strategy's order, within a memory budget.
+
+    The budget is split prompt_ratio : 1 - prompt_ratio. A phase captures buckets in order
+    while its estimate of the next one (bytes per token of what it captured so far, times the
+    bucket's batch size x length) fits what is left of its share, skipping those that do not
+    (a smaller one further on may). Then a second pass offers the memory the first left unused
+    to each phase in turn. `capture(phase, bucket)` captures one and returns the bytes it took;
+    the phase's first capture has no estimate and always runs."""
+    reports = {phase: GraphPhaseReport(phase, len(buckets.get(phase, ())), [])
+               for phase in PHASES}
+    queues = {phase: capture_order(list(buckets.get(phase, ())), strategies[phase])
+              for phase in PHASES}
+    tokens_captured = dict.fromkeys(PHASES, 0)
+
+    def run(phase: str, allowance: float) -> None:
+        report, skipped = reports[phase], []
+        for bucket in queues[phase]:
+            tokens = bucket[0] * bucket[1]
+            if tokens_captured[phase]:
+                estimate = report.used_bytes / tokens_captured[phase] * tokens
+                if report.used_bytes + estimate > allowance:
+                    skipped.append(bucket)
+                    continue
+            elif allowance <= 0:
+                skipped.append(bucket)
+                continue
+            report.used_bytes += max(0, capture(phase, bucket))
+            report.captured.append(bucket)
+            tokens_captured[phase] += tokens
+        queues[phase] = skipped
+
+    shares = {"prompt": budget_bytes * prompt_ratio, "decode": budget_bytes * (1 - prompt_ratio)}
+    for phase in PHASES:
+        run(phase, shares[phase])
+    for phase in PHASES:
+        if queues[phase]:
+            left = budget_bytes - sum(r.used_bytes for r in reports.values())
+            run(phase, reports[phase].used_bytes + left)
+    return reports
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(num_bytes) < 1024:
+            return f"{num_bytes:.4g} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.4g} GiB"
+
+
 def env_var(phase: str, dimension: str, part: str) -> str:
     return f"SPMD_{phase.upper()}_{dimension.upper()}_BUCKET_{part.upper()}"
 
@@ -159,11 +226,20 @@ def compiling(config: EngineConfig) -> bool:
     return config.compile and not config.enforce_eager
 
 
-def bucketing_enabled(config: EngineConfig) -> bool:
+def graphs_enabled(config: EngineConfig, device_type: str) -> bool:
+    """Whether a worker captures CUDA graphs of its buckets: on CUDA with bucketing, unless
+    --enforce-eager or no graph memory is reserved."""
+    return (device_type == "cuda" and bucketing_enabled(config, device_type)
+            and not config.enforce_eager and config.graph_reserved_mem > 0)
+
+
+def bucketing_enabled(config: EngineConfig, device_type: str = "cpu") -> bool:
     """Whether batches are padded to buckets: `on`, or `auto` when there is something to
-    compile (padding alone only costs)."""
+    compile or capture (padding alone only costs): --compile, or CUDA graphs on a CUDA
+    device."""
     if config.bucketing == "auto":
-        return compiling(config)
+        return compiling(config) or (device_type == "cuda" and not config.enforce_eager
+                                     and config.graph_reserved_mem > 0)
     return config.bucketing == "on"
 
 

@@ -33,6 +33,7 @@ class CacheSizing:
     free_bytes: int = 0             # free memory after the weights and the profile run
     usable_bytes: int = 0           # gpu_memory_utilization x free_bytes
     capped_at: int = 0              # blocks max_num_seqs x max_model_len can use, if that bit
+    graph_reserved_bytes: int = 0   # set aside for captured graphs before sizing the cache
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -44,6 +45,8 @@ class CacheSizing:
             parts += [f"profile-run peak {_gib(self.profile_peak_bytes)}",
                       f"free {_gib(self.free_bytes)} x {utilization:g} = usable "
                       f"{_gib(self.usable_bytes)}"]
+            if self.graph_reserved_bytes:
+                parts.append(f"{_gib(self.graph_reserved_bytes)} reserved for graphs")
         elif self.how == "kv_cache_memory":
             parts.append("KV cache memory set by --kv-cache-memory")
         else:
@@ -61,11 +64,11 @@ def _gib(num_bytes: int) -> str:
 
 def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype,
                   device: torch.device, *, max_useful_blocks: int, tp_size: int = 1,
-                  local_world_size: int = 1) -> CacheSizing:
+                  local_world_size: int = 1, graphs: bool = False) -> CacheSizing:
     """Blocks for this worker: --num-kv-blocks, else --kv-cache-memory bytes, else what is left
     of gpu_memory_utilization x the memory free after the weights and a profiling forward pass
     of a full token budget, once that pass's activations (and on CPU the swap space) are set
-    aside."""
+    aside, and with `graphs` the --graph-reserved-mem share of the usable memory."""
     per_block = bytes_per_block(model.config, config.block_size, dtype, tp_size)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if config.num_kv_blocks:
@@ -81,9 +84,11 @@ def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dt
     usable = int(free * config.gpu_memory_utilization)
     # On CPU the swap space is the same RAM: leave it room.
     swap = int(config.swap_space * 2**30) if device.type == "cpu" else 0
-    wanted = max(0, usable - peak - swap) // per_block
+    graph_reserve = int(usable * config.graph_reserved_mem) if graphs else 0
+    wanted = max(0, usable - peak - swap - graph_reserve) // per_block
     return CacheSizing("profiled", weights, per_block, min(wanted, max_useful_blocks),
                        profile_peak_bytes=peak, free_bytes=free, usable_bytes=usable,
+                       graph_reserved_bytes=graph_reserve,
                        capped_at=max_useful_blocks if wanted > max_useful_blocks else 0)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from protocol.messages import StepPlan
 from protocol.sampling import SamplingParams
-from runtime.bucketing import PhaseBuckets, bucket_tokens
+from runtime.bucketing import Bucket, GraphPhaseReport, PhaseBuckets, bucket_tokens, plan_graph_captures
 from runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from runtime.models.llama import (
     EAGER,
@@ -18,6 +18,7 @@ from runtime.models.llama import (
     attention_inputs,
     mlp_inputs,
 )
+from worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 from worker_proc.sampler import sample
 from worker_proc.swap_space import SwapSpace
 
@@ -60,6 +61,8 @@ class ModelRunner:
         # Compiled layer pieces (--compile), and the token counts they have been run at.
         self.compiled: LayerPieces | None = None
         self.compiled_shapes: set[int] = set()
+        # Captured graphs by (phase, batch size, length); a bucket without one runs eagerly.
+        self.graphs: dict[tuple[str, int, int], BucketGraph] = {}
         self.warmed_up = False
         self.block_size = block_size
         self.device = device
@@ -123,10 +126,18 @@ class ModelRunner:
             return StepOutput([], [], 0.0, 0.0)
         # Single-token queries first, longest context first, so attention can group them.
         scheduled.sort(key=lambda item: (item[1] != 1, -self.requests[item[0]].num_computed_tokens))
-        input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled, plan.bucket)
-        prepared = time.perf_counter()
-        pieces, num_compilations = self._pieces_for(plan.bucket, len(input_ids))
-        hidden = self.model(input_ids, positions, self.kv_caches, batch, pieces)
+        graph = self._graph_for(plan.bucket, scheduled)
+        num_compilations = 0
+        if graph is not None:
+            inputs, sample_rows, sample_ids = self._prepare_for_graph(scheduled, plan.bucket)
+            prepared = time.perf_counter()
+            hidden = graph.run(inputs)
+        else:
+            input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled,
+                                                                                 plan.bucket)
+            prepared = time.perf_counter()
+            pieces, num_compilations = self._pieces_for(plan.bucket, len(input_ids))
+            hidden = self.model(input_ids, positions, self.kv_caches, batch, pieces)
         tokens: list[int] = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -185,18 +196,103 @@ class ModelRunner:
                 self.model(input_ids, positions, self.kv_caches, batch, pieces)
         self.warmed_up = True
 
+    # ------------------------------------------------------------------ graphs
+
+    def _graph_for(self, bucket: tuple[str, int, int] | None,
+                   scheduled: list[tuple[int, int]]) -> BucketGraph | None:
+        """The bucket's graph, if it has one and the batch has its layout: every decode
+        bucket does; a prompt graph takes fresh prompts only (no cached context to attend)."""
+        graph = self.graphs.get(bucket) if bucket is not None else None
+        if graph is None or bucket[0] == "decode":
+            return graph
+        fits = len(scheduled) <= bucket[1] and all(n <= bucket[2] for _, n in scheduled)
+        fresh = all(self.requests[r].num_computed_tokens == 0 for r, _ in scheduled)
+        return graph if fits and fresh else None
+
+    def _prepare_for_graph(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int]
+                           ) -> tuple[StaticInputs, list[int], list[int]]:
+        """Host tensors of the bucket's shape (copied into the graph's own by BucketGraph)."""
+        host = torch.device("cpu")
+        if bucket[0] == "prompt":
+            return self._prepare_prompt_rows(scheduled, bucket[1], bucket[2], host)
+        input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled, bucket, host)
+        return StaticInputs(input_ids, positions, batch), sample_rows, sample_ids
+
+    def _prepare_prompt_rows(self, scheduled: list[tuple[int, int]], num_rows: int,
+                             row_length: int, device: torch.device
+                             ) -> tuple[StaticInputs, list[int], list[int]]:
+        """Fresh prompts (or their first chunks) one per row of `row_length` positions."""
+        block_size = self.block_size
+        size = num_rows * row_length
+        scratch = self.scratch_block * block_size
+        input_ids, positions = [0] * size, [0] * size
+        slots = [scratch + i % block_size for i in range(size)]
+        sample_rows, sample_ids = [], []
+        for row, (request_id, num_tokens) in enumerate(scheduled):
+            state, base = self.requests[request_id], row * row_length
+            table = state.block_ids
+            input_ids[base:base + num_tokens] = state.token_ids[:num_tokens]
+            positions[base:base + num_tokens] = range(num_tokens)
+            slots[base:base + num_tokens] = [table[p // block_size] * block_size + p % block_size
+                                             for p in range(num_tokens)]
+            if num_tokens == len(state.token_ids):
+                sample_rows.append(base + num_tokens - 1)
+                sample_ids.append(request_id)
+        batch = AttentionBatch(block_size=block_size,
+                               slot_mapping=torch.tensor(slots, device=device), decodes=[],
+                               prefills=[], prompt_rows=row_length)
+        inputs = StaticInputs(torch.tensor(input_ids, device=device),
+                              torch.tensor(positions, device=device), batch)
+        return inputs, sample_rows, sample_ids
+
+    def _static_inputs(self, phase: str, bucket: Bucket) -> StaticInputs:
+        """Padding-only inputs of a bucket's shape, on the device: what its graph reads."""
+        if phase == "prompt":
+            return self._prepare_prompt_rows([], bucket[0], bucket[1], self.device)[0]
+        input_ids, positions, batch, _, _ = self._prepare([], (phase, *bucket))
+        # The decode group covers every row, padding included: nothing to zero.
+        batch.pad_start = None
+        return StaticInputs(input_ids, positions, batch)
+
+    @torch.inference_mode()
+    def capture_graphs(self, buckets: dict[str, PhaseBuckets], budget_bytes: int,
+                       prompt_ratio: float, strategies: dict[str, str], free_memory,
+                       capturer: GraphCapturer) -> dict[str, GraphPhaseReport]:
+        """Capture bucket graphs within `budget_bytes`, split between the phases and ordered
+        by their strategies (runtime.bucketing.plan_graph_captures); logs each capture."""
+        counters = dict.fromkeys(buckets, 0)
+
+        def capture(phase: str, bucket: Bucket) -> int:
+            counters[phase] += 1
+            before = free_memory()
+            log.info("[Warmup][Graph/%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB",
+                     phase.capitalize(), counters[phase], len(buckets[phase].buckets), *bucket,
+                     before / 2**30)
+            inputs = self._static_inputs(phase, bucket)
+            replay = capturer.capture(lambda: self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch))
+            self.graphs[(phase, *bucket)] = BucketGraph(inputs, replay)
+            return before - free_memory()
+
+        reports = plan_graph_captures({p: b.buckets for p, b in buckets.items()}, budget_bytes,
+                                      prompt_ratio, strategies, capture)
+        for report in reports.values():
+            log.info("%s", report.line())
+        return reports
+
     def _decode_group(self, first: int, tables: list[list[int]], lengths: list[int],
-                      num_blocks: int) -> DecodeGroup:
+                      num_blocks: int, device: torch.device) -> DecodeGroup:
         """Single-token queries `first`..`first + len(tables)` over `num_blocks` context blocks
         each; tables are padded with the scratch block, which the mask hides."""
         filler = [self.scratch_block] * num_blocks
         blocks = torch.tensor([t[:num_blocks] + filler[len(t):] for t in tables],
-                              device=self.device).view(-1)
+                              device=device).view(-1)
         context = torch.arange(num_blocks * self.block_size)
         mask = (context < torch.tensor(lengths)[:, None]).view(len(tables), 1, 1, -1)
-        return DecodeGroup(first, len(tables), blocks, mask.to(self.device))
+        return DecodeGroup(first, len(tables), blocks, mask.to(device))
 
-    def _prepare(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int] | None = None):
+    def _prepare(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int] | None = None,
+                 device: torch.device | None = None):
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -239,16 +335,16 @@ class ModelRunner:
                 decode_tables.extend([[]] * num_padding)
                 decode_lengths.extend([1] * num_padding)
 
-        device = self.device
+        device = device or self.device
         if bucket is not None and bucket[0] == "decode":
             # One group of the bucket's shape: bucket_bs rows over bucket_len context tokens.
             decodes = [self._decode_group(0, decode_tables, decode_lengths,
-                                          bucket[2] // block_size)]
+                                          bucket[2] // block_size, device)]
         else:
             decodes = [self._decode_group(
                 first, decode_tables[first:first + DECODE_GROUP_SIZE],
                 decode_lengths[first:first + DECODE_GROUP_SIZE],
-                -(-max(decode_lengths[first:first + DECODE_GROUP_SIZE]) // block_size))
+                -(-max(decode_lengths[first:first + DECODE_GROUP_SIZE]) // block_size), device)
                 for first in range(0, len(decode_tables), DECODE_GROUP_SIZE)]
         prefills = []
         for offset, length, start, table in prefill_specs:

@@ -23,11 +23,12 @@ from protocol.messages import (
     worker_inbound_decoder,
 )
 from protocol.transport import Encoder, make_socket, poll_recv
-from runtime.bucketing import bucketing_enabled, compiling, engine_buckets
+from runtime.bucketing import bucketing_enabled, compiling, engine_buckets, format_bytes, graphs_enabled
 from runtime.layers.parallel import TensorParallel
 from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
+from worker_proc.graphs import GraphCapturer
 from worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
 from worker_proc.model_runner import ModelRunner
 from worker_proc.thermal import ThermalMonitor
@@ -62,8 +63,9 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
         max_model_len = min(max_model_len, config.max_model_len)
     max_useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    graphs = graphs_enabled(config, ctx.device.type) and not config.skip_warmup
     sizing = size_kv_cache(config, model, dtype, ctx.device, max_useful_blocks=max_useful,
-                           tp_size=tp.size, local_world_size=local_world_size)
+                           tp_size=tp.size, local_world_size=local_world_size, graphs=graphs)
     log.info("rank %d memory: %s", ctx.rank,
              sizing.describe(config.block_size, config.gpu_memory_utilization))
     num_blocks = sizing.num_blocks
@@ -79,7 +81,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
                          scratch_block=num_blocks)
-    prepare_buckets(runner, config, max_model_len, ctx)
+    prepare_buckets(runner, config, max_model_len, ctx,
+                    graph_budget=sizing.graph_reserved_bytes if graphs else None)
     if num_cpu_blocks:
         log.info("rank %d swap space: %d CPU blocks (%.2f GiB%s)", ctx.rank, num_cpu_blocks,
                  config.swap_space, ", pinned" if ctx.device.type == "cuda" else "")
@@ -110,10 +113,11 @@ def shared_sampling_seed(ctx: DistributedContext) -> int:
 
 
 def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: int,
-                    ctx: DistributedContext) -> None:
-    """With bucketing: log the buckets, compile the layer pieces (--compile) and warm every
-    bucket shape up, so that serving compiles nothing."""
-    if not bucketing_enabled(config):
+                    ctx: DistributedContext, graph_budget: int | None = None) -> None:
+    """With bucketing: log the buckets, compile the layer pieces (--compile), warm every
+    bucket shape up and (graph_budget not None: on CUDA) capture graphs of as many buckets as
+    the budget holds, so that serving compiles and captures nothing."""
+    if not bucketing_enabled(config, ctx.device.type):
         if compiling(config):
             log.warning("--compile needs bucketing: it is off (--bucketing off)")
         return
@@ -131,7 +135,26 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: in
         return
     started = time.perf_counter()
     runner.warmup(buckets, lambda: free_memory(ctx.device, 1))
+    if graph_budget is not None:
+        capture_graphs(runner, config, buckets, graph_budget, ctx)
     log.info("rank %d warmup finished in %.1fs", ctx.rank, time.perf_counter() - started)
+
+
+def capture_graphs(runner: ModelRunner, config: EngineConfig, buckets, budget: int,
+                   ctx: DistributedContext) -> None:
+    """CUDA graphs of the buckets within the memory reserved for them before the KV cache was
+    sized (or, with the cache sized by hand, that share of what is free now)."""
+    free_now = free_memory(ctx.device, 1)
+    if not budget:
+        budget = int(free_now * config.graph_reserved_mem)
+    prompt = int(budget * config.graph_prompt_ratio)
+    log.info("Using %s/%s of free device memory for graphs, %s for prompt and %s for decode "
+             "(graph_prompt_ratio=%g)", format_bytes(budget), format_bytes(free_now),
+             format_bytes(prompt), format_bytes(budget - prompt), config.graph_prompt_ratio)
+    runner.capture_graphs(buckets, budget, config.graph_prompt_ratio,
+                          {"prompt": config.graph_prompt_strategy,
+                           "decode": config.graph_decode_strategy},
+                          lambda: free_memory(ctx.device, 1), GraphCapturer(ctx.device))
 
 
 def start_thermal_monitor(config: EngineConfig, ctx: DistributedContext) -> ThermalMonitor:

@@ -42,6 +42,19 @@ class AttentionBatch:
     # Bucket padding: tokens from here on are padding no chunk or group covers (their K/V
     # goes to a scratch block); their output is zero.
     pad_start: int | None = None
+    # Fresh prompts laid out one per row of this many positions (padding at each row's end),
+    # each attending causally within its row: the fixed shape a prompt graph is captured
+    # with. `decodes` and `prefills` are then empty.
+    prompt_rows: int | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch, in a fixed order (what a captured graph reads)."""
+        found = [self.slot_mapping]
+        for group in self.decodes:
+            found += [group.blocks, group.mask]
+        for chunk in self.prefills:
+            found += [t for t in (chunk.context_blocks, chunk.mask) if t is not None]
+        return found
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -56,6 +69,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, heads, dim], k/v: [T, kv_heads, dim] for the new tokens. Returns [T, heads, dim]."""
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
+    if batch.prompt_rows:
+        return _attend_rows(q, k, v, batch.prompt_rows, scale)
     out = torch.empty_like(q)
     if batch.pad_start is not None:
         out[batch.pad_start:].zero_()
@@ -85,3 +100,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                       scale=scale, enable_gqa=True)
         out[rows] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_length: int,
+                 scale: float) -> torch.Tensor:
+    """Causal attention within each row of `row_length` tokens (fresh prompts, one per row)."""
+    def by_row(x: torch.Tensor) -> torch.Tensor:             # [rows, heads, row_length, dim]
+        return x.view(-1, row_length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    attended = F.scaled_dot_product_attention(by_row(q), by_row(k), by_row(v), is_causal=True,
+                                              scale=scale, enable_gqa=True)
+    return attended.transpose(1, 2).reshape(q.shape)

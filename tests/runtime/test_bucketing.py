@@ -9,6 +9,7 @@ from runtime.bucketing import (
     PhaseBuckets,
     capture_order,
     default_ranges,
+    plan_graph_captures,
     resolve_ranges,
 )
 
@@ -99,3 +100,59 @@ def test_default_prompt_ranges_cover_the_token_budget() -> None:
     prompt = PhaseBuckets.generate("prompt", ranges["bs"], ranges["seq"], 1024)
     assert prompt.find(1, 1024) == (1, 1024)
     assert prompt.find(8, 128) == (8, 128)
+
+
+SEED_STRATEGIES = {"prompt": "min_tokens", "decode": "max_bs"}
+
+
+class Costs:
+    """A fake capture: prompt graphs take 1 KiB per token (batch size x length), decode
+    graphs 1 KiB per batch row (they share the pool); records the capture sequence."""
+
+    def __init__(self) -> None:
+        self.sequence: list[tuple[str, tuple[int, int]]] = []
+
+    def __call__(self, phase: str, bucket: tuple[int, int]) -> int:
+        self.sequence.append((phase, bucket))
+        return 1024 * (bucket[0] * bucket[1] if phase == "prompt" else bucket[0])
+
+
+def test_graph_captures_follow_each_phase_strategy_within_its_share() -> None:
+    costs = Costs()
+    budget = 10 * 2**20
+    reports = plan_graph_captures({"prompt": PROMPT.buckets, "decode": DECODE.buckets},
+                                  budget, 0.3, SEED_STRATEGIES, costs)
+    prompt, decode = reports["prompt"], reports["decode"]
+    # Decode is cheap: all 48, in max_bs order (batch size 4 first, shortest context first).
+    assert len(decode.captured) == 48 and decode.captured[:2] == [(4, 128), (4, 256)]
+    assert decode.used_bytes == 1024 * (16 * 4 + 16 * 2 + 16 * 1)
+    # Prompt: smallest token counts first. 30% of 10 MiB = 3 MiB = 3072 tokens' worth in the
+    # first pass: (1,128) ... up to 3072 tokens in total.
+    first_pass = [b for phase, b in costs.sequence[:costs.sequence.index(("decode", (4, 128)))]]
+    assert first_pass == capture_order(PROMPT.buckets, "min_tokens")[:len(first_pass)]
+    assert sum(b * s for b, s in first_pass) * 1024 <= 0.3 * budget
+    # Second pass: what decode left over goes to more prompt graphs, within the whole budget.
+    second_pass = costs.sequence[costs.sequence.index(("decode", (1, 2048))) + 1:]
+    assert second_pass and all(phase == "prompt" for phase, _ in second_pass)
+    assert prompt.used_bytes + decode.used_bytes <= budget
+    assert len(prompt.captured) < 24
+    assert prompt.line().startswith(f"Graph/Prompt captured:{len(prompt.captured)} (")
+    assert "used_mem:" in prompt.line() and "buckets:[(1, 128)" in prompt.line()
+
+
+def test_a_bucket_over_what_is_left_is_skipped_for_smaller_ones_after_it() -> None:
+    costs = Costs()
+    # max_bs order for prompt: (4, 128) then (4, 256) [too big once 512 tokens are spent],
+    # then (2, 128) still fits.
+    reports = plan_graph_captures({"prompt": [(4, 128), (4, 256), (2, 128)], "decode": []},
+                                  1024 * 1000, 1.0, {"prompt": "max_bs", "decode": "max_bs"},
+                                  costs)
+    assert reports["prompt"].captured == [(4, 128), (2, 128)]
+    assert reports["decode"].line().startswith("Graph/Decode captured:0 (0.0%)")
+
+
+def test_no_graph_memory_captures_nothing() -> None:
+    costs = Costs()
+    reports = plan_graph_captures({"prompt": PROMPT.buckets, "decode": DECODE.buckets},
+                                  0, 0.3, SEED_STRATEGIES, costs)
+    assert costs.sequence == [] and all(not r.captured for r in reports.values())

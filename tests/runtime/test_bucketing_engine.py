@@ -80,3 +80,14 @@ def test_batches_above_the_largest_bucket_run_unpadded_and_are_counted(sharp_mod
     with LLM(directory, bucketing="off", **{k: v for k, v in options.items()
                                             if "bucket" not in k}) as llm:
         assert bucketed == [o.token_ids for o in llm.generate(prompts(4)[2:], params)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.timeout(600)
+def test_greedy_outputs_are_identical_with_cuda_graphs_on_and_off(sharp_model) -> None:
+    directory, _ = sharp_model
+    options = dict(TWO_BUCKETS, decode_bs_bucket="1,2,4", device="cuda", dtype="float32")
+    eager, _ = run(directory, enforce_eager=True, **options)
+    graphed, stats = run(directory, **options)
+    assert graphed == eager
+    assert stats.runtime_graph_compilations == 0

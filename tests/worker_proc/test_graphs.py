@@ -1,0 +1,185 @@
+"""Bucket graphs: the static-input path a captured graph replays gives the eager path's tokens.
+
+On CPU the capturer emulates replay by running the forward pass on the graph's static tensors,
+so these tests check everything but the CUDA recording itself: the fixed bucket layouts, the
+copy of each batch into the static tensors, the one-prompt-per-row layout of prompt graphs,
+padding that never reaches a real KV block, and the eager fallback of prompts with cached
+context. The same comparison on CUDA, with real graphs, is in tests/runtime/test_bucketing_engine.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_runner import BLOCK, GREEDY, NUM_BLOCKS, build_pair, prompt
+
+from protocol.messages import NewRequestData, StepPlan
+from runtime.bucketing import BucketRange, PhaseBuckets
+from worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
+from worker_proc.kv_cache import allocate_kv_cache
+from worker_proc.model_runner import ModelRunner
+
+BUCKETS = {
+    "prompt": PhaseBuckets.generate("prompt", BucketRange(1, 2, 4), BucketRange(8, 8, 16), 64),
+    "decode": PhaseBuckets.generate("decode", BucketRange(1, 2, 4), BucketRange(8, 8, 32), 64),
+}
+STRATEGIES = {"prompt": "min_tokens", "decode": "max_bs"}
+BLOCKS_PER_REQUEST = 8
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair(seed=3)
+
+
+def make_runner(model, config) -> ModelRunner:
+    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK, torch.float32, torch.device("cpu"))
+    for k, v in kv:
+        k.fill_(0.5)        # stale content the masks must hide
+        v.fill_(-0.5)
+    return ModelRunner(model, kv, BLOCK, torch.device("cpu"), seed=0)
+
+
+class Replays:
+    """Counts graph replays per bucket."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.counts: dict[tuple[str, int, int], int] = {}
+        for key, graph in runner.graphs.items():
+            graph.replay = self._counting(key, graph.replay)
+
+    def _counting(self, key, replay):
+        def counted():
+            self.counts[key] = self.counts.get(key, 0) + 1
+            return replay()
+        return counted
+
+
+class Driver:
+    """Feeds the same bucketed plans to a runner and records what it samples."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.step = 0
+
+    def prefill(self, requests: list[tuple[int, list[int], list[int], int]]) -> dict[int, int]:
+        """requests: (id, tokens, blocks, computed tokens); runs one prompt step."""
+        longest = max(len(tokens) - computed for _, tokens, _, computed in requests)
+        bucket = BUCKETS["prompt"].find(len(requests), longest)
+        plan = StepPlan(step_id=self.step, new_requests=[
+            NewRequestData(rid, tokens, blocks, computed, len(tokens) - computed, GREEDY)
+            for rid, tokens, blocks, computed in requests], cached_request_ids=[],
+            cached_num_scheduled_tokens=[], cached_new_block_ids=[], bucket=("prompt", *bucket))
+        return self._run(plan)
+
+    def decode(self, request_ids: list[int]) -> dict[int, int]:
+        states = self.runner.requests
+        longest = max(states[r].num_computed_tokens + 1 for r in request_ids)
+        bucket = BUCKETS["decode"].find(len(request_ids), longest)
+        plan = StepPlan(step_id=self.step, new_requests=[], cached_request_ids=list(request_ids),
+                        cached_num_scheduled_tokens=[1] * len(request_ids),
+                        cached_new_block_ids=[[] for _ in request_ids], bucket=("decode", *bucket))
+        return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> dict[int, int]:
+        self.step += 1
+        output = self.runner.execute(plan)
+        return dict(zip(output.request_ids, output.sampled_token_ids, strict=True))
+
+
+def blocks_of(request_id: int) -> list[int]:
+    return list(range(request_id * BLOCKS_PER_REQUEST, (request_id + 1) * BLOCKS_PER_REQUEST))
+
+
+def run_workload(runner: ModelRunner) -> list[dict[int, int]]:
+    driver = Driver(runner)
+    prompts = {0: prompt(10, 5), 1: prompt(11, 9), 2: prompt(12, 14)}
+    sampled = [driver.prefill([(rid, tokens, blocks_of(rid), 0) for rid, tokens in prompts.items()])]
+    for _ in range(12):
+        sampled.append(driver.decode([0, 1, 2]))
+    # A prompt whose first block is request 0's (a prefix-cache hit): it has context to
+    # attend, so a prompt graph cannot take it.
+    shared = prompts[0][:BLOCK] + prompt(13, 7)
+    sampled.append(driver.prefill([(3, shared, blocks_of(0)[:1] + blocks_of(3)[1:], BLOCK)]))
+    for _ in range(4):
+        sampled.append(driver.decode([3, 1]))
+    return sampled
+
+
+def capture_all(runner: ModelRunner, budget: int = 1 << 30, free_memory=lambda: 0):
+    return runner.capture_graphs(BUCKETS, budget, 0.3, STRATEGIES, free_memory,
+                                 GraphCapturer(torch.device("cpu"), emulate=True))
+
+
+def test_replayed_buckets_sample_what_the_eager_path_samples(pair) -> None:
+    _, model, config = pair
+    eager = run_workload(make_runner(model, config))
+
+    runner = make_runner(model, config)
+    reports = capture_all(runner)
+    assert [len(r.captured) for r in reports.values()] == [6, 12]
+    replays = Replays(runner)
+    graphed = run_workload(runner)
+
+    assert graphed == eager
+    assert replays.counts[("prompt", 4, 16)] == 1          # the three fresh prompts
+    assert sum(v for (phase, *_), v in replays.counts.items() if phase == "prompt") == 1
+    assert sum(v for (phase, *_), v in replays.counts.items() if phase == "decode") == 16
+    # Three contexts grow from 6-15 to 17-26 tokens: buckets (4, 16), (4, 24) and (4, 32);
+    # then two, the longest from 22 to 25 tokens: (2, 24) and (2, 32).
+    assert {key for key in replays.counts if key[0] == "decode"} == {
+        ("decode", 4, 16), ("decode", 4, 24), ("decode", 4, 32), ("decode", 2, 24),
+        ("decode", 2, 32)}
+
+
+def test_padding_of_a_replayed_batch_touches_no_real_block(pair) -> None:
+    _, model, config = pair
+    runner = make_runner(model, config)
+    capture_all(runner)
+    untouched = blocks_of(5)
+    before = [(k.view(NUM_BLOCKS, -1)[untouched].clone(), v.view(NUM_BLOCKS, -1)[untouched].clone())
+              for k, v in runner.kv_caches]
+    Driver(runner).prefill([(0, prompt(20, 3), blocks_of(0), 0)])      # 1 row of 3 in (1, 8)
+    Driver(runner).decode([0])
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        assert torch.equal(k.view(NUM_BLOCKS, -1)[untouched], k0)
+        assert torch.equal(v.view(NUM_BLOCKS, -1)[untouched], v0)
+
+
+def test_a_batch_of_another_shape_is_refused_by_a_graph() -> None:
+    def inputs(n: int) -> StaticInputs:
+        from runtime.layers.attention import AttentionBatch
+        batch = AttentionBatch(block_size=4, slot_mapping=torch.zeros(n, dtype=torch.long),
+                               decodes=[], prefills=[], prompt_rows=n)
+        return StaticInputs(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                            batch)
+
+    graph = BucketGraph(inputs(8), lambda: torch.zeros(1))
+    with pytest.raises(RuntimeError, match="differ from the captured"):
+        graph.run(inputs(4))
+
+
+def test_capture_stops_at_the_memory_budget(pair) -> None:
+    _, model, config = pair
+    runner = make_runner(model, config)
+    free = [10_000_000]
+
+    def free_memory() -> int:
+        # Each capture takes 1,000 bytes per token of its bucket (batch size x length).
+        if runner.graphs and len(runner.graphs) != free_memory.seen:
+            bs, length = list(runner.graphs)[-1][1:]
+            free[0] -= 1000 * bs * length
+            free_memory.seen = len(runner.graphs)
+        return free[0]
+
+    free_memory.seen = 0
+    reports = capture_all(runner, budget=200_000, free_memory=free_memory)
+    used = sum(r.used_bytes for r in reports.values())
+    assert 0 < used <= 200_000
+    assert set(runner.graphs) == {(p, *b) for p, r in reports.items() for b in r.captured}
+    # min_tokens for prompt: the smallest prompt buckets first.
+    assert reports["prompt"].captured[:2] == [(1, 8), (1, 16)]
+
+
+def test_graphs_are_cuda_only_unless_emulated() -> None:
+    with pytest.raises(ValueError, match="CUDA only"):
+        GraphCapturer(torch.device("cpu"))
