@@ -96,6 +96,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     graph_decode_strategy: Annotated[Literal["min_tokens", "max_bs"], Meta(description=(
         "order decode graphs are captured in (see --graph-prompt-strategy); max_bs first "
         "captures the large batches a loaded server decodes"))] = "max_bs"
+    attention_backend: Annotated[Literal["auto", "torch", "triton"], Meta(description=(
+        "decode attention: triton reads the paged KV cache in place with this project's "
+        "Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); torch gathers each "
+        "sequence's context and runs SDPA; auto: triton on CUDA where Triton is installed"))] = "auto"
     dist_backend: Annotated[Literal["auto", "gloo", "nccl", "hccl"], Meta(description=(
         "torch.distributed backend of the tensor-parallel group: auto picks nccl on CUDA, hccl "
         "where Habana's plugin is installed, gloo otherwise"))] = "auto"

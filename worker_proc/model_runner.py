@@ -50,8 +50,11 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, seed: int | None = None,
-                 num_cpu_blocks: int = 0, scratch_block: int | None = None) -> None:
+                 num_cpu_blocks: int = 0, scratch_block: int | None = None,
+                 decode_kernel: bool = False) -> None:
         self.model = model
+        # Decode attention through the Triton kernel that reads the cache in place.
+        self.decode_kernel = decode_kernel
         self.kv_caches = kv_caches
         self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size)
         # A block no request ever gets (the last one unless told): padding rows read and
@@ -283,10 +286,15 @@ class ModelRunner:
     def _decode_group(self, first: int, tables: list[list[int]], lengths: list[int],
                       num_blocks: int, device: torch.device) -> DecodeGroup:
         """Single-token queries `first`..`first + len(tables)` over `num_blocks` context blocks
-        each; tables are padded with the scratch block, which the mask hides."""
+        each; tables are padded with the scratch block, which the mask (or for the kernel, the
+        context lengths) hides."""
         filler = [self.scratch_block] * num_blocks
-        blocks = torch.tensor([t[:num_blocks] + filler[len(t):] for t in tables],
-                              device=device).view(-1)
+        table_rows = [t[:num_blocks] + filler[len(t):] for t in tables]
+        if self.decode_kernel:
+            return DecodeGroup(first, len(tables),
+                               torch.tensor(table_rows, dtype=torch.int32, device=device).view(-1),
+                               None, torch.tensor(lengths, dtype=torch.int32, device=device))
+        blocks = torch.tensor(table_rows, device=device).view(-1)
         context = torch.arange(num_blocks * self.block_size)
         mask = (context < torch.tensor(lengths)[:, None]).view(len(tables), 1, 1, -1)
         return DecodeGroup(first, len(tables), blocks, mask.to(device))
@@ -340,6 +348,10 @@ class ModelRunner:
             # One group of the bucket's shape: bucket_bs rows over bucket_len context tokens.
             decodes = [self._decode_group(0, decode_tables, decode_lengths,
                                           bucket[2] // block_size, device)]
+        elif self.decode_kernel and decode_tables:
+            # The kernel reads each sequence's own context length: one group, no grouping.
+            decodes = [self._decode_group(0, decode_tables, decode_lengths,
+                                          -(-max(decode_lengths) // block_size), device)]
         else:
             decodes = [self._decode_group(
                 first, decode_tables[first:first + DECODE_GROUP_SIZE],
@@ -359,6 +371,7 @@ class ModelRunner:
                                          mask.to(device)))
         batch = AttentionBatch(
             block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
-            decodes=decodes, prefills=prefills, pad_start=pad_start)
+            decodes=decodes, prefills=prefills, pad_start=pad_start,
+            decode_kernel=self.decode_kernel)
         return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                 batch, sample_rows, sample_ids)

@@ -24,6 +24,7 @@ from protocol.messages import (
 )
 from protocol.transport import Encoder, make_socket, poll_recv
 from runtime.bucketing import bucketing_enabled, compiling, engine_buckets, format_bytes, graphs_enabled
+from runtime.layers import triton_attention
 from runtime.layers.parallel import TensorParallel
 from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
@@ -80,7 +81,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     num_cpu_blocks = int(config.swap_space * 2**30) // sizing.bytes_per_block
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
-                         scratch_block=num_blocks)
+                         scratch_block=num_blocks,
+                         decode_kernel=use_decode_kernel(config, ctx.device, model_config.head_dim))
     prepare_buckets(runner, config, max_model_len, ctx,
                     graph_budget=sizing.graph_reserved_bytes if graphs else None)
     if num_cpu_blocks:
@@ -92,6 +94,22 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
                         num_cpu_kv_blocks=num_cpu_blocks,
                         generation=int(os.environ.get("SPMD_WORKER_GENERATION", "0")))
     return runner, ready
+
+
+def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int) -> bool:
+    """--attention-backend: whether decode attention runs the Triton kernel."""
+    if config.attention_backend == "torch":
+        return False
+    on_device = device.type == "cuda" or (config.attention_backend == "triton"
+                                          and triton_attention.interpreting())
+    usable = triton_attention.available() and on_device and head_dim >= triton_attention.MIN_DOT \
+        and head_dim & (head_dim - 1) == 0
+    if config.attention_backend == "triton" and not usable:
+        raise ValueError(
+            f"--attention-backend triton needs Triton installed, a CUDA device (or "
+            f"TRITON_INTERPRET=1 on CPU) and a power-of-two head dim >= 16 (this model: "
+            f"{head_dim}, device {device}); use --attention-backend torch or auto")
+    return usable
 
 
 def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorParallel:

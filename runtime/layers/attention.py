@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.layers import triton_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -28,7 +30,8 @@ class DecodeGroup:
     start: int                      # first of `count` consecutive single-token queries
     count: int
     blocks: torch.Tensor            # [count * num_blocks] block tables, flattened, padded
-    mask: torch.Tensor              # [count, 1, 1, num_blocks * block_size]
+    mask: torch.Tensor | None       # [count, 1, 1, num_blocks * block_size]; None: kernel
+    lengths: torch.Tensor | None = None   # [count] int32 context tokens (for the kernel)
 
 
 @dataclass
@@ -46,12 +49,15 @@ class AttentionBatch:
     # each attending causally within its row: the fixed shape a prompt graph is captured
     # with. `decodes` and `prefills` are then empty.
     prompt_rows: int | None = None
+    # Decode groups through the Triton kernel that reads the cache in place
+    # (runtime.layers.triton_attention) instead of gathering copies of their context.
+    decode_kernel: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the batch, in a fixed order (what a captured graph reads)."""
         found = [self.slot_mapping]
         for group in self.decodes:
-            found += [group.blocks, group.mask]
+            found += [t for t in (group.blocks, group.mask, group.lengths) if t is not None]
         for chunk in self.prefills:
             found += [t for t in (chunk.context_blocks, chunk.mask) if t is not None]
         return found
@@ -79,6 +85,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for group in batch.decodes:
         n = group.count
         rows = slice(group.start, group.start + n)
+        if batch.decode_kernel:
+            out[rows] = triton_attention.paged_decode_attention(
+                q[rows], k_cache, v_cache, group.blocks.view(n, -1), group.lengths, bs, scale)
+            continue
         keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
         values = _gather_blocks(v_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [n, kv, L, d]

@@ -3,6 +3,8 @@ on with --compile, warmup leaves nothing to compile while serving, and a batch l
 bucket runs unpadded and is counted."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from sharp_llama import sharp_llama as make_sharp_llama
@@ -84,10 +86,14 @@ def test_batches_above_the_largest_bucket_run_unpadded_and_are_counted(sharp_mod
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.timeout(600)
-def test_greedy_outputs_are_identical_with_cuda_graphs_on_and_off(sharp_model) -> None:
+def test_greedy_outputs_are_identical_with_cuda_graphs_and_the_kernel_on_and_off(
+        sharp_model) -> None:
     directory, _ = sharp_model
     options = dict(TWO_BUCKETS, decode_bs_bucket="1,2,4", device="cuda", dtype="float32")
-    eager, _ = run(directory, enforce_eager=True, **options)
-    graphed, stats = run(directory, **options)
+    eager, _ = run(directory, enforce_eager=True, attention_backend="torch", **options)
+    graphed, stats = run(directory, attention_backend="torch", **options)
     assert graphed == eager
     assert stats.runtime_graph_compilations == 0
+    if importlib.util.find_spec("triton") is not None:
+        kernel, _ = run(directory, attention_backend="triton", **options)
+        assert kernel == eager
