@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import heapq
-import hmac
 import logging
 import math
 import os
@@ -18,13 +17,11 @@ from protocol.messages import (
     AbortDone,
     AbortRequest,
     AddRequest,
-    AdminBatchReply,
     AdminBatchRequest,
     ClientMessage,
     Done,
     EngineStats,
     ErrorReply,
-    Heartbeat,
     ModelInfo,
     ModelInfoRequest,
     Outputs,
@@ -33,49 +30,26 @@ from protocol.messages import (
     RequestAccepted,
     RequestDelta,
     ResetPrefixCacheRequest,
-    Shutdown,
     StatsRequest,
     StepResult,
-    WorkerError,
     WorkerReady,
     WorkersLost,
     client_decoder,
-    scheduler_inbound_decoder,
 )
-from protocol.transport import Encoder, bound_address, make_socket, poll_recv
+from protocol.transport import Encoder, bound_address, make_socket
 from runtime.bucketing import bucketing_enabled, engine_buckets
+from scheduler_proc.admin import admin_batch
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.request import FinishReason, Request
 from scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
-from scheduler_proc.thermal import ThermalControl, load_policy_class, select_victims
+from scheduler_proc.thermal import ThermalControl, load_policy_class
+from scheduler_proc.worker_group import GroupLost, Stopping, WorkerGroup, WorkersFailed, authentic
 
 log = logging.getLogger("spmd.scheduler")
 
-READY_TIMEOUT_S = 900.0
 CLIENT_MESSAGE_TAGS = frozenset(
     msgspec.inspect.type_info(kind).tag for kind in ClientMessage.__args__)
 MAX_CLIENT_MESSAGES_PER_STEP = 1024
-HEARTBEAT_INTERVAL_S = 1.0
-# After a worker reports an error, how long its launcher has to say whether it restarts the
-# group (or, when it cannot, what died first: the error may only be a peer's broken collective).
-LAUNCHER_GRACE_S = 20.0
-LAUNCHER_GRACE_NO_RESTART_S = 2.0
-
-
-class WorkersFailed(RuntimeError):
-    """A worker reported an error or stopped answering; the engine cannot go on."""
-
-
-class Stopping(Exception):
-    """A stop was requested (SIGTERM/SIGINT) while waiting on the workers."""
-
-
-class GroupLost(Exception):
-    """A launcher reported a dead worker; a new generation of the group is starting."""
-
-    def __init__(self, message: WorkersLost) -> None:
-        super().__init__(message.reason)
-        self.message = message
 
 
 class SchedulerServer:
@@ -84,13 +58,8 @@ class SchedulerServer:
         self.ctx = zmq.Context()
         self.encoder = Encoder()
         self.client_decoder = client_decoder()
-        self.worker_decoder = scheduler_inbound_decoder()
-        self.workers = make_socket(self.ctx, zmq.ROUTER, config.worker_address, bind=True)
-        # A restarted worker reconnects with its rank's identity: it takes the old one over.
-        self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.generation = 0
-        # (deadline, error) once a worker failed and its launcher has not spoken yet.
-        self._awaiting_launcher: tuple[float, WorkerError] | None = None
+        # The group's waits on workers end when a stop is requested (see stop()).
+        self.group = WorkerGroup(config, self.ctx, self.encoder, lambda: self._stopping)
         self.rpc: zmq.Socket | None = None
         self.scheduler: Scheduler | None = None
         self.model_info: ModelInfo | None = None
@@ -101,7 +70,6 @@ class SchedulerServer:
         self._pending: list[tuple[bytes, msgspec.Struct]] = []
         self.rejected_frames = 0
         self.invalid_requests = 0
-        self._last_sent_to_workers = 0.0
         # (deadline, request id, arrival) of requests with a timeout, soonest first.
         self._deadlines: list[tuple[float, int, int]] = []
         self.maintenance_ms = 0.0
@@ -118,48 +86,6 @@ class SchedulerServer:
 
     # ------------------------------------------------------------------ start-up
 
-    def _gather_ready(self) -> dict[int, WorkerReady]:
-        """Wait until every rank of the current generation reports ready. Clients already
-        connected (after a restart) get their pings answered and their requests queued."""
-        world = self.config.world_size
-        ready: dict[int, WorkerReady] = {}
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while len(ready) < world:
-            if time.monotonic() > deadline:
-                raise WorkersFailed(f"only {len(ready)} of {world} workers became ready in "
-                                    f"{READY_TIMEOUT_S:.0f}s")
-            self._heartbeat_if_due()
-            if self.rpc is not None:
-                self._queue_client_messages()
-            frames = poll_recv(self.workers, 0.05 if self.rpc is not None else HEARTBEAT_INTERVAL_S)
-            if frames is None or self._stopping:
-                if self._stopping:
-                    raise WorkersFailed("stopped while waiting for workers")
-                continue
-            message = self._worker_message(frames)
-            if isinstance(message, WorkersLost):
-                self._lost(message)          # a worker died during start-up
-                ready.clear()
-            elif isinstance(message, WorkerError):
-                raise WorkersFailed(f"worker rank {message.rank} failed to start:\n{message.message}")
-            elif isinstance(message, WorkerReady) and message.generation == self.generation:
-                ready[message.rank] = message
-                log.info("worker rank %d ready on %s with %d KV blocks", message.rank,
-                         message.device, message.num_kv_blocks)
-        return ready
-
-    def _lost(self, message: WorkersLost) -> None:
-        """A launcher lost a worker: fail if it cannot restart the group, else expect the
-        next generation."""
-        self._awaiting_launcher = None
-        if message.final:
-            raise WorkersFailed(f"the engine is down: {message.reason}, and the worker group "
-                                "is not restarted (restarts exhausted, --max-restarts, or a "
-                                "multi-node job)")
-        log.warning("%s: the launcher restarts the worker group (generation %d)",
-                    message.reason, message.generation)
-        self.generation = message.generation
-
     def _kv_cache_manager(self, ready: dict[int, WorkerReady]) -> tuple[KVCacheManager, int]:
         num_blocks = min(r.num_kv_blocks for r in ready.values())
         num_cpu_blocks = min(r.num_cpu_kv_blocks for r in ready.values())
@@ -168,7 +94,7 @@ class SchedulerServer:
 
     def wait_for_workers(self) -> None:
         world = self.config.world_size
-        ready = self._gather_ready()
+        ready = self.group.gather_ready()
         first = ready[0]
         kv, num_cpu_blocks = self._kv_cache_manager(ready)
         num_blocks = kv.num_blocks
@@ -216,7 +142,7 @@ class SchedulerServer:
             self._fail_everything(str(error))
             raise
         finally:
-            self._shutdown_workers()
+            self.group.shutdown()
 
     def _iterate(self, scheduler: Scheduler, stalled: bool) -> bool:
         """One pass of the step loop; returns whether it stalled (nothing could run)."""
@@ -224,9 +150,9 @@ class SchedulerServer:
             # Nothing in flight: finish pending frees before answering anyone.
             scheduler.maintain(None)
             self._send_to_workers_if_needed()
-            self._heartbeat_if_due()
-        self._drain_worker_messages()
-        self._check_awaiting_launcher()
+            self.group.heartbeat_if_due()
+        self.group.drain()
+        self.group.check_awaiting_launcher()
         self._handle_client_messages(block=stalled or not scheduler.has_work)
         self._expire_deadlines()
         if not scheduler.has_work:
@@ -237,7 +163,7 @@ class SchedulerServer:
             self._send_to_workers_if_needed()
             return True
         payload = self.encoder.encode(step.plan)
-        self._broadcast(payload)
+        self.group.broadcast(payload)
         started = time.perf_counter()
         scheduler.maintain(step)
         maintenance_ms = (time.perf_counter() - started) * 1e3
@@ -246,45 +172,14 @@ class SchedulerServer:
         self._stream(scheduler.update(step, result))
         return False
 
-    def _drain_worker_messages(self) -> None:
-        """While idle: a launcher may report a dead worker, or a worker its own failure."""
-        while True:
-            try:
-                frames = self.workers.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._control_message(self._worker_message(frames))
-
-    def _control_message(self, message) -> None:
-        if isinstance(message, WorkersLost):
-            raise GroupLost(message)
-        if isinstance(message, WorkerError) and self._awaiting_launcher is None:
-            # The rank exits after this; its launcher then restarts the group or says it will
-            # not, naming the worker that died first. That message decides.
-            log.error("worker rank %d failed; waiting for its launcher:\n%s", message.rank,
-                      message.message)
-            grace = LAUNCHER_GRACE_S if self._restartable else LAUNCHER_GRACE_NO_RESTART_S
-            self._awaiting_launcher = (time.monotonic() + grace, message)
-
-    def _check_awaiting_launcher(self) -> None:
-        """No launcher restarted the group after a worker failed (workers started by hand or
-        by torchrun): the engine cannot go on."""
-        if self._awaiting_launcher is not None and time.monotonic() > self._awaiting_launcher[0]:
-            error = self._awaiting_launcher[1]
-            raise WorkersFailed(f"worker rank {error.rank} failed:\n{error.message}")
-
-    @property
-    def _restartable(self) -> bool:
-        return self.config.max_restarts > 0 and self.config.nnodes == 1
-
     def _recover(self, message: WorkersLost) -> None:
         """Wait for the restarted worker group, then recompute everything that was in flight."""
-        self._lost(message)
-        ready = self._gather_ready()
+        self.group.lost(message)
+        ready = self.group.gather_ready(while_waiting=self._queue_client_messages)
         kv, num_cpu_blocks = self._kv_cache_manager(ready)
         requeued = self.scheduler.restart(kv, num_cpu_blocks)
         log.warning("worker group generation %d ready: %d requests recomputed from their "
-                    "prompts and the tokens already streamed", self.generation, len(requeued))
+                    "prompts and the tokens already streamed", self.group.generation, len(requeued))
 
     def _account_maintenance(self, maintenance_ms: float, result: StepResult) -> None:
         """Maintenance is hidden as far as it fits inside the workers' own time for the step."""
@@ -292,33 +187,10 @@ class SchedulerServer:
         self.maintenance_hidden_ms += min(maintenance_ms, result.prepare_ms + result.forward_ms)
         self.runtime_graph_compilations += result.num_compilations
 
-    def _heartbeat_if_due(self) -> None:
-        """Workers exit when they hear nothing for --heartbeat-timeout-s: tell them we live.
-        Ranks not connected yet are skipped."""
-        if time.monotonic() - self._last_sent_to_workers < HEARTBEAT_INTERVAL_S:
-            return
-        payload = self.encoder.encode(Heartbeat())
-        for rank in range(self.config.world_size):
-            try:
-                self.workers.send_multipart([worker_identity(rank), payload], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        self._last_sent_to_workers = time.monotonic()
-
-    def _broadcast(self, payload: bytes) -> None:
-        self._last_sent_to_workers = time.monotonic()
-        for rank in range(self.config.world_size):
-            try:
-                self.workers.send_multipart([worker_identity(rank), payload])
-            except zmq.ZMQError as error:
-                if self._stopping:
-                    raise Stopping() from None
-                raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
-
     def _send_to_workers_if_needed(self) -> None:
         plan = self.scheduler.take_housekeeping_plan()
         if plan is not None:
-            self._broadcast(self.encoder.encode(plan))
+            self.group.broadcast(self.encoder.encode(plan))
 
     def _receive_result(self, step: ScheduledStep) -> StepResult:
         deadline = time.monotonic() + self.config.step_timeout_s
@@ -331,27 +203,14 @@ class SchedulerServer:
                                     f"{self.config.step_timeout_s:.0f}s")
             # Keep accepting clients while the workers compute; their messages wait for the loop.
             self._queue_client_messages()
-            self._heartbeat_if_due()
-            self._check_awaiting_launcher()
-            frames = poll_recv(self.workers, min(remaining, 0.05))
-            if frames is None:
+            self.group.heartbeat_if_due()
+            self.group.check_awaiting_launcher()
+            message = self.group.poll(min(remaining, 0.05))
+            if message is None:
                 continue
-            message = self._worker_message(frames)
-            self._control_message(message)
+            self.group.control_message(message)
             if isinstance(message, StepResult) and message.step_id == step.plan.step_id:
                 return message
-
-    def _worker_message(self, frames: list[bytes]):
-        """A worker's message, or None for a frame without the auth token (when one is set)."""
-        if not self._authentic(frames):
-            log.warning("ignored a frame on the worker socket without the auth token")
-            return None
-        return self.worker_decoder.decode(frames[-1])
-
-    def _authentic(self, frames: list[bytes]) -> bool:
-        """With --auth-token, a frame is [identity, token, payload]."""
-        token = self.config.auth_token
-        return not token or (len(frames) == 3 and hmac.compare_digest(frames[1], token.encode()))
 
     # ------------------------------------------------------------------ clients
 
@@ -365,7 +224,7 @@ class SchedulerServer:
             if len(frames) < 2:
                 continue
             client, payload = frames[0], frames[-1]
-            if not self._authentic(frames):
+            if not authentic(frames, self.config.auth_token):
                 self.rejected_frames += 1
                 self._reply(client, ErrorReply(tag=None, code="forbidden", message=(
                     "this server requires its auth token on every message: "
@@ -410,7 +269,11 @@ class SchedulerServer:
         elif isinstance(message, ModelInfoRequest):
             self._reply(client, msgspec.structs.replace(self.model_info, tag=message.tag))
         elif isinstance(message, AdminBatchRequest):
-            self._admin_batch(client, message)
+            reply = admin_batch(self.config, self.scheduler, message)
+            if isinstance(reply, ErrorReply):
+                self._refuse(client, reply)
+            else:
+                self._reply(client, reply)
         elif isinstance(message, ResetPrefixCacheRequest):
             if self.scheduler.reset_prefix_cache():
                 self._reply(client, Done(tag=message.tag))
@@ -467,72 +330,6 @@ class SchedulerServer:
                 return f"request_id must be >= 0, got {message.request_id}"
             if message.request_id in self.scheduler.requests:
                 return f"request_id {message.request_id} is already in use; pick another or omit it"
-        return None
-
-    def _admin_batch(self, client: bytes, message: AdminBatchRequest) -> None:
-        """Operator control of the running batch; see AdminBatchRequest."""
-        config = self.config
-        if not config.admin_enabled:
-            self._refuse(client, ErrorReply(tag=message.tag, code="disabled", message=(
-                "admin calls are disabled on this server; start it with --admin-token SECRET "
-                "(or --enable-admin on a trusted network)")))
-            return
-        if config.admin_token and not hmac.compare_digest(
-                message.token.encode(), config.admin_token.encode()):
-            log.warning("refused an admin call with a %s token",
-                        "missing" if not message.token else "wrong")
-            self._refuse(client, ErrorReply(tag=message.tag, code="forbidden", message=(
-                "admin token missing or wrong: pass the server's --admin-token "
-                "(Client(admin_token=...))")))
-            return
-        error = self._admin_error(message)
-        if error is not None:
-            self._refuse(client, ErrorReply(tag=message.tag, message=error))
-            return
-        scheduler = self.scheduler
-        previous = len(scheduler.running)
-        num_evict = message.force_evict or 0
-        if message.policy is None:
-            victims = scheduler.thermal.policy.select_victims(list(scheduler.running), num_evict)
-        else:
-            victims = select_victims(scheduler.running, num_evict, message.policy)
-        new_running = previous - len(victims)
-        new_max = message.max_num_seqs
-        if new_max is None:
-            new_max = min(scheduler.max_num_seqs, max(1, new_running)) if victims \
-                else scheduler.max_num_seqs
-        per_request = scheduler.thermal.watts_per_request(previous)
-        reply = AdminBatchReply(
-            tag=message.tag, previous_running=previous, new_running=new_running,
-            evicted_request_ids=[r.request_id for r in victims], new_max_num_seqs=new_max,
-            estimated_watts_saved=None if per_request is None else per_request * len(victims),
-            dry_run=message.dry_run)
-        if not message.dry_run:
-            scheduler.evict(victims)
-            scheduler.max_num_seqs = new_max
-            if message.target_temp_c is not None:
-                scheduler.thermal.policy.target_c = message.target_temp_c
-            if victims:
-                scheduler.thermal.admin_evictions += len(victims)
-                scheduler.thermal.record(scheduler.counters.num_steps, "admin_evict", new_max,
-                                         new_running, reply.evicted_request_ids)
-            log.warning("admin batch control: evicted %s, max_num_seqs %d, thermal target "
-                        "%.1f C", reply.evicted_request_ids, new_max,
-                        scheduler.thermal.policy.target_c)
-        self._reply(client, reply)
-
-    def _admin_error(self, message: AdminBatchRequest) -> str | None:
-        running = len(self.scheduler.running)
-        if message.max_num_seqs is not None and message.max_num_seqs < 1:
-            return f"max_num_seqs must be at least 1, got {message.max_num_seqs}"
-        if message.force_evict is not None:
-            if message.force_evict < 0:
-                return f"force_evict must be >= 0, got {message.force_evict}"
-            if message.force_evict > running:
-                return (f"force_evict {message.force_evict} is more than the {running} running "
-                        "requests; ask for at most that many")
-        if message.target_temp_c is not None and not 20.0 <= message.target_temp_c <= 120.0:
-            return f"target_temp_c must be between 20 and 120 (Celsius), got {message.target_temp_c}"
         return None
 
     def _expire_deadlines(self) -> None:
@@ -653,18 +450,10 @@ class SchedulerServer:
     def stop(self) -> None:
         self._stopping = True
 
-    def _shutdown_workers(self) -> None:
-        payload = self.encoder.encode(Shutdown(reason="scheduler stopping"))
-        for rank in range(self.config.world_size):
-            try:
-                self.workers.send_multipart([worker_identity(rank), payload], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-
     def close(self) -> None:
-        for sock in (self.rpc, self.workers):
-            if sock is not None:
-                sock.close(linger=0)
+        if self.rpc is not None:
+            self.rpc.close(linger=0)
+        self.group.close()
         self.ctx.term()
 
 
@@ -680,10 +469,6 @@ def _tag_of(payload: bytes) -> int | None:
             and isinstance(fields[1], int) and not isinstance(fields[1], bool):
         return fields[1]
     return None
-
-
-def worker_identity(rank: int) -> bytes:
-    return f"rank-{rank}".encode()
 
 
 def serve(config: EngineConfig) -> int:

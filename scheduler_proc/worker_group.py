@@ -1,0 +1,195 @@
+"""The scheduler's side of the worker group: its socket, start-up, heartbeats, and what its
+launchers report when a worker dies."""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from protocol.config import EngineConfig
+from protocol.messages import (
+    Heartbeat,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+    WorkersLost,
+    scheduler_inbound_decoder,
+)
+from protocol.transport import Encoder, make_socket, poll_recv
+
+log = logging.getLogger("spmd.scheduler")
+
+READY_TIMEOUT_S = 900.0
+HEARTBEAT_INTERVAL_S = 1.0
+# After a worker reports an error, how long its launcher has to say whether it restarts the
+# group (or, when it cannot, what died first: the error may only be a peer's broken collective).
+LAUNCHER_GRACE_S = 20.0
+LAUNCHER_GRACE_NO_RESTART_S = 2.0
+
+
+class WorkersFailed(RuntimeError):
+    """A worker reported an error or stopped answering; the engine cannot go on."""
+
+
+class Stopping(Exception):
+    """A stop was requested (SIGTERM/SIGINT) while waiting on the workers."""
+
+
+class GroupLost(Exception):
+    """A launcher reported a dead worker; a new generation of the group is starting."""
+
+    def __init__(self, message: WorkersLost) -> None:
+        super().__init__(message.reason)
+        self.message = message
+
+
+def worker_identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+def authentic(frames: list[bytes], token: str | None) -> bool:
+    """With --auth-token, a frame is [identity, token, payload]."""
+    return not token or (len(frames) == 3 and hmac.compare_digest(frames[1], token.encode()))
+
+
+class WorkerGroup:
+    """The ROUTER socket the workers connect to, and the generation of the group behind it.
+
+    `stopping` tells whether the scheduler was asked to stop, so waits on workers end."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, encoder: Encoder,
+                 stopping: Callable[[], bool]) -> None:
+        self.config = config
+        self.encoder = encoder
+        self._is_stopping = stopping
+        self.decoder = scheduler_inbound_decoder()
+        self.socket = make_socket(ctx, zmq.ROUTER, config.worker_address, bind=True)
+        # A restarted worker reconnects with its rank's identity: it takes the old one over.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.generation = 0
+        # (deadline, error) once a worker failed and its launcher has not spoken yet.
+        self._awaiting_launcher: tuple[float, WorkerError] | None = None
+        self._last_sent = 0.0
+
+    def gather_ready(self, while_waiting: Callable[[], None] | None = None) -> dict[int, WorkerReady]:
+        """Wait until every rank of the current generation reports ready. `while_waiting` runs
+        between polls (after a restart: answer clients already connected, queue their requests)."""
+        world = self.config.world_size
+        ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(ready) < world:
+            if time.monotonic() > deadline:
+                raise WorkersFailed(f"only {len(ready)} of {world} workers became ready in "
+                                    f"{READY_TIMEOUT_S:.0f}s")
+            self.heartbeat_if_due()
+            if while_waiting is not None:
+                while_waiting()
+            frames = poll_recv(self.socket,
+                               0.05 if while_waiting is not None else HEARTBEAT_INTERVAL_S)
+            if self._is_stopping():
+                raise WorkersFailed("stopped while waiting for workers")
+            if frames is None:
+                continue
+            message = self._decode(frames)
+            if isinstance(message, WorkersLost):
+                self.lost(message)          # a worker died during start-up
+                ready.clear()
+            elif isinstance(message, WorkerError):
+                raise WorkersFailed(f"worker rank {message.rank} failed to start:\n{message.message}")
+            elif isinstance(message, WorkerReady) and message.generation == self.generation:
+                ready[message.rank] = message
+                log.info("worker rank %d ready on %s with %d KV blocks", message.rank,
+                         message.device, message.num_kv_blocks)
+        return ready
+
+    def lost(self, message: WorkersLost) -> None:
+        """A launcher lost a worker: fail if it cannot restart the group, else expect the
+        next generation."""
+        self._awaiting_launcher = None
+        if message.final:
+            raise WorkersFailed(f"the engine is down: {message.reason}, and the worker group "
+                                "is not restarted (restarts exhausted, --max-restarts, or a "
+                                "multi-node job)")
+        log.warning("%s: the launcher restarts the worker group (generation %d)",
+                    message.reason, message.generation)
+        self.generation = message.generation
+
+    def poll(self, timeout_s: float):
+        """The next worker message within timeout_s, or None (nothing, or a frame without the
+        auth token when one is set)."""
+        frames = poll_recv(self.socket, timeout_s)
+        return None if frames is None else self._decode(frames)
+
+    def _decode(self, frames: list[bytes]):
+        if not authentic(frames, self.config.auth_token):
+            log.warning("ignored a frame on the worker socket without the auth token")
+            return None
+        return self.decoder.decode(frames[-1])
+
+    def drain(self) -> None:
+        """While idle: a launcher may report a dead worker, or a worker its own failure."""
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.control_message(self._decode(frames))
+
+    def control_message(self, message) -> None:
+        """Raises GroupLost when a launcher restarts the group; a worker's error starts the
+        wait for its launcher."""
+        if isinstance(message, WorkersLost):
+            raise GroupLost(message)
+        if isinstance(message, WorkerError) and self._awaiting_launcher is None:
+            # The rank exits after this; its launcher then restarts the group or says it will
+            # not, naming the worker that died first. That message decides.
+            log.error("worker rank %d failed; waiting for its launcher:\n%s", message.rank,
+                      message.message)
+            grace = LAUNCHER_GRACE_S if self._restartable else LAUNCHER_GRACE_NO_RESTART_S
+            self._awaiting_launcher = (time.monotonic() + grace, message)
+
+    def check_awaiting_launcher(self) -> None:
+        """No launcher restarted the group after a worker failed (workers started by hand or
+        by torchrun): the engine cannot go on."""
+        if self._awaiting_launcher is not None and time.monotonic() > self._awaiting_launcher[0]:
+            error = self._awaiting_launcher[1]
+            raise WorkersFailed(f"worker rank {error.rank} failed:\n{error.message}")
+
+    @property
+    def _restartable(self) -> bool:
+        return self.config.max_restarts > 0 and self.config.nnodes == 1
+
+    def heartbeat_if_due(self) -> None:
+        """Workers exit when they hear nothing for --heartbeat-timeout-s: tell them we live.
+        Ranks not connected yet are skipped."""
+        if time.monotonic() - self._last_sent < HEARTBEAT_INTERVAL_S:
+            return
+        self._send_without_waiting(self.encoder.encode(Heartbeat()))
+        self._last_sent = time.monotonic()
+
+    def broadcast(self, payload: bytes) -> None:
+        self._last_sent = time.monotonic()
+        for rank in range(self.config.world_size):
+            try:
+                self.socket.send_multipart([worker_identity(rank), payload])
+            except zmq.ZMQError as error:
+                if self._is_stopping():
+                    raise Stopping() from None
+                raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
+
+    def shutdown(self) -> None:
+        self._send_without_waiting(self.encoder.encode(Shutdown(reason="scheduler stopping")))
+
+    def _send_without_waiting(self, payload: bytes) -> None:
+        """To every rank that can take it now; a rank that cannot is gone or not there yet."""
+        for rank in range(self.config.world_size):
+            try:
+                self.socket.send_multipart([worker_identity(rank), payload], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
