@@ -173,6 +173,9 @@ class EngineStats(_Wire, tag="stats_reply"):
     kv_blocks_cached: int              # blocks holding a hashed, reusable prefix
     maintenance_ms: float              # scheduler bookkeeping done during steps, in total
     maintenance_hidden_ms: float       # of that, overlapped with the workers' forward passes
+    step_wall_ms: float                # back-to-back steps: wall time from result to result
+    step_forward_ms: float             # of that, rank 0's forward passes (prepared to sampled)
+    device_idle_fraction: float        # 1 - forward / wall: host time the devices wait through
     max_num_seqs: int                  # as configured, or as last set by an admin call
     running_cap: int                   # most requests allowed to run now (thermal cap included)
     thermal_sensor: str                # rank 0's sensor kind: nvml, psutil, file, none

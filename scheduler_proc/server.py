@@ -74,6 +74,12 @@ class SchedulerServer:
         self._deadlines: list[tuple[float, int, int]] = []
         self.maintenance_ms = 0.0
         self.maintenance_hidden_ms = 0.0
+        # Back-to-back steps: wall time between consecutive results, and the workers' forward
+        # time within it; the rest is host time the devices wait through (schedule, IPC,
+        # input preparation).
+        self.step_wall_ms = 0.0
+        self.step_forward_ms = 0.0
+        self._back_to_back_since: float | None = None
         self.runtime_graph_compilations = 0
         self.thermal_sensor = "none"
         # Fail at start-up, not at the first reading, if the policy cannot be loaded or built.
@@ -103,7 +109,7 @@ class SchedulerServer:
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
         buckets = None
-        if bucketing_enabled(self.config):
+        if bucketing_enabled(self.config, first.device.split(":")[0]):
             buckets = engine_buckets(self.config, first.max_model_len)
         self.scheduler = Scheduler(
             kv, max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -170,7 +176,16 @@ class SchedulerServer:
         result = self._receive_result(step)
         self._account_maintenance(maintenance_ms, result)
         self._stream(scheduler.update(step, result))
+        self._account_step_time(result, scheduler.has_work)
         return False
+
+    def _account_step_time(self, result: StepResult, more_work: bool) -> None:
+        now = time.perf_counter()
+        if self._back_to_back_since is not None:
+            self.step_wall_ms += (now - self._back_to_back_since) * 1e3
+            self.step_forward_ms += result.forward_ms
+        # The next interval counts only if the next step can start at once.
+        self._back_to_back_since = now if more_work else None
 
     def _recover(self, message: WorkersLost) -> None:
         """Wait for the restarted worker group, then recompute everything that was in flight."""
@@ -382,6 +397,9 @@ class SchedulerServer:
             prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
             prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,
             maintenance_ms=self.maintenance_ms, maintenance_hidden_ms=self.maintenance_hidden_ms,
+            step_wall_ms=self.step_wall_ms, step_forward_ms=self.step_forward_ms,
+            device_idle_fraction=(1 - self.step_forward_ms / self.step_wall_ms
+                                  if self.step_wall_ms else 0.0),
             **self._thermal_stats())
 
     def _thermal_stats(self) -> dict:

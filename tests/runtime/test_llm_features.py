@@ -90,6 +90,11 @@ def test_prompt_longer_than_the_token_budget(llm, hf_smollm2, tokenizer, greedy_
     after = llm.client.stats()
     # 150 prompt tokens at 32 per step: 5 prefill steps, then 15 decode steps.
     assert after.num_steps - before.num_steps == 20
+    # Back to back: the 19 intervals between their results count; forward passes fill part.
+    wall = after.step_wall_ms - before.step_wall_ms
+    forward = after.step_forward_ms - before.step_forward_ms
+    assert 0 < forward < wall
+    assert 0 < after.device_idle_fraction < 1
     ref = greedy_reference.generate(model, prompt, 16)
     greedy_reference.check(model, [prompt], [output.token_ids], [ref], min_exact=0)
 
