@@ -37,6 +37,11 @@ class BucketGraph:
     def __init__(self, inputs: StaticInputs, replay: Callable[[], torch.Tensor]) -> None:
         self.inputs = inputs
         self.replay = replay
+        # On CUDA, persistent page-locked host mirrors of the static inputs: a batch is
+        # written into them, then copied to the device without blocking the host. The step
+        # before has been sampled (synchronised) by then, so no copy is still reading them.
+        self.staging = [torch.empty(t.shape, dtype=t.dtype).pin_memory()
+                        if t.device.type == "cuda" else None for t in inputs.tensors()]
 
     def run(self, prepared: StaticInputs) -> torch.Tensor:
         """Hidden states of a batch prepared for this bucket (the graph's output buffer)."""
@@ -45,9 +50,9 @@ class BucketGraph:
             raise RuntimeError(
                 f"batch shapes {[tuple(t.shape) for t in sources]} differ from the captured "
                 f"{[tuple(t.shape) for t in destinations]}")
-        for destination, source in zip(destinations, sources, strict=True):
-            if destination.device.type == "cuda" and source.device.type == "cpu":
-                source = source.pin_memory()
+        for destination, source, staging in zip(destinations, sources, self.staging, strict=True):
+            if staging is not None and source.device.type == "cpu":
+                source = staging.copy_(source)
             destination.copy_(source, non_blocking=True)
         return self.replay()
 
