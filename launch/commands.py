@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
@@ -15,6 +17,7 @@ from launch.bench import (
     random_workload,
     run_throughput,
     shared_prefix_workload,
+    throughput_workload_from_args,
 )
 from launch.bench_serving import ServingReport, measure, served_model
 from launch.cli import sampling_from_args
@@ -27,6 +30,7 @@ from protocol.messages import EngineStats
 from protocol.transport import free_tcp_port
 from runtime.chat import chat_prompt_ids
 from runtime.client import EngineError
+from runtime.loaders.source import DUMMY_PREFIX
 
 
 def _supervise_workers_only(engine: RunningEngine) -> int:
@@ -87,33 +91,94 @@ def serve(config: EngineConfig) -> int:
 
 
 def bench(config: EngineConfig, args: argparse.Namespace) -> int:
+    try:
+        config = bench_model(config, args)
+    except ValueError as error:
+        print(f"spmdrun bench {args.bench_kind}: {error}", file=sys.stderr)
+        return 2
     if args.bench_kind == "serving":
         return bench_serving(config, args)
     if args.bench_kind == "prefix":
         return bench_prefix(config, args)
     if args.bench_kind == "pressure":
         return bench_pressure(config, args)
+    return bench_throughput(config, args)
+
+
+def bench_model(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """Apply the bench spellings of the model: --model-config PRESET is --model dummy:PRESET,
+    --load-format dummy turns --model NAME into dummy:NAME."""
+    model = config.model
+    if args.model_config:
+        if "model" in args:
+            raise ValueError("give --model or --model-config, not both")
+        model = args.model_config
+    if (args.load_format == "dummy" or args.model_config) and not model.startswith(DUMMY_PREFIX):
+        model = DUMMY_PREFIX + model
+    return msgspec.structs.replace(config, model=model)
+
+
+def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
+    try:
+        workload = throughput_workload_from_args(args)
+        peer = load_hf_peer() if args.with_peer else None
+    except ValueError as error:
+        print(f"spmdrun bench throughput: {error}", file=sys.stderr)
+        return 2
+    output_lens = workload.output_lens()
     with RunningEngine(config, private_rpc=True) as engine:
         if config.node_rank != 0:
             return _supervise_workers_only(engine)
         try:
             client = engine.connect()
-            prompts = random_workload(args.num_requests, args.input_len_min, args.input_len_max,
-                                      client.model_info().vocab_size, args.workload_seed)
-            report = run_throughput(client, prompts, args.output_len, "spmd-runtime", engine.alive,
+            prompts = workload.prompts(client.model_info().vocab_size)
+            report = run_throughput(client, prompts, output_lens, "spmd-runtime", engine.alive,
                                     engine.config.auth_token)
             stats = client.stats()
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
+    reports, failure = [report], None
+    if peer is not None:
+        # Our engine's processes have exited: the peer has the device to itself.
+        sizes = peer.same_sizes(config) if args.peer_cache == "same" else {}
+        try:
+            reports.append(peer.run_transformers(config.model, prompts, output_lens,
+                                                 dtype=config.dtype, device=config.device,
+                                                 seed=config.dummy_seed, **sizes))
+        except (RuntimeError, ImportError, ValueError) as error:  # CUDA OOM is a RuntimeError
+            failure = f"spmdrun bench throughput: the transformers run failed: {error}"
     print(TABLE_HEADER)
-    print(report.row(), flush=True)
+    for row in reports:
+        print(row.row(), flush=True)
+    print(f"workload: {workload.describe()}, seed {workload.seed}; model {config.model}", flush=True)
+    if len(reports) > 1:
+        print(f"output tok/s ratio (spmd-runtime / transformers): "
+              f"{report.output_tokens_per_s / reports[1].output_tokens_per_s:.2f}x", flush=True)
+    print(f"steps: {stats.num_steps}, device idle {stats.device_idle_fraction:.1%} of "
+          f"back-to-back step time ({stats.step_wall_ms - stats.step_forward_ms:.0f} ms of "
+          f"host time between forward passes: schedule, IPC, input preparation)", flush=True)
     if stats.bucketing:
         print(f"buckets: {stats.runtime_graph_compilations} compilations after warmup, "
               f"{stats.batches_outside_buckets} batches outside every bucket, padding waste "
               f"{stats.padding_waste:.1%} of computed tokens", flush=True)
     if args.json:
-        print(report.to_json(), flush=True)
+        for row in reports:
+            print(row.to_json(), flush=True)
+    if failure:
+        print(failure, file=sys.stderr)
+        return 1
     return 0
+
+
+def load_hf_peer():
+    """bench/hf_peer.py of this checkout, imported from its file (bench/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "hf_peer.py"
+    if not path.is_file():
+        raise ValueError(f"--with-peer runs {path}, which only a source checkout has")
+    spec = importlib.util.spec_from_file_location("spmd_bench_hf_peer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 Workload = Callable[[int], list[list[int]]]   # vocabulary size -> prompts

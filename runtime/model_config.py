@@ -1,10 +1,12 @@
 """Model hyper-parameters shared by every process (torch-free).
-Built from a Hugging Face config.json dict or from GGUF metadata by runtime.loaders.
+Built from a Hugging Face config.json dict or from GGUF metadata by runtime.loaders, or taken
+from the built-in presets (MODEL_PRESETS) that `dummy:<preset>` models use.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Any
 
 # Hugging Face LlamaConfig defaults, used when a config.json omits a field.
@@ -76,6 +78,28 @@ class ModelConfig:
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
         )
 
+    def to_hf_dict(self) -> dict:
+        """A Llama config.json dict (transformers 4 layout, which 5 reads too); inverse of from_hf_dict."""
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or None,
+        }
+
 
 def merge_token_ids(*values: Any) -> tuple[int, ...]:
     """Flatten ints / lists / None into a de-duplicated tuple, keeping first-seen order."""
@@ -127,3 +151,46 @@ def optional_bias_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     return shapes
+
+
+def _tied_llama(**fields: Any) -> ModelConfig:
+    """A Llama with tied embeddings, rms_norm_eps 1e-5 and head_dim = hidden_size / heads."""
+    return ModelConfig(tie_word_embeddings=True, rms_norm_eps=1e-5,
+                       head_dim=fields["hidden_size"] // fields["num_attention_heads"], **fields)
+
+
+def _llama3_rope(factor: float, original_max_position_embeddings: int) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original_max_position_embeddings}
+
+
+# Built-in model shapes, for `dummy:<name>` (random weights; no checkpoint or tokenizer needed).
+MODEL_PRESETS: MappingProxyType[str, ModelConfig] = MappingProxyType({
+    # meta-llama/Llama-3.2-1B's config.json.
+    "llama-3.2-1b": _tied_llama(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001,),
+        rope_scaling=_llama3_rope(32.0, 8192)),
+    # HuggingFaceTB/SmolLM2-135M: the shape of the embedded 'smollm2' model.
+    "smollm2-135m": _tied_llama(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+        max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
+    # A toy Llama-3-style shape (tied embeddings, llama3 rope scaling) for fast tests.
+    "tiny-llama": _tied_llama(
+        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
+        rope_scaling=_llama3_rope(8.0, 512)),
+})
+
+
+def model_preset(name: str) -> ModelConfig:
+    """A copy of a built-in preset (its rope_scaling dict is the caller's own); ValueError if unknown."""
+    try:
+        preset = MODEL_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}: one of {', '.join(MODEL_PRESETS)}") from None
+    return dataclasses.replace(
+        preset, rope_scaling=dict(preset.rope_scaling) if preset.rope_scaling else None)

@@ -31,6 +31,8 @@ def tokenizer_cache_dir() -> Path:
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """Tokenizer of a model; for dummy sources the one of the config source, if it has one."""
     kind = config_source_kind(source)
+    if kind == "preset":
+        raise ValueError(f"model {source.name} has no tokenizer: pass token ids")
     if kind == "gguf":
         return _gguf_tokenizer(source.path)
     directory = Path(source.path) if kind == "hf" else Path(source.path).parent

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.loaders.source import ModelSource, config_source_kind, resolve_model
-from runtime.model_config import ModelConfig
+from runtime.loaders.source import PRESET_PREFIX, ModelSource, config_source_kind, resolve_model
+from runtime.model_config import ModelConfig, model_preset
 
 if TYPE_CHECKING:
     import torch
@@ -16,8 +16,10 @@ __all__ = ["ModelSource", "load_model", "load_model_config", "load_weights", "re
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
-    """Read the model config without importing torch (GGUF metadata or config.json)."""
+    """Read the model config without importing torch (GGUF metadata, config.json or a preset)."""
     kind = config_source_kind(source)
+    if kind == "preset":
+        return model_preset(source.path[len(PRESET_PREFIX):])
     if kind == "gguf":
         from runtime.loaders.gguf import read_gguf_config
 

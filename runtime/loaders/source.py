@@ -1,5 +1,6 @@
 """Turn what the user typed as a model name into a concrete ModelSource (torch-free).
-Accepted: "smollm2", a .gguf file, an HF directory with config.json, or "dummy:<one of those | config.json>".
+Accepted: "smollm2", a .gguf file, an HF directory with config.json, or
+"dummy:<one of those | config.json | a built-in preset such as llama-3.2-1b>".
 """
 
 from __future__ import annotations
@@ -9,18 +10,23 @@ import importlib.util
 import os
 from pathlib import Path
 
+from runtime.model_config import MODEL_PRESETS
+
 EMBEDDED_MODEL = "smollm2"
 DUMMY_PREFIX = "dummy:"
+# ModelSource.path of a dummy model whose shape is a built-in preset (runtime.model_config).
+PRESET_PREFIX = "preset:"
 _ACCEPTED = (
     "pass 'smollm2', a .gguf file, a Hugging Face directory with config.json, "
-    "or dummy:<one of those, or a config.json file>"
+    f"or dummy:<one of those, a config.json file, or a preset: {', '.join(MODEL_PRESETS)}>"
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     kind: str  # "gguf" | "hf" | "dummy"
-    path: str  # gguf file, HF directory, or for dummy the config source (gguf, HF dir or config.json)
+    path: str  # gguf file, HF directory, or for dummy the config source (gguf, HF dir, config.json
+    # or "preset:<name>")
     name: str  # what the user typed
 
 
@@ -30,6 +36,9 @@ def resolve_model(name: str) -> ModelSource:
         inner = name[len(DUMMY_PREFIX) :]
         if inner.startswith(DUMMY_PREFIX) or not inner:
             raise ValueError(f"bad dummy model {name!r}: {_ACCEPTED}")
+        if inner in MODEL_PRESETS:
+            # A preset wins over a local path of the same name, as 'smollm2' does: use ./<name> for that.
+            return ModelSource(kind="dummy", path=PRESET_PREFIX + inner, name=name)
         p = Path(inner).expanduser()
         if p.is_file() and p.suffix.lower() == ".json":
             return ModelSource(kind="dummy", path=str(p.resolve()), name=name)
@@ -73,9 +82,11 @@ def embedded_gguf_path() -> Path:
 
 
 def config_source_kind(source: ModelSource) -> str:
-    """What source.path holds: "gguf", "hf" (a directory) or "json" (a config.json file)."""
+    """What source.path holds: "gguf", "hf" (a directory), "json" (a config.json file) or "preset"."""
     if source.kind != "dummy":
         return source.kind
+    if source.path.startswith(PRESET_PREFIX):
+        return "preset"
     if source.path.lower().endswith(".gguf"):
         return "gguf"
     if os.path.isdir(source.path):

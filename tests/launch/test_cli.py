@@ -207,3 +207,46 @@ def test_bad_cli_input_exits_with_a_clear_message_and_starts_nothing(args, messa
     assert result.stdout == ""
     assert most_children == 0, "no engine process may start for bad input"
     assert seconds < 30
+
+
+# ---------------------------------------------------------------------------- bench throughput
+
+@pytest.mark.timeout(300)
+def test_bench_throughput_uniform_output_lengths_with_the_transformers_peer() -> None:
+    """A dummy preset through `bench throughput` with per-request output lengths and EOS ignored,
+    then through transformers in the same invocation: each row's output tokens are the sum of
+    the drawn lengths."""
+    import json
+
+    from launch.bench import ThroughputWorkload
+
+    result = spmdrun("bench", "throughput", "--load-format", "dummy", "--model-config", "tiny-llama",
+                     "--num-requests", "6", "--input-len-min", "8", "--input-len-max", "40",
+                     "--output-len-min", "1", "--output-len-max", "12", "--seed", "3",
+                     "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+                     "--max-model-len", "128", "--with-peer", "--peer-cache", "same", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    lens = ThroughputWorkload(6, 8, 40, 1, 12, seed=3).output_lens()
+    assert len(set(lens)) > 1
+    assert [row["engine"] for row in rows] == ["spmd-runtime", "transformers (sdpa)"]
+    assert [row["output_tokens"] for row in rows] == [sum(lens)] * 2
+    assert rows[0]["input_tokens"] == rows[1]["input_tokens"]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("engine") and lines[1].startswith("spmd-runtime")
+    assert "workload: 6 requests, prompt lengths [8, 40], output lengths [1, 12], seed 3; " \
+           "model dummy:tiny-llama" in result.stdout
+    assert "output tok/s ratio (spmd-runtime / transformers):" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--output-len", "4", "--output-len-max", "9"], "not both"),
+    (["--model", "smollm2", "--model-config", "tiny-llama"], "--model or --model-config"),
+    (["--model-config", "llama-9b"], "invalid choice"),
+], ids=["output-len-conflict", "model-conflict", "unknown-preset"])
+def test_bad_bench_input_exits_with_a_clear_message_and_starts_nothing(args, message) -> None:
+    result, most_children, _ = _watch_children(["bench", "throughput", *args])
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert most_children == 0, "no engine process may start for bad input"

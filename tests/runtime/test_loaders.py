@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -234,3 +235,116 @@ def test_hf_directory_reads_only_a_ranks_shard(tmp_path) -> None:
         from_full.load_hf_state_dict(full)
         for a, b in zip(from_shards.parameters(), from_full.parameters(), strict=True):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------- presets
+
+
+def test_llama_3_2_1b_preset_is_transformers_own_shape() -> None:
+    """dummy:llama-3.2-1b resolves torch-free to the preset, whose weight names and shapes are
+    those of transformers' LlamaForCausalLM built (on the meta device) from its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runtime.loaders.source import PRESET_PREFIX
+    from runtime.model_config import MODEL_PRESETS, model_preset
+
+    source = resolve_model("dummy:llama-3.2-1b")
+    assert (source.kind, source.path) == ("dummy", PRESET_PREFIX + "llama-3.2-1b")
+    config = load_model_config(source)
+    assert config == model_preset("llama-3.2-1b") == MODEL_PRESETS["llama-3.2-1b"]
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.vocab_size, config.tie_word_embeddings) == (16, 2048, 8192, 32, 8, 64, 128256, True)
+    assert (config.rope_theta, config.rms_norm_eps, config.max_position_embeddings) == (
+        500000.0, 1e-5, 131072)
+    assert config.rope_scaling == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    shapes = weight_shapes(config)
+    assert len(shapes) == 16 * 9 + 2 and "lm_head.weight" not in shapes
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == 1_235_814_400
+
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig.from_dict(config.to_hf_dict()))
+    hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert hf_shapes.pop("lm_head.weight") == shapes["model.embed_tokens.weight"]  # tied
+    assert hf_shapes == shapes
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+
+    # A preset is handed out as a copy: changing it changes no later model.
+    model_preset("llama-3.2-1b").rope_scaling["factor"] = 1.0
+    assert MODEL_PRESETS["llama-3.2-1b"].rope_scaling["factor"] == 32.0
+    with pytest.raises(ValueError, match="unknown model preset 'llama-9b': one of llama-3.2-1b"):
+        model_preset("llama-9b")
+    with pytest.raises(ValueError, match=r"or a preset: llama-3\.2-1b"):
+        resolve_model("dummy:llama-9b")
+
+
+def test_presets_round_trip_and_match_their_models(smollm2_config) -> None:
+    from runtime.model_config import MODEL_PRESETS
+
+    for name, preset in MODEL_PRESETS.items():
+        assert ModelConfig.from_hf_dict(preset.to_hf_dict()) == preset, name
+        assert load_model_config(resolve_model(f"dummy:{name}")) == preset, name
+    # smollm2-135m is the shape of the embedded GGUF (whose eps is float32-rounded).
+    smol = MODEL_PRESETS["smollm2-135m"]
+    assert smol == dataclasses.replace(smollm2_config, rms_norm_eps=smol.rms_norm_eps)
+    assert smol.rms_norm_eps == pytest.approx(smollm2_config.rms_norm_eps)
+
+    code = (
+        "import sys\n"
+        "from runtime.loaders import load_model_config, resolve_model\n"
+        "load_model_config(resolve_model('dummy:llama-3.2-1b'))\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+def test_llama3_rope_of_the_preset_matches_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from runtime.layers.rotary import RotaryEmbedding
+    from runtime.model_config import model_preset
+
+    config = model_preset("llama-3.2-1b")
+    # transformers multiplies positions by frequencies in float32 (we do it in float64), which
+    # costs it ~5e-3 at the last position: compare where both are accurate.
+    positions = torch.tensor([0, 1, 100, 1023, 2047, 8191, 20000])
+    ours = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                           config.rope_scaling, torch.float32)
+    cos, sin = ours.tables(positions)
+    hf = LlamaRotaryEmbedding(LlamaConfig.from_dict(config.to_hf_dict()))
+    hf_cos, hf_sin = hf(torch.zeros(1, dtype=torch.float32), positions[None])
+    assert torch.allclose(cos[:, 0], hf_cos[0], atol=2e-3) and torch.allclose(sin[:, 0], hf_sin[0], atol=2e-3)
+    # The scaling matters: without it the low frequencies differ at long positions.
+    plain = RotaryEmbedding(config.head_dim, 32768, config.rope_theta, None, torch.float32)
+    assert not torch.allclose(plain.tables(positions)[0][:, 0], hf_cos[0], atol=2e-3)
+
+
+def test_dummy_weights_do_not_depend_on_threads_and_are_fast() -> None:
+    """Tensors are drawn in parallel: the same seed must give the same weights whatever the
+    thread count (ranks of one node get different shares of the cores)."""
+    import time
+
+    from runtime.loaders.dummy import random_weights
+    from runtime.model_config import model_preset
+
+    config = model_preset("smollm2-135m")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = random_weights(config, torch.bfloat16, seed=5)
+        torch.set_num_threads(3)
+        started = time.perf_counter()
+        three = random_weights(config, torch.bfloat16, seed=5)
+        seconds = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)
+    assert {k: tuple(v.shape) for k, v in one.items()} == weight_shapes(config)
+    assert all(torch.equal(one[k], three[k]) for k in one)
+    assert all(v.dtype == torch.bfloat16 for v in one.values())
+    other = random_weights(config, torch.float32, seed=6)
+    assert not torch.equal(other["model.layers.0.mlp.up_proj.weight"].bfloat16(),
+                           one["model.layers.0.mlp.up_proj.weight"])
+    # 135M parameters; about 1 s per 100M parameters and core, so a generous bound.
+    assert seconds < 30
