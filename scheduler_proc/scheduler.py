@@ -177,6 +177,47 @@ class Scheduler:
                                         draft.preempted)
         return self._finalize(draft)
 
+    def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep | None:
+        """The step after `step`, planned while `step` still runs, before its result: the
+        workers then start it as soon as they finish `step`, without waiting for this process
+        to read the result, stream it and plan. None where that cannot be planned blind.
+
+        Only a plain continuation qualifies: every running request is in `step`, samples a
+        token at its end (a decode or a prompt's last chunk) and cannot end there by length;
+        nothing waits to be admitted or swapped in or out; the hottest device is not near the
+        thermal target (ThermalControl.near_target: so the batch reacts to a crossing within
+        two steps, as when planning step by step); the blocks
+        for one more token each are free without preempting. Each then computes the token
+        `step` samples, which the workers hold (the plan only says one token). A request that
+        `step` ends (EOS, a stop token) has computed one token for nothing; its result is
+        ignored (update skips requests no longer running) and the workers drop it with the
+        next plan, having finished writing its blocks before they read any later plan."""
+        if (self.waiting or self.swapped or self._swap_out or self.thermal.near_target()
+                or not step.num_scheduled or len(step.num_scheduled) != len(self.running)
+                or len(self.running) > min(self.max_num_seqs, self.max_num_batched_tokens)):
+            return None
+        continuing: list[tuple[Request, int]] = []
+        for request in running_order(self.running, self.policy):
+            num_tokens = step.num_scheduled.get(request.request_id)
+            if (num_tokens is None or request.num_computed_tokens + num_tokens != request.num_tokens
+                    or len(request.output_token_ids) + 1 >= request.params.max_tokens
+                    or request.num_tokens + 1 >= self.max_model_len):
+                return None
+            continuing.append((request, num_tokens))
+        # Context of each decode after `step`: what it has computed, plus `step`, plus one.
+        longest = max(r.num_computed_tokens + n + 1 for r, n in continuing)
+        if self.planner is not None and not self.planner.fits("decode", len(continuing), longest):
+            return None
+        for request, num_tokens in continuing:
+            # Blocks allocated before a refusal stay the request's: it needs them next anyway.
+            if not self._allocate(request, num_tokens + 1):
+                return None
+        draft = _Draft(phase="decode" if self.planner is not None else None)
+        for request, _ in continuing:
+            self._schedule_running(request, 1, draft)
+        draft.longest = longest
+        return self._finalize(draft)
+
     def _schedule_pass(self, phase: str | None, preempted: bool = False) -> _Draft:
         """Fill a step; with buckets, only with requests of `phase` and only while the batch
         still fits a bucket."""

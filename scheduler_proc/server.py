@@ -168,15 +168,27 @@ class SchedulerServer:
         if not step.num_scheduled:
             self._send_to_workers_if_needed()
             return True
-        payload = self.encoder.encode(step.plan)
-        self.group.broadcast(payload)
-        started = time.perf_counter()
-        scheduler.maintain(step)
-        maintenance_ms = (time.perf_counter() - started) * 1e3
-        result = self._receive_result(step)
-        self._account_maintenance(maintenance_ms, result)
-        self._stream(scheduler.update(step, result))
-        self._account_step_time(result, scheduler.has_work)
+        self.group.broadcast(self.encoder.encode(step.plan))
+        while step is not None:
+            started = time.perf_counter()
+            # Plan the next step before this one's result, where it can be (pure decode
+            # continuations), so the workers go on without waiting for this process.
+            ahead = scheduler.schedule_ahead(step) if self.config.async_scheduling else None
+            if ahead is not None:
+                self.group.broadcast(self.encoder.encode(ahead.plan))
+            scheduler.maintain(step)
+            maintenance_ms = (time.perf_counter() - started) * 1e3
+            result = self._receive_result(step)
+            self._account_maintenance(maintenance_ms, result)
+            self._stream(scheduler.update(step, result))
+            self._account_step_time(result, scheduler.has_work)
+            if ahead is not None:
+                # Between two steps in flight: answer clients without blocking; new requests
+                # stop the pipeline (admitting them needs a planned step), aborts do not. (No
+                # group.drain() here: the next step's result may be waiting already.)
+                self._handle_client_messages(block=False)
+                self._expire_deadlines()
+            step = ahead
         return False
 
     def _account_step_time(self, result: StepResult, more_work: bool) -> None:

@@ -162,6 +162,14 @@ class ThermalControl:
     def max_temp_c(self) -> float | None:
         return self.reading.max_temp_c if self.reading else None
 
+    def near_target(self) -> bool:
+        """Throttling, or the hottest device within the hysteresis band below the target: the
+        next reading may cross it, so the scheduler plans steps one at a time (a step planned
+        ahead is sent before the reading of the step in flight arrives)."""
+        temp = self.max_temp_c
+        return self.policy.throttling or (
+            temp is not None and temp >= self.policy.target_c - self.policy.hysteresis_c)
+
     def observe(self, reading: ThermalReading, step: int, cap: int, running: int) -> None:
         was_throttling = self.policy.throttling
         self.reading = reading

@@ -96,7 +96,12 @@ def test_hot_rank_throttles_the_tp_group_without_bouncing(tmp_path) -> None:
         run = Background(llm, token_lists, LONG)
         wait_for(client, lambda s: s.num_running == 6, "all six requests running")
 
-        # Rank 1 crosses the target while rank 0 stays cool: the global max is rank 1's.
+        # Rank 1 warms up to just under the target (the scheduler then plans step by step,
+        # see ThermalControl.near_target) and crosses it while rank 0 stays cool: the global
+        # max is rank 1's.
+        set_temps(60.0, 80.0)
+        warm = wait_for(client, lambda s: s.max_temp_c == 80.0, "the warm reading")
+        assert not warm.thermal_throttling and warm.thermal_evictions == 0
         set_temps(60.0, 83.0)
         written_at = client.stats().num_steps
         throttled = wait_for(client, lambda s: s.thermal_evictions > 0, "a thermal eviction")

@@ -130,6 +130,11 @@ class EngineLoop:
         self.steps = []
         # step id -> the group's temperature reported with that step's result (None: no reading)
         self.thermal_trace = None
+        # Run like the server with --async-scheduling (see step_ahead).
+        self.ahead = False
+        self.between = None
+        self.ahead_steps = 0
+        self.ahead_step_ids: list[int] = []
 
     def idle(self) -> None:
         self.scheduler.maintain(None)
@@ -140,21 +145,56 @@ class EngineLoop:
     def step(self, sample=token_at):
         """One pass of the loop with work: returns (scheduled, update), update None if stalled."""
         scheduler = self.scheduler
-        scheduled = scheduler.schedule()
+        scheduled = self._schedule()
         if not scheduled.num_scheduled:
-            plan = scheduler.take_housekeeping_plan()
-            if plan is not None:
-                self.worker.execute(plan)
             return scheduled, None
         scheduler.maintain(scheduled)
+        update = scheduler.update(scheduled, self._execute(scheduled, sample))
+        self.steps.append(scheduled)
+        return scheduled, update
+
+    def _schedule(self):
+        """The next step; one that computes nothing is not sent, but its housekeeping is."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.num_scheduled:
+            plan = self.scheduler.take_housekeeping_plan()
+            if plan is not None:
+                self.worker.execute(plan)
+        return scheduled
+
+    def _execute(self, scheduled, sample) -> StepResult:
+        """The worker's result, with the thermal trace's reading for that step, if any."""
         result = self.worker.execute(scheduled.plan, sample)
         if self.thermal_trace is not None:
             temp = self.thermal_trace(scheduled.plan.step_id)
             if temp is not None:
                 result.thermal = ThermalReading(max_temp_c=temp, hottest_rank=0, temps_c=[temp])
-        update = scheduler.update(scheduled, result)
-        self.steps.append(scheduled)
-        return scheduled, update
+        return result
+
+    def step_ahead(self, sample=token_at, between=None):
+        """One pass of the server's loop with --async-scheduling: after each step is sent,
+        the next is planned before its result where scheduler.schedule_ahead allows; the
+        worker runs plans in the order sent. `between(loop)` runs where the server answers
+        clients between two steps in flight. Returns (steps run, the last update)."""
+        scheduler = self.scheduler
+        scheduled = self._schedule()
+        if not scheduled.num_scheduled:
+            return [], None
+        update = None
+        run = []
+        while scheduled is not None:
+            ahead = scheduler.schedule_ahead(scheduled)
+            scheduler.maintain(scheduled)
+            update = scheduler.update(scheduled, self._execute(scheduled, sample))
+            self.steps.append(scheduled)
+            run.append(scheduled)
+            if ahead is not None:
+                self.ahead_steps += 1
+                self.ahead_step_ids.append(ahead.plan.step_id)
+                if between is not None:
+                    between(self)
+            scheduled = ahead
+        return run, update
 
     def run(self, sample=token_at, max_passes: int = 10_000) -> list:
         passes = stalled = 0
@@ -164,7 +204,10 @@ class EngineLoop:
                 return self.steps
             passes += 1
             assert passes < max_passes, "scheduler made no progress"
-            _, update = self.step(sample)
+            if self.ahead:
+                _, update = self.step_ahead(sample, self.between)
+            else:
+                _, update = self.step(sample)
             stalled = stalled + 1 if update is None else 0
             assert stalled < 3, (
                 "stalled: work is waiting, nothing can be scheduled and nothing will change "
