@@ -78,6 +78,8 @@ class SchedulerServer:
         # time within it; the rest is host time the devices wait through (schedule, IPC,
         # input preparation).
         self.step_wall_ms = 0.0
+        # --async-scheduling, resolved once the workers' device is known.
+        self.schedule_ahead = False
         self.step_forward_ms = 0.0
         self._back_to_back_since: float | None = None
         self.runtime_graph_compilations = 0
@@ -109,7 +111,10 @@ class SchedulerServer:
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
         buckets = None
-        if bucketing_enabled(self.config, first.device.split(":")[0]):
+        device_type = first.device.split(":")[0]
+        self.schedule_ahead = self.config.async_scheduling == "on" or (
+            self.config.async_scheduling == "auto" and device_type == "cuda")
+        if bucketing_enabled(self.config, device_type):
             buckets = engine_buckets(self.config, first.max_model_len)
         self.scheduler = Scheduler(
             kv, max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -169,26 +174,28 @@ class SchedulerServer:
             self._send_to_workers_if_needed()
             return True
         self.group.broadcast(self.encoder.encode(step.plan))
+        planned_ahead = False
         while step is not None:
             started = time.perf_counter()
             # Plan the next step before this one's result, where it can be (pure decode
             # continuations), so the workers go on without waiting for this process.
-            ahead = scheduler.schedule_ahead(step) if self.config.async_scheduling else None
+            ahead = scheduler.schedule_ahead(step) if self.schedule_ahead else None
             if ahead is not None:
                 self.group.broadcast(self.encoder.encode(ahead.plan))
             scheduler.maintain(step)
             maintenance_ms = (time.perf_counter() - started) * 1e3
+            if planned_ahead:
+                # Past the first step: answer clients here, without blocking, as the loop
+                # would between steps (with the requests the last result ended freed by the
+                # maintenance above). New requests stop the pipeline (admitting them needs a
+                # planned step); aborts do not. No group.drain(): a result may be waiting.
+                self._handle_client_messages(block=False)
+                self._expire_deadlines()
             result = self._receive_result(step)
             self._account_maintenance(maintenance_ms, result)
             self._stream(scheduler.update(step, result))
             self._account_step_time(result, scheduler.has_work)
-            if ahead is not None:
-                # Between two steps in flight: answer clients without blocking; new requests
-                # stop the pipeline (admitting them needs a planned step), aborts do not. (No
-                # group.drain() here: the next step's result may be waiting already.)
-                self._handle_client_messages(block=False)
-                self._expire_deadlines()
-            step = ahead
+            step, planned_ahead = ahead, True
         return False
 
     def _account_step_time(self, result: StepResult, more_work: bool) -> None:

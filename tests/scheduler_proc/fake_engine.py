@@ -175,7 +175,8 @@ class EngineLoop:
         """One pass of the server's loop with --async-scheduling: after each step is sent,
         the next is planned before its result where scheduler.schedule_ahead allows; the
         worker runs plans in the order sent. `between(loop)` runs where the server answers
-        clients between two steps in flight. Returns (steps run, the last update)."""
+        clients while a step planned ahead is in flight (after its maintenance). Returns
+        (steps run, the last update)."""
         scheduler = self.scheduler
         scheduled = self._schedule()
         if not scheduled.num_scheduled:
@@ -185,14 +186,14 @@ class EngineLoop:
         while scheduled is not None:
             ahead = scheduler.schedule_ahead(scheduled)
             scheduler.maintain(scheduled)
+            if run and between is not None:
+                between(self)
             update = scheduler.update(scheduled, self._execute(scheduled, sample))
             self.steps.append(scheduled)
             run.append(scheduled)
             if ahead is not None:
                 self.ahead_steps += 1
                 self.ahead_step_ids.append(ahead.plan.step_id)
-                if between is not None:
-                    between(self)
             scheduled = ahead
         return run, update
 
