@@ -100,12 +100,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "decode attention: triton reads the paged KV cache in place with this project's "
         "Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); torch gathers each "
         "sequence's context and runs SDPA; auto: triton on CUDA where Triton is installed"))] = "auto"
-    async_scheduling: Annotated[Literal["auto", "on", "off"], Meta(description=(
+    async_scheduling: Annotated[bool, Meta(description=(
         "plan a decode step while the one before it runs (before its result), so the workers "
         "start it without waiting for the scheduler; a request that the step before ends "
-        "computes one wasted token. auto: on with CUDA workers (their host cores are free "
-        "while the device computes), off on CPU (planning would take cores from the forward "
-        "pass)"))] = "auto"
+        "computes one wasted token"))] = True
     dist_backend: Annotated[Literal["auto", "gloo", "nccl", "hccl"], Meta(description=(
         "torch.distributed backend of the tensor-parallel group: auto picks nccl on CUDA, hccl "
         "where Habana's plugin is installed, gloo otherwise"))] = "auto"

@@ -78,8 +78,6 @@ class SchedulerServer:
         # time within it; the rest is host time the devices wait through (schedule, IPC,
         # input preparation).
         self.step_wall_ms = 0.0
-        # --async-scheduling, resolved once the workers' device is known.
-        self.schedule_ahead = False
         self.step_forward_ms = 0.0
         self._back_to_back_since: float | None = None
         self.runtime_graph_compilations = 0
@@ -111,10 +109,7 @@ class SchedulerServer:
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
         buckets = None
-        device_type = first.device.split(":")[0]
-        self.schedule_ahead = self.config.async_scheduling == "on" or (
-            self.config.async_scheduling == "auto" and device_type == "cuda")
-        if bucketing_enabled(self.config, device_type):
+        if bucketing_enabled(self.config, first.device.split(":")[0]):
             buckets = engine_buckets(self.config, first.max_model_len)
         self.scheduler = Scheduler(
             kv, max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -179,7 +174,7 @@ class SchedulerServer:
             started = time.perf_counter()
             # Plan the next step before this one's result, where it can be (pure decode
             # continuations), so the workers go on without waiting for this process.
-            ahead = scheduler.schedule_ahead(step) if self.schedule_ahead else None
+            ahead = scheduler.schedule_ahead(step) if self.config.async_scheduling else None
             if ahead is not None:
                 self.group.broadcast(self.encoder.encode(ahead.plan))
             scheduler.maintain(step)

@@ -1,5 +1,5 @@
-"""Scheduling ahead end to end (--async-scheduling on; auto turns it on for CUDA workers only):
-the same greedy tokens as planning step by step, requests ended by a stop token mid-pipeline
+"""Scheduling ahead end to end (--async-scheduling, the default): the same greedy tokens as
+planning step by step (--no-async-scheduling), requests ended by a stop token mid-pipeline
 included, and every block back in the pool."""
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64, 25)]
 
 
-def generate(model, mode: str, params: list[SamplingParams]):
-    with LLM(model, async_scheduling=mode, **OPTIONS) as llm:
+def generate(model, ahead: bool, params: list[SamplingParams]):
+    with LLM(model, async_scheduling=ahead, **OPTIONS) as llm:
         outputs = llm.generate(prompts(), params)
         stats = wait_idle(llm.client)
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0
@@ -36,17 +36,17 @@ def generate(model, mode: str, params: list[SamplingParams]):
 def test_the_same_tokens_as_step_by_step_with_stop_tokens_mid_pipeline(model) -> None:
     lengths = [30, 45, 12, 60, 20, 50]
     plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    step_by_step, _ = generate(model, "off", plain)
+    step_by_step, _ = generate(model, False, plain)
     # Each request's 5th token becomes its stop token: it ends there, while the scheduler
     # has (where it could) already sent the next step with it.
     stopping = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                                stop_token_ids=[tokens[4]])
                 for n, (tokens, _) in zip(lengths, step_by_step, strict=True)]
-    expected, _ = generate(model, "off", stopping)
+    expected, _ = generate(model, False, stopping)
     assert all(reason == "stop" for _, reason in expected)
 
-    ahead, stats = generate(model, "on", plain)
+    ahead, stats = generate(model, True, plain)
     assert ahead == step_by_step
     assert stats.step_wall_ms > stats.step_forward_ms > 0
-    stopped, _ = generate(model, "on", stopping)
+    stopped, _ = generate(model, True, stopping)
     assert stopped == expected

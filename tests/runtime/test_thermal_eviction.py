@@ -91,7 +91,7 @@ def test_hot_rank_throttles_the_tp_group_without_bouncing(tmp_path) -> None:
     token_lists = prompts(6)
     with LLM(model, nproc_per_node=2, thermal_sensor=f"file:{tmp_path}/temp{{rank}}",
              thermal_target_c=82.0, thermal_hysteresis_c=3.0, thermal_kp=1.0,
-             async_scheduling="on", **OPTIONS) as llm:
+             **OPTIONS) as llm:
         client = llm.client
         run = Background(llm, token_lists, LONG)
         wait_for(client, lambda s: s.num_running == 6, "all six requests running")
