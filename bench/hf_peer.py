@@ -126,6 +126,28 @@ def generate_per_request(hf_model, prompts: list[list[int]], output_lens: list[i
     return [list(results[r].generated_tokens) for r in request_ids], elapsed
 
 
+def generate_batch_call(hf_model, prompts: list[list[int]], output_len: int
+                        ) -> tuple[list[list[int]], float]:
+    """The prompts through one `generate_batch` call, timed whole, as a user calls it (its
+    manager's set-up included; one output length for all), after a 2-token warm-up call.
+    Returns the outputs in no particular order, and the seconds."""
+    from transformers import GenerationConfig
+
+    def config(n: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    # No inference_mode here: generate_batch runs its loop on a thread of its own.
+    hf_model.generate_batch(inputs=[WARMUP_PROMPT], generation_config=config(2))
+    started = time.perf_counter()
+    results = hf_model.generate_batch(inputs=prompts, generation_config=config(output_len))
+    elapsed = time.perf_counter() - started
+    errors = [r.error for r in results.values() if r.error]
+    if errors or len(results) != len(prompts):
+        raise RuntimeError(f"transformers generate_batch failed: {errors[:1]}")
+    # Keyed by request id, not in prompt order: only their lengths are used.
+    return [list(r.generated_tokens) for r in results.values()], elapsed
+
+
 def _finish(manager, request_ids: list) -> dict:
     """Wait for every request's final result; RuntimeError if one fails or the loop stops."""
     if None in request_ids:
@@ -149,16 +171,23 @@ def _finish(manager, request_ids: list) -> dict:
 def run_transformers(model: str, prompts: list[list[int]], output_lens: list[int],
                      dtype: str = "auto", device: str = "auto", seed: int = 0,
                      threads: int | None = None, max_batch_tokens: int | None = None,
-                     kv_tokens: int | None = None) -> ThroughputReport:
+                     kv_tokens: int | None = None, api: str = "manager") -> ThroughputReport:
     """The throughput row of transformers on `model` (our model name, e.g. dummy:llama-3.2-1b);
-    max_batch_tokens and kv_tokens as in batching_config()."""
+    max_batch_tokens and kv_tokens as in batching_config(). api "generate_batch": one timed
+    generate_batch call instead (a fixed output length only)."""
     import torch
     if threads:
         torch.set_num_threads(threads)
     hf_model = transformers_model(model, dtype, device, seed)
     try:
-        outputs, elapsed = generate_per_request(hf_model, prompts, output_lens,
-                                                batching_config(max_batch_tokens, kv_tokens))
+        if api == "generate_batch":
+            if len(set(output_lens)) != 1:
+                raise ValueError("--peer-api generate_batch takes one output length for every "
+                                 "request: use --output-len")
+            outputs, elapsed = generate_batch_call(hf_model, prompts, output_lens[0])
+        else:
+            outputs, elapsed = generate_per_request(hf_model, prompts, output_lens,
+                                                    batching_config(max_batch_tokens, kv_tokens))
     finally:
         del hf_model
         if torch.cuda.is_available():
@@ -188,6 +217,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of the transformers run")
     add_peer_options(parser)
+    parser.add_argument("--peer-api", choices=("manager", "generate_batch"), default="manager",
+                        help="manager: requests through generate_batch's manager, timed from the "
+                        "first request to the last result, like ours; generate_batch: one "
+                        "generate_batch call timed whole, its set-up included (fixed output "
+                        "length only) (default: %(default)s)")
     args = parser.parse_args()
     try:
         workload = throughput_workload_from_args(args)
@@ -202,7 +236,7 @@ def main() -> int:
     ours = run_ours(model, prompts, output_lens, args.dtype, args.device, args.dummy_seed, options)
     sizes = same_sizes(EngineConfig(**options)) if args.peer_cache == "same" else {}
     theirs = run_transformers(model, prompts, output_lens, args.dtype, args.device, args.dummy_seed,
-                              args.threads, **sizes)
+                              args.threads, api=args.peer_api, **sizes)
     print(TABLE_HEADER)
     print(ours.row())
     print(theirs.row())
