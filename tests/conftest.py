@@ -13,6 +13,7 @@ this session can be told apart from any other engine on the machine, even after 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -230,6 +231,15 @@ class ServeProcess:
     @property
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Wait until it serves; kill its tree on the way out, whatever happened."""
+        try:
+            self.wait_serving()
+            yield self
+        finally:
+            self.kill_tree()
 
     def wait_serving(self, timeout_s: float = 240.0) -> None:
         """Block until the launcher prints its 'serving' line; fail with its log otherwise."""

@@ -66,11 +66,9 @@ class GraphCapturer:
         self.device = device
         self.emulate = emulate
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
-        self.num_captured = 0
 
     def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Run `forward` once to warm it up, record it, and return its replay."""
-        self.num_captured += 1
         if self.emulate:
             forward()
             return forward

@@ -17,15 +17,10 @@ can run. With TRITON_INTERPRET=1 it runs on CPU tensors, which is how it is test
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:                                     # CPU builds of torch ship without it
-    triton = None
 
 TILE = 64           # context tokens per inner-loop iteration
 MIN_DOT = 16        # tl.dot wants every dimension >= 16
@@ -37,49 +32,9 @@ def interpreting() -> bool:
 
 @functools.cache
 def available() -> bool:
-    return triton is not None
-
-
-if triton is not None:
-    @triton.jit
-    def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, lengths_ptr,
-                             out_ptr, scale, stride_qb, stride_qh, stride_cs, stride_ch,
-                             stride_bt, stride_ob, stride_oh,
-                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             TILE: tl.constexpr, PRECISION: tl.constexpr):
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        rows = tl.arange(0, GROUP_PAD)
-        row_ok = rows < GROUP
-        heads = kv_head * GROUP + rows
-        dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        length = tl.load(lengths_ptr + seq)
-        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        running_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for start in range(0, length, TILE):
-            tokens = start + tl.arange(0, TILE)
-            token_ok = tokens < length
-            blocks = tl.load(block_tables_ptr + seq * stride_bt + tokens // BLOCK_SIZE,
-                             mask=token_ok, other=0)
-            slots = blocks.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE
-            offsets = slots[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
-            k = tl.load(k_cache_ptr + offsets, mask=token_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(token_ok[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, 1))
-            weights = tl.exp(scores - new_max[:, None])
-            rescale = tl.exp(running_max - new_max)
-            running_sum = running_sum * rescale + tl.sum(weights, 1)
-            v = tl.load(v_cache_ptr + offsets, mask=token_ok[:, None], other=0.0)
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
-            running_max = new_max
-        out = acc / running_sum[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    """Whether Triton is installed (CPU builds of torch ship without it); it is imported only
+    when the kernel first runs."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -94,7 +49,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    _paged_decode_kernel[(num_seqs, kv_heads)](
+    import triton
+
+    from runtime.layers.paged_decode_kernel import paged_decode_kernel
+    paged_decode_kernel[(num_seqs, kv_heads)](
         q, k_cache, v_cache, block_tables, lengths, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),

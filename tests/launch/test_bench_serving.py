@@ -57,11 +57,8 @@ def server(spmd_serve, free_port):
     srv = spmd_serve("--model", "smollm2", "--max-model-len", "128", "--http-port", str(port),
                      "--auth-token", AUTH_TOKEN)
     srv.base_url = f"http://127.0.0.1:{port}"
-    try:
-        srv.wait_serving()
+    with srv.serving():
         yield srv
-    finally:
-        srv.kill_tree()
 
 
 def bench(*args: str) -> dict:

@@ -36,11 +36,8 @@ def server(spmd_serve, free_port):
                      "--http-port", str(port), "--admin-token", ADMIN_TOKEN,
                      "--auth-token", AUTH_TOKEN)
     srv.base_url = f"http://127.0.0.1:{port}"
-    try:
-        srv.wait_serving()
+    with srv.serving():
         yield srv
-    finally:
-        srv.kill_tree()
 
 
 @pytest.fixture(scope="module")

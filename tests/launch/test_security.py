@@ -22,11 +22,8 @@ def server(spmd_serve, tmp_path_factory):
     srv = spmd_serve("--model", model, "--num-kv-blocks", "64", "--max-model-len", "256",
                      "--auth-token", TOKEN, "--admin-token", "adm1n",
                      launcher=["--nproc-per-node", "2"])
-    try:
-        srv.wait_serving()
+    with srv.serving():
         yield srv
-    finally:
-        srv.kill_tree()
 
 
 @pytest.mark.parametrize("token", ["", "wrong", TOKEN + "x"])

@@ -37,11 +37,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def server(spmd_serve):
     srv = spmd_serve("--model", "smollm2", "--max-model-len", str(MAX_MODEL_LEN))
-    try:
-        srv.wait_serving()
+    with srv.serving():
         yield srv
-    finally:
-        srv.kill_tree()
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,8 @@ def server(spmd_serve, tmp_path_factory):
     model = sharp_llama(tmp_path_factory.mktemp("bad-input-llama"))[0]
     srv = spmd_serve("--model", model, "--num-kv-blocks", "64", "--max-model-len",
                      str(MAX_MODEL_LEN), "--max-message-bytes", str(MAX_MESSAGE_BYTES))
-    try:
-        srv.wait_serving()
+    with srv.serving():
         yield srv
-    finally:
-        srv.kill_tree()
 
 
 def enc(value) -> bytes:

@@ -18,11 +18,8 @@ SHORT = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 def server(spmd_serve):
     srv = spmd_serve("--model", "smollm2", "--max-model-len", "128", "--max-num-seqs", "256",
                      "--max-num-batched-tokens", "2048")
-    try:
-        srv.wait_serving()
+    with srv.serving():
         yield srv
-    finally:
-        srv.kill_tree()
 
 
 def prompts(client_index: int) -> list[list[int]]:
