@@ -20,7 +20,6 @@ from protocol.messages import (
     AdminBatchRequest,
     ClientMessage,
     Done,
-    EngineStats,
     ErrorReply,
     ModelInfo,
     ModelInfoRequest,
@@ -42,6 +41,7 @@ from scheduler_proc.admin import admin_batch
 from scheduler_proc.kv_cache_manager import KVCacheManager
 from scheduler_proc.request import FinishReason, Request
 from scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
+from scheduler_proc.stats import StepTimes, engine_stats
 from scheduler_proc.thermal import ThermalControl, load_policy_class
 from scheduler_proc.worker_group import GroupLost, Stopping, WorkerGroup, WorkersFailed, authentic
 
@@ -72,15 +72,7 @@ class SchedulerServer:
         self.invalid_requests = 0
         # (deadline, request id, arrival) of requests with a timeout, soonest first.
         self._deadlines: list[tuple[float, int, int]] = []
-        self.maintenance_ms = 0.0
-        self.maintenance_hidden_ms = 0.0
-        # Back-to-back steps: wall time between consecutive results, and the workers' forward
-        # time within it; the rest is host time the devices wait through (schedule, IPC,
-        # input preparation).
-        self.step_wall_ms = 0.0
-        self.step_forward_ms = 0.0
-        self._back_to_back_since: float | None = None
-        self.runtime_graph_compilations = 0
+        self.step_times = StepTimes()
         self.thermal_sensor = "none"
         # Fail at start-up, not at the first reading, if the policy cannot be loaded or built.
         policy_class = load_policy_class(config.thermal_policy)
@@ -187,19 +179,10 @@ class SchedulerServer:
                 self._handle_client_messages(block=False)
                 self._expire_deadlines()
             result = self._receive_result(step)
-            self._account_maintenance(maintenance_ms, result)
             self._stream(scheduler.update(step, result))
-            self._account_step_time(result, scheduler.has_work)
+            self.step_times.add_result(result, maintenance_ms, scheduler.has_work)
             step, planned_ahead = ahead, True
         return False
-
-    def _account_step_time(self, result: StepResult, more_work: bool) -> None:
-        now = time.perf_counter()
-        if self._back_to_back_since is not None:
-            self.step_wall_ms += (now - self._back_to_back_since) * 1e3
-            self.step_forward_ms += result.forward_ms
-        # The next interval counts only if the next step can start at once.
-        self._back_to_back_since = now if more_work else None
 
     def _recover(self, message: WorkersLost) -> None:
         """Wait for the restarted worker group, then recompute everything that was in flight."""
@@ -209,12 +192,6 @@ class SchedulerServer:
         requeued = self.scheduler.restart(kv, num_cpu_blocks)
         log.warning("worker group generation %d ready: %d requests recomputed from their "
                     "prompts and the tokens already streamed", self.group.generation, len(requeued))
-
-    def _account_maintenance(self, maintenance_ms: float, result: StepResult) -> None:
-        """Maintenance is hidden as far as it fits inside the workers' own time for the step."""
-        self.maintenance_ms += maintenance_ms
-        self.maintenance_hidden_ms += min(maintenance_ms, result.prepare_ms + result.forward_ms)
-        self.runtime_graph_compilations += result.num_compilations
 
     def _send_to_workers_if_needed(self) -> None:
         plan = self.scheduler.take_housekeeping_plan()
@@ -294,7 +271,9 @@ class SchedulerServer:
         elif isinstance(message, AbortRequest):
             self._abort_request(client, message)
         elif isinstance(message, StatsRequest):
-            self._reply(client, self._stats(message.tag))
+            self._reply(client, engine_stats(
+                message.tag, self.scheduler, self.step_times, thermal_sensor=self.thermal_sensor,
+                rejected_frames=self.rejected_frames, invalid_requests=self.invalid_requests))
         elif isinstance(message, ModelInfoRequest):
             self._reply(client, msgspec.structs.replace(self.model_info, tag=message.tag))
         elif isinstance(message, AdminBatchRequest):
@@ -384,54 +363,6 @@ class SchedulerServer:
             return
         self._stream(StepUpdate(finished=[request]))
         self._reply(client, AbortDone(tag=message.tag, request_id=message.request_id))
-
-    def _stats(self, tag: int) -> EngineStats:
-        scheduler = self.scheduler
-        kv = scheduler.kv
-        counters = scheduler.counters
-        planner = scheduler.planner
-        return EngineStats(
-            tag=tag, num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
-            num_preempted=scheduler.num_preempted, kv_blocks_total=kv.num_blocks,
-            kv_blocks_free=kv.num_free_blocks, kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks,
-            num_steps=counters.num_steps, num_finished=counters.num_finished,
-            num_prompt_tokens=counters.num_prompt_tokens,
-            num_generated_tokens=counters.num_generated_tokens,
-            num_preemptions=counters.num_preemptions, num_swapped=len(scheduler.swapped),
-            num_swaps_out=counters.num_swaps_out, num_swaps_in=counters.num_swaps_in,
-            num_soft_resets=counters.num_soft_resets,
-            num_worker_restarts=counters.num_worker_restarts,
-            cpu_kv_blocks_total=scheduler.cpu_pool.num_blocks,
-            cpu_kv_blocks_free=scheduler.cpu_pool.num_free_blocks, scheduler=scheduler.policy,
-            bucketing=planner is not None,
-            batches_outside_buckets=planner.counters.batches_outside_buckets if planner else 0,
-            padding_waste=planner.counters.padding_waste if planner else 0.0,
-            runtime_graph_compilations=self.runtime_graph_compilations,
-            prefix_caching=kv.enable_caching,
-            prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
-            prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,
-            maintenance_ms=self.maintenance_ms, maintenance_hidden_ms=self.maintenance_hidden_ms,
-            step_wall_ms=self.step_wall_ms, step_forward_ms=self.step_forward_ms,
-            device_idle_fraction=(1 - self.step_forward_ms / self.step_wall_ms
-                                  if self.step_wall_ms else 0.0),
-            **self._thermal_stats())
-
-    def _thermal_stats(self) -> dict:
-        scheduler = self.scheduler
-        thermal = scheduler.thermal
-        reading = thermal.reading
-        return dict(
-            max_num_seqs=scheduler.max_num_seqs,
-            running_cap=scheduler.running_cap if thermal.throttling else scheduler.max_num_seqs,
-            thermal_sensor=self.thermal_sensor,
-            max_temp_c=reading.max_temp_c if reading else None,
-            hottest_rank=reading.hottest_rank if reading else None,
-            rank_temps_c=list(reading.temps_c) if reading else [],
-            power_w=reading.power_w if reading else None,
-            thermal_throttling=thermal.throttling, thermal_target_c=thermal.policy.target_c,
-            thermal_evictions=thermal.thermal_evictions, admin_evictions=thermal.admin_evictions,
-            thermal_events=list(thermal.events), rejected_frames=self.rejected_frames,
-            invalid_requests=self.invalid_requests)
 
     def _stream(self, update: StepUpdate) -> None:
         """Send every client one frame holding the new tokens of all its requests."""
