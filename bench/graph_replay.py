@@ -3,7 +3,13 @@
 Builds the model runner in process (no scheduler, no sockets), prefills `batch` requests of
 `--context` tokens, then times decode steps of one bucket (batch, context rounded up) run
 eagerly, captures that bucket's graph and times the same steps replayed. Each step includes
-the runner's input preparation and sampling, as when serving.
+the runner's input preparation and sampling, as when serving, one step at a time.
+
+Then the graph steps again, overlapped as the worker runs them with --overlap-steps: each
+step prepared and launched before the one before it is finished, its inputs taking that
+step's tokens on the device. The profile of those steps: wall time per step, the host's input
+preparation, the device's time per step and its idle time between steps (CUDA events), and
+the idle fraction.
 
     python bench/graph_replay.py --model dummy:llama-3.2-1b --dtype bfloat16 --batches 1,8,64,256
 
@@ -79,6 +85,30 @@ class Bench:
             times.append((time.perf_counter() - started) * 1e3)
         return times
 
+    def overlapped(self, ids: list[int], bucket: tuple[int, int], steps: int, sync) -> dict:
+        """`steps` decode steps, each launched before the one before it is finished."""
+        outputs, in_flight = [], None
+        sync()
+        started = time.perf_counter()
+        for _ in range(steps):
+            prepared = self.runner.prepare(self.plan(
+                cached_request_ids=ids, cached_num_scheduled_tokens=[1] * len(ids),
+                cached_new_block_ids=[[] for _ in ids], bucket=("decode", *bucket)))
+            launched = self.runner.launch(prepared, in_flight)
+            if in_flight is not None:
+                outputs.append(self.runner.finish(in_flight))
+            in_flight = launched
+        outputs.append(self.runner.finish(in_flight))
+        wall_ms = (time.perf_counter() - started) * 1e3
+        steady = outputs[1:]        # the first has no step before it to overlap with
+        device = sum(o.device_ms for o in steady)
+        idle = sum(o.idle_ms or 0.0 for o in steady)
+        return {"overlap_step_ms": wall_ms / steps,
+                "prepare_ms": statistics.median(o.prepare_ms for o in outputs),
+                "device_ms": statistics.median(o.device_ms for o in steady),
+                "idle_ms": statistics.median(o.idle_ms or 0.0 for o in steady),
+                "idle_fraction": idle / (device + idle) if device + idle else 0.0}
+
     def drop(self, ids: list[int]) -> None:
         self.runner.execute(self.plan(dropped_request_ids=ids))
 
@@ -100,7 +130,7 @@ def main() -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     block_size = 16
-    steps_total = args.warmup_steps * 2 + args.steps * 2
+    steps_total = args.warmup_steps * 2 + args.steps * 3
     context_bucket = -(-(args.context + steps_total + 1) // block_size) * block_size
     blocks_per_request = context_bucket // block_size
     config = EngineConfig(model=args.model, dtype=args.dtype, device=device.type,
@@ -127,16 +157,22 @@ def main() -> int:
                                        lambda: free_memory(device, 1), capturer)["decode"]
         bench.decode_ms(ids, bucket, args.warmup_steps, sync)
         graphed = bench.decode_ms(ids, bucket, args.steps, sync)
+        profile = bench.overlapped(ids, bucket, args.steps, sync)
         runner.graphs.clear()
         bench.drop(ids)
         row = {"batch": batch, "context_bucket": context_bucket,
                "eager_ms": statistics.median(eager), "graph_ms": statistics.median(graphed),
                "graph_mem_bytes": report.used_bytes}
         row["speedup"] = row["eager_ms"] / row["graph_ms"]
+        row.update(profile)
         rows.append(row)
         print(f"batch {batch:4d} ctx {context_bucket}: eager {row['eager_ms']:8.2f} ms  graph "
               f"{row['graph_ms']:8.2f} ms  x{row['speedup']:.2f}  graph memory "
               f"{format_bytes(report.used_bytes)}", flush=True)
+        print(f"    overlapped graph steps: {row['overlap_step_ms']:8.2f} ms/step; host input "
+              f"prep {row['prepare_ms']:.2f} ms, device {row['device_ms']:.2f} ms and idle "
+              f"{row['idle_ms']:.3f} ms per step: device idle {row['idle_fraction']:.1%}",
+              flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# {args.model} {ready.device} {name} dtype={args.dtype}"
           f"{' (emulated graphs)' if capturer.emulate else ''}")

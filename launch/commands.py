@@ -154,9 +154,11 @@ def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
     if len(reports) > 1:
         print(f"output tok/s ratio (spmd-runtime / transformers): "
               f"{report.output_tokens_per_s / reports[1].output_tokens_per_s:.2f}x", flush=True)
-    print(f"steps: {stats.num_steps}, device idle {stats.device_idle_fraction:.1%} of "
-          f"back-to-back step time ({stats.step_wall_ms - stats.step_forward_ms:.0f} ms of "
-          f"host time between forward passes: schedule, IPC, input preparation)", flush=True)
+    print(f"steps: {stats.num_steps} ({stats.num_overlapped_steps} overlapped), device idle "
+          f"{stats.device_idle_fraction:.1%} between back-to-back steps ({stats.device_idle_ms:.0f} "
+          f"ms idle, {stats.device_busy_ms:.0f} ms busy, as rank 0 timed them); scheduler view: "
+          f"{stats.step_wall_ms:.0f} ms from result to result, {stats.step_forward_ms:.0f} ms of it "
+          f"forward passes", flush=True)
     if stats.bucketing:
         print(f"buckets: {stats.runtime_graph_compilations} compilations after warmup, "
               f"{stats.batches_outside_buckets} batches outside every bucket, padding waste "

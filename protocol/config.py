@@ -104,6 +104,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "plan a decode step while the one before it runs (before its result), so the workers "
         "start it without waiting for the scheduler; a request that the step before ends "
         "computes one wasted token"))] = True
+    overlap_steps: Annotated[Literal["auto", "on", "off"], Meta(description=(
+        "workers launch the next step behind the one running, its inputs taking that step's "
+        "sampled tokens on the device, before they wait for it and send its result, so the "
+        "device does not idle through host work between steps (with --async-scheduling); "
+        "auto: on with CUDA workers"))] = "auto"
     dist_backend: Annotated[Literal["auto", "gloo", "nccl", "hccl"], Meta(description=(
         "torch.distributed backend of the tensor-parallel group: auto picks nccl on CUDA, hccl "
         "where Habana's plugin is installed, gloo otherwise"))] = "auto"

@@ -175,7 +175,7 @@ class EngineStats(_Wire, tag="stats_reply"):
     maintenance_hidden_ms: float       # of that, overlapped with the workers' forward passes
     step_wall_ms: float                # back-to-back steps: wall time from result to result
     step_forward_ms: float             # of that, rank 0's forward passes (prepared to sampled)
-    device_idle_fraction: float        # 1 - forward / wall: host time the devices wait through
+    device_idle_fraction: float        # idle / (busy + idle) of rank 0's device over those steps
     max_num_seqs: int                  # as configured, or as last set by an admin call
     running_cap: int                   # most requests allowed to run now (thermal cap included)
     thermal_sensor: str                # rank 0's sensor kind: nvml, psutil, file, none
@@ -191,6 +191,9 @@ class EngineStats(_Wire, tag="stats_reply"):
     num_worker_restarts: int           # times the worker group was replaced after a death
     rejected_frames: int               # frames refused before decoding: undecodable or too large
     invalid_requests: int              # decoded requests refused: bad values, unknown ids, admin
+    device_busy_ms: float = 0.0        # back-to-back steps: rank 0's device time on them
+    device_idle_ms: float = 0.0        # and its idle time between them (CUDA: event-timed)
+    num_overlapped_steps: int = 0      # steps workers launched behind an unfinished one
 
 
 class ModelInfo(_Wire, tag="model_info_reply"):
@@ -291,6 +294,12 @@ class StepResult(_Wire, tag="result"):
     num_compilations: int = 0
     # Set on steps that read the sensors (every --thermal-interval-steps) when any rank has a reading.
     thermal: ThermalReading | None = None
+    # Rank 0's device time for the step (CUDA: timed by events), and the device's idle time
+    # between the step launched before it and this one (None: no step before it).
+    device_ms: float = 0.0
+    idle_ms: float | None = None
+    # Launched behind the step before it, before that one was finished (--overlap-steps).
+    overlapped: bool = False
 
 
 class WorkerError(_Wire, tag="worker_error"):

@@ -17,7 +17,12 @@ class StepTimes:
     # within it; the rest is host time the devices wait through (schedule, IPC, input prep).
     step_wall_ms: float = 0.0
     step_forward_ms: float = 0.0
+    # The same steps as rank 0's device saw them: its time on each step, and its idle time
+    # between each step and the one launched before it (CUDA: timed by events).
+    device_busy_ms: float = 0.0
+    device_idle_ms: float = 0.0
     runtime_graph_compilations: int = 0
+    num_overlapped_steps: int = 0
     _back_to_back_since: float | None = None
 
     def add_result(self, result: StepResult, maintenance_ms: float, more_work: bool) -> None:
@@ -26,15 +31,22 @@ class StepTimes:
         self.maintenance_ms += maintenance_ms
         self.maintenance_hidden_ms += min(maintenance_ms, result.prepare_ms + result.forward_ms)
         self.runtime_graph_compilations += result.num_compilations
+        self.num_overlapped_steps += result.overlapped
         now = time.perf_counter()
         if self._back_to_back_since is not None:
             self.step_wall_ms += (now - self._back_to_back_since) * 1e3
             self.step_forward_ms += result.forward_ms
+            if result.idle_ms is not None:
+                self.device_busy_ms += result.device_ms
+                self.device_idle_ms += result.idle_ms
         self._back_to_back_since = now if more_work else None
 
     @property
     def device_idle_fraction(self) -> float:
-        return 1 - self.step_forward_ms / self.step_wall_ms if self.step_wall_ms else 0.0
+        """Of back-to-back steps' device time line, the share the device spent idle between
+        steps (waiting on schedule, IPC, input preparation, sampling read-back)."""
+        total = self.device_busy_ms + self.device_idle_ms
+        return self.device_idle_ms / total if total else 0.0
 
 
 def engine_stats(tag: int, scheduler: Scheduler, times: StepTimes, *, thermal_sensor: str,
@@ -66,7 +78,8 @@ def engine_stats(tag: int, scheduler: Scheduler, times: StepTimes, *, thermal_se
         prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,
         maintenance_ms=times.maintenance_ms, maintenance_hidden_ms=times.maintenance_hidden_ms,
         step_wall_ms=times.step_wall_ms, step_forward_ms=times.step_forward_ms,
-        device_idle_fraction=times.device_idle_fraction,
+        device_idle_fraction=times.device_idle_fraction, device_busy_ms=times.device_busy_ms,
+        device_idle_ms=times.device_idle_ms, num_overlapped_steps=times.num_overlapped_steps,
         max_num_seqs=scheduler.max_num_seqs,
         running_cap=scheduler.running_cap if thermal.throttling else scheduler.max_num_seqs,
         thermal_sensor=thermal_sensor,

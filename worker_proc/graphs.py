@@ -32,28 +32,42 @@ class StaticInputs:
     def tensors(self) -> list[torch.Tensor]:
         return [self.input_ids, self.positions, *self.batch.tensors()]
 
+    def to(self, device: torch.device) -> StaticInputs:
+        """The same inputs on `device`, copied without blocking the host."""
+        return StaticInputs(self.input_ids.to(device, non_blocking=True),
+                            self.positions.to(device, non_blocking=True), self.batch.to(device))
+
 
 class BucketGraph:
     def __init__(self, inputs: StaticInputs, replay: Callable[[], torch.Tensor]) -> None:
         self.inputs = inputs
         self.replay = replay
         # On CUDA, persistent page-locked host mirrors of the static inputs: a batch is
-        # written into them, then copied to the device without blocking the host. The step
-        # before has been sampled (synchronised) by then, so no copy is still reading them.
-        self.staging = [torch.empty(t.shape, dtype=t.dtype).pin_memory()
-                        if t.device.type == "cuda" else None for t in inputs.tensors()]
+        # written into them, then copied to the device without blocking the host. Two sets,
+        # used in turn: the worker launches a step while the one before it still runs, and
+        # that one's copies may still be queued behind the step before it, reading its set.
+        # The set used two launches ago is free: its step has been sampled (synchronised).
+        self.staging = [[torch.empty(t.shape, dtype=t.dtype).pin_memory()
+                         if t.device.type == "cuda" else None for t in inputs.tensors()]
+                        for _ in range(2)]
+        self.turn = 0
 
-    def run(self, prepared: StaticInputs) -> torch.Tensor:
-        """Hidden states of a batch prepared for this bucket (the graph's output buffer)."""
+    def load(self, prepared: StaticInputs) -> None:
+        """Copy a batch prepared for this bucket into the graph's static inputs."""
         destinations, sources = self.inputs.tensors(), prepared.tensors()
         if [t.shape for t in destinations] != [t.shape for t in sources]:
             raise RuntimeError(
                 f"batch shapes {[tuple(t.shape) for t in sources]} differ from the captured "
                 f"{[tuple(t.shape) for t in destinations]}")
-        for destination, source, staging in zip(destinations, sources, self.staging, strict=True):
+        staging_set, self.turn = self.staging[self.turn], 1 - self.turn
+        for destination, source, staging in zip(destinations, sources, staging_set, strict=True):
             if staging is not None and source.device.type == "cpu":
                 source = staging.copy_(source)
             destination.copy_(source, non_blocking=True)
+
+    def run(self, prepared: StaticInputs) -> torch.Tensor:
+        """Hidden states of a batch prepared for this bucket (the graph's output buffer)."""
+        self.load(prepared)
         return self.replay()
 
 

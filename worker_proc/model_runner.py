@@ -19,13 +19,21 @@ from runtime.models.llama import (
     mlp_inputs,
 )
 from worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
-from worker_proc.sampler import sample
+from worker_proc.sampler import sample_on_device
 from worker_proc.swap_space import SwapSpace
 
 log = logging.getLogger("spmd.worker")
 
 # Single-token queries are attended in groups of this many, longest context first.
 DECODE_GROUP_SIZE = 8
+
+
+HOST = torch.device("cpu")
+
+# Stands in token_ids for a token sampled by a step still in flight: its value is on the device
+# (LaunchedStep.tokens), where the next step's inputs take it from, and reaches the host only
+# when that step is finished. An input left holding it fails the embedding lookup.
+UNREAD_TOKEN = -1
 
 
 @dataclass
@@ -36,6 +44,8 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
+    # (index in token_ids, row in the in-flight step's sampled tokens) of an UNREAD_TOKEN.
+    unread: tuple[int, int] | None = None
 
 
 @dataclass
@@ -45,6 +55,52 @@ class StepOutput:
     prepare_ms: float
     forward_ms: float
     num_compilations: int = 0
+    # Device time of the step (first input copy to the sampled tokens' copy back), and the
+    # device's idle time between the end of the step launched before it and its start.
+    device_ms: float = 0.0
+    idle_ms: float | None = None
+    overlapped: bool = False
+
+
+@dataclass
+class PreparedStep:
+    """A step's inputs, built on the host (possibly while the step before it still runs)."""
+
+    scheduled: list[tuple[int, int]]
+    bucket: tuple[str, int, int] | None
+    graph: BucketGraph | None
+    inputs: StaticInputs | None
+    sample_rows: list[int]
+    sample_ids: list[int]
+    # Inputs that are tokens sampled by the step in flight: their positions in input_ids and
+    # their rows in that step's sampled tokens. Filled on the device at launch.
+    unread_positions: list[int]
+    unread_rows: list[int]
+    prepare_ms: float
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; `ModelRunner.finish` waits for it and reads its tokens."""
+
+    sample_ids: list[int]
+    # Where each sampled token goes: its request's state and the index of its UNREAD_TOKEN.
+    token_slots: list[tuple[RequestState, int]]
+    tokens: torch.Tensor | None         # sampled, on the device
+    host_tokens: torch.Tensor | None    # their copy on the host, valid once the step is done
+    prepare_ms: float
+    num_compilations: int
+    launched_at: float                  # perf_counter() when its first input was queued
+    # CUDA: events around the step's device work; None on CPU, where launching runs it.
+    started: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
+    finished_at: float = 0.0            # CPU: perf_counter() when its tokens were sampled
+    idle_ms: float | None = None        # device idle time before it (CPU: known at launch)
+    previous: LaunchedStep | None = None  # the step launched before it (CUDA idle time)
+    overlapped: bool = False            # launched before the step before it was finished
+
+    def is_done(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 class ModelRunner:
@@ -70,6 +126,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
+        # The step launched last, and when its tokens were sampled (idle time between steps).
+        self._last_launched: LaunchedStep | None = None
+        self._last_finished_at: float | None = None
         # Draws for requests without a seed of their own; seeded requests use per-position seeds.
         self.generator = torch.Generator(device=device)
         if seed is None:
@@ -88,7 +147,7 @@ class ModelRunner:
         """
         if not block_ids:
             return
-        index = torch.tensor(block_ids, device=self.device)
+        index = torch.tensor(block_ids).to(self.device, non_blocking=True)
         for cache in self.kv_caches:
             for tensor in cache:
                 tensor.view(-1, self.block_size * tensor.shape[1] * tensor.shape[2]).index_fill_(
@@ -118,6 +177,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step to its sampled tokens."""
+        return self.finish(self.launch(self.prepare(plan)))
+
+    def can_prepare_ahead(self, plan: StepPlan) -> bool:
+        """Whether `plan` may be prepared while the step before it still runs: not with KV
+        swaps, whose host-side copies must see that step's blocks complete."""
+        return not plan.swap_out and not plan.swap_in
+
+    @torch.inference_mode()
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Apply the plan's state changes and build its inputs on the host. Nothing here reads
+        the device, so it can run while the step before is in flight: a token that step samples
+        is an UNREAD_TOKEN here, recorded for launch() to fill in on the device."""
         started = time.perf_counter()
         # Offload before fresh blocks are cleared (a block swapped out may be handed to another
         # request in the same step), and swap in after (a swapped-in request's partly filled
@@ -125,35 +197,122 @@ class ModelRunner:
         self.swap_space.swap_out(plan.swap_out)
         scheduled = self.apply_plan_state(plan)
         self.swap_space.swap_in(plan.swap_in)
-        if not scheduled:
-            return StepOutput([], [], 0.0, 0.0)
         # Single-token queries first, longest context first, so attention can group them.
         scheduled.sort(key=lambda item: (item[1] != 1, -self.requests[item[0]].num_computed_tokens))
-        graph = self._graph_for(plan.bucket, scheduled)
-        num_compilations = 0
+        graph = self._graph_for(plan.bucket, scheduled) if scheduled else None
+        inputs, sample_rows, sample_ids = None, [], []
         if graph is not None:
             inputs, sample_rows, sample_ids = self._prepare_for_graph(scheduled, plan.bucket)
-            prepared = time.perf_counter()
-            hidden = graph.run(inputs)
-        else:
-            input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled,
-                                                                                 plan.bucket)
-            prepared = time.perf_counter()
-            pieces, num_compilations = self._pieces_for(plan.bucket, len(input_ids))
-            hidden = self.model(input_ids, positions, self.kv_caches, batch, pieces)
-        tokens: list[int] = []
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            states = [self.requests[r] for r in sample_ids]
-            tokens = sample(logits, [s.params for s in states],
-                            [len(s.token_ids) for s in states], self.generator)
-            for state, token in zip(states, tokens, strict=True):
-                state.token_ids.append(token)
+        elif scheduled:
+            input_ids, positions, batch, sample_rows, sample_ids = self._prepare(
+                scheduled, plan.bucket, HOST)
+            inputs = StaticInputs(input_ids, positions, batch)
+        unread_positions, unread_rows, offset = [], [], 0
         for request_id, num_tokens in scheduled:
+            state = self.requests[request_id]
+            if state.unread is not None and state.num_computed_tokens <= state.unread[0] \
+                    < state.num_computed_tokens + num_tokens:
+                unread_positions.append(offset + state.unread[0] - state.num_computed_tokens)
+                unread_rows.append(state.unread[1])
+            offset += num_tokens
+        return PreparedStep(scheduled, plan.bucket, graph, inputs, sample_rows, sample_ids,
+                            unread_positions, unread_rows,
+                            (time.perf_counter() - started) * 1e3)
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep, in_flight: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device; on CUDA this returns
+        before they run. `in_flight`: the step launched before, not finished yet, whose sampled
+        tokens this step's inputs take where prepare() left UNREAD_TOKEN."""
+        launched_at = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        started = done = None
+        if cuda:
+            started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started.record()
+        if not step.scheduled:
+            if done is not None:
+                done.record()
+            return LaunchedStep([], [], None, None, step.prepare_ms, 0, launched_at, started,
+                                done, launched_at)
+        if step.unread_positions and (in_flight is None or in_flight.tokens is None):
+            raise RuntimeError("the step's inputs need the tokens of a step in flight: launch "
+                               "it with in_flight=")
+        num_compilations = 0
+        if step.graph is not None:
+            step.graph.load(step.inputs)
+            self._fill_unread(step.graph.inputs.input_ids, step, in_flight)
+            hidden = step.graph.replay()
+        else:
+            inputs = step.inputs.to(self.device)
+            self._fill_unread(inputs.input_ids, step, in_flight)
+            pieces, num_compilations = self._pieces_for(step.bucket, len(inputs.input_ids))
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
+                                pieces)
+        tokens = host_tokens = None
+        token_slots: list[tuple[RequestState, int]] = []
+        if step.sample_rows:
+            rows = torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows])
+            states = [self.requests[r] for r in step.sample_ids]
+            tokens = sample_on_device(logits, [s.params for s in states],
+                                      [len(s.token_ids) for s in states], self.generator)
+            host_tokens = tokens
+            if cuda:
+                host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host_tokens.copy_(tokens, non_blocking=True)
+            for row, state in enumerate(states):
+                state.unread = (len(state.token_ids), row)
+                token_slots.append((state, len(state.token_ids)))
+                state.token_ids.append(UNREAD_TOKEN)
+        for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
-        finished = time.perf_counter()
-        return StepOutput(sample_ids, tokens, (prepared - started) * 1e3,
-                          (finished - prepared) * 1e3, num_compilations)
+        finished_at = time.perf_counter()
+        idle_ms = None
+        if done is not None:
+            done.record()
+        elif in_flight is not None or self._last_finished_at is not None:
+            # On CPU the step ran in this call: the device (the host) was idle from the end
+            # of the step before to the start of this one, input preparation included.
+            previous_end = in_flight.finished_at if in_flight is not None else self._last_finished_at
+            idle_ms = max(0.0, (launched_at - previous_end) * 1e3)
+        launched = LaunchedStep(step.sample_ids, token_slots, tokens, host_tokens, step.prepare_ms,
+                                num_compilations, launched_at, started, done, finished_at,
+                                idle_ms, previous=self._last_launched if cuda else None,
+                                overlapped=in_flight is not None)
+        self._last_launched = launched
+        self._last_finished_at = finished_at
+        return launched
+
+    def _fill_unread(self, input_ids: torch.Tensor, step: PreparedStep,
+                     in_flight: LaunchedStep | None) -> None:
+        """Write the in-flight step's sampled tokens into this step's inputs, on the device."""
+        if not step.unread_positions:
+            return
+        positions = torch.tensor(step.unread_positions).to(self.device, non_blocking=True)
+        rows = torch.tensor(step.unread_rows).to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, positions, in_flight.tokens.index_select(0, rows))
+
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step and read its sampled tokens into the request states."""
+        if step.done is not None:
+            step.done.synchronize()
+        tokens = step.host_tokens.tolist() if step.host_tokens is not None else []
+        for (state, index), token in zip(step.token_slots, tokens, strict=True):
+            # The state may be gone from self.requests by now (dropped by a plan prepared
+            # since): writing to it is harmless.
+            state.token_ids[index] = token
+            if state.unread is not None and state.unread[0] == index:
+                state.unread = None
+        device_ms, idle_ms = (step.finished_at - step.launched_at) * 1e3, step.idle_ms
+        if step.done is not None:
+            device_ms = step.started.elapsed_time(step.done)
+            previous = step.previous
+            if previous is not None and previous.done is not None:
+                idle_ms = max(0.0, previous.done.elapsed_time(step.started))
+            step.previous = None        # keep no chain of earlier steps alive
+        return StepOutput(step.sample_ids, tokens, step.prepare_ms, device_ms,
+                          step.num_compilations, device_ms, idle_ms, step.overlapped)
 
     # ------------------------------------------------------------------ compilation and warmup
 

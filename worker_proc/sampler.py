@@ -19,10 +19,14 @@ def position_seed(seed: int, num_tokens: int) -> int:
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_tokens: list[int],
            generator: torch.Generator) -> list[int]:
     """logits: [N, vocab] float32, one row per request; num_tokens: each request's length so far."""
-    greedy = logits.argmax(dim=-1)
-    if all(p.temperature == 0.0 for p in params):
-        return greedy.tolist()
-    tokens = greedy.tolist()
+    return sample_on_device(logits, params, num_tokens, generator).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], num_tokens: list[int],
+                     generator: torch.Generator) -> torch.Tensor:
+    """The sampled tokens as an int64 tensor on the logits' device, without reading anything
+    back to the host: the next step can take its inputs from it before the host has seen it."""
+    tokens = logits.argmax(dim=-1)
     for row, p in enumerate(params):
         if p.temperature == 0.0:
             continue
@@ -32,7 +36,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_tokens: list[
             row_generator.manual_seed(position_seed(p.seed, num_tokens[row]))
         else:
             row_generator = generator
-        tokens[row] = int(torch.multinomial(probs, 1, generator=row_generator))
+        tokens[row:row + 1] = torch.multinomial(probs, 1, generator=row_generator)
     return tokens
 
 

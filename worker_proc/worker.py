@@ -7,6 +7,8 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -31,7 +33,7 @@ from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from worker_proc.graphs import GraphCapturer
 from worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
-from worker_proc.model_runner import ModelRunner
+from worker_proc.model_runner import LaunchedStep, ModelRunner
 from worker_proc.thermal import ThermalMonitor
 
 log = logging.getLogger("spmd.worker")
@@ -197,6 +199,119 @@ def send(sock: zmq.Socket, config: EngineConfig, payload: bytes, flags: int = 0)
         sock.send(payload, flags)
 
 
+class WorkerExit(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass
+class InFlight:
+    """A launched step whose result has not been sent yet."""
+
+    step_id: int
+    launched: LaunchedStep
+    thermal: Future | None
+
+
+class StepLoop:
+    """Receive plans and run them; with --overlap-steps, one step ahead.
+
+    Overlapped, a step is launched on the device and, while it runs, the next plan (which the
+    scheduler sends before this step's result where it plans ahead) is received, prepared on
+    the host and launched behind it, its inputs taking this step's sampled tokens on the device.
+    Only then does the worker wait for this step and send its result, so the device always has
+    the next step queued. The host never waits for a plan while holding a finished step's
+    result: the scheduler may be waiting for that result before it plans again.
+    """
+
+    # How often the socket and the step's completion are polled while the device runs it.
+    POLL_S = 0.00005
+
+    def __init__(self, sock: zmq.Socket, config: EngineConfig, encoder: Encoder, decoder,
+                 runner: ModelRunner, monitor: ThermalMonitor, rank: int, parent: int) -> None:
+        self.sock, self.config, self.encoder, self.decoder = sock, config, encoder, decoder
+        self.runner, self.monitor, self.rank, self.parent = runner, monitor, rank, parent
+        self.overlap = overlap_enabled(config, runner.device)
+        # On a device that computes while the host goes on (CUDA), wait for the next plan only
+        # as long as the step runs; on CPU, where launching a step runs it, --overlap-steps on
+        # takes a plan only if it is already there (this is how CPU tests exercise the path).
+        self.device_runs_async = runner.device.type == "cuda"
+
+    def run(self) -> None:
+        # Until the scheduler is first heard from, it may still be starting (or waiting for
+        # other nodes): wait as long as for the process group. Then heartbeats keep coming.
+        silence_limit = self.config.dist_timeout_s
+        last_heard = time.monotonic()
+        in_flight: InFlight | None = None
+        while True:
+            if in_flight is not None:
+                frames = self._poll_while_running(in_flight)
+                if frames is None:
+                    self._complete(in_flight)
+                    in_flight = None
+                    continue
+            else:
+                frames = poll_recv(self.sock, 1.0)
+            if frames is None:
+                if os.getppid() != self.parent:
+                    log.error("rank %d: launcher is gone, exiting", self.rank)
+                    raise WorkerExit(1)
+                if time.monotonic() - last_heard > silence_limit:
+                    log.error("rank %d: no plan or heartbeat from the scheduler for %.0fs: it "
+                              "is gone, exiting", self.rank, silence_limit)
+                    raise WorkerExit(1)
+                continue
+            last_heard = time.monotonic()
+            silence_limit = self.config.heartbeat_timeout_s
+            message = self.decoder.decode(frames[-1])
+            if isinstance(message, Heartbeat):
+                continue
+            if isinstance(message, Shutdown):
+                return
+            assert isinstance(message, StepPlan)
+            if in_flight is not None and not self.runner.can_prepare_ahead(message):
+                self._complete(in_flight)
+                in_flight = None
+            prepared = self.runner.prepare(message)
+            # The sensor reading and its all-reduce run beside the forward pass (in order, on
+            # one thread: every rank starts the same collectives in the same order).
+            thermal = self.monitor.begin(message.step_id)
+            launched = self.runner.launch(prepared, in_flight.launched if in_flight else None)
+            if in_flight is not None:
+                self._complete(in_flight)
+            in_flight = InFlight(message.step_id, launched, thermal)
+            if not self.overlap:
+                self._complete(in_flight)
+                in_flight = None
+
+    def _poll_while_running(self, in_flight: InFlight) -> list[bytes] | None:
+        """The next frame if one arrives before the in-flight step is done; else None."""
+        frames = poll_recv(self.sock, 0)
+        while frames is None and self.device_runs_async and not in_flight.launched.is_done():
+            time.sleep(self.POLL_S)
+            frames = poll_recv(self.sock, 0)
+        return frames
+
+    def _complete(self, in_flight: InFlight) -> None:
+        output = self.runner.finish(in_flight.launched)
+        thermal = self.monitor.finish(in_flight.thermal)
+        if self.rank == 0 and in_flight.step_id >= 0:
+            send(self.sock, self.config, self.encoder.encode(StepResult(
+                step_id=in_flight.step_id, request_ids=output.request_ids,
+                sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
+                prepare_ms=output.prepare_ms, num_compilations=output.num_compilations,
+                thermal=thermal, device_ms=output.device_ms, idle_ms=output.idle_ms,
+                overlapped=output.overlapped)))
+
+
+def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
+    """--overlap-steps: auto overlaps on CUDA, where the device runs while the host prepares."""
+    if config.overlap_steps == "auto":
+        return device.type == "cuda"
+    return config.overlap_steps == "on"
+
+
 def run_worker(config: EngineConfig) -> int:
     """Process entry; returns the exit code."""
     ctx_zmq = zmq.Context()
@@ -218,39 +333,10 @@ def run_worker(config: EngineConfig) -> int:
         monitor = start_thermal_monitor(config, ctx)
         ready.thermal_sensor = monitor.sensor.kind
         send(sock, config, encoder.encode(ready))
-        # Until the scheduler is first heard from, it may still be starting (or waiting for
-        # other nodes): wait as long as for the process group. Then heartbeats keep coming.
-        silence_limit = config.dist_timeout_s
-        last_heard = time.monotonic()
-        while True:
-            frames = poll_recv(sock, 1.0)
-            if frames is None:
-                if os.getppid() != parent:
-                    log.error("rank %d: launcher is gone, exiting", rank)
-                    return 1
-                if time.monotonic() - last_heard > silence_limit:
-                    log.error("rank %d: no plan or heartbeat from the scheduler for %.0fs: it "
-                              "is gone, exiting", rank, silence_limit)
-                    return 1
-                continue
-            last_heard = time.monotonic()
-            silence_limit = config.heartbeat_timeout_s
-            message = decoder.decode(frames[-1])
-            if isinstance(message, Heartbeat):
-                continue
-            if isinstance(message, Shutdown):
-                return 0
-            assert isinstance(message, StepPlan)
-            # The sensor reading and its all-reduce run beside the forward pass.
-            reading = monitor.begin(message.step_id)
-            output = runner.execute(message)
-            thermal = monitor.finish(reading)
-            if ctx.rank == 0 and message.step_id >= 0:
-                send(sock, config, encoder.encode(StepResult(
-                    step_id=message.step_id, request_ids=output.request_ids,
-                    sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
-                    prepare_ms=output.prepare_ms, num_compilations=output.num_compilations,
-                    thermal=thermal)))
+        StepLoop(sock, config, encoder, decoder, runner, monitor, ctx.rank, parent).run()
+        return 0
+    except WorkerExit as stop:
+        return stop.code
     except Exception:
         message = traceback.format_exc()
         log.error("rank %d failed:\n%s", rank, message)

@@ -9,7 +9,7 @@ times faster than gathering token by token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,10 @@ class PrefillChunk:
     context_blocks: torch.Tensor | None  # [num_blocks] blocks holding its context; None: fresh prompt
     mask: torch.Tensor | None       # [length, num_blocks * block_size] True where a query may attend
 
+    def to(self, device: torch.device) -> PrefillChunk:
+        return replace(self, context_blocks=_to(self.context_blocks, device),
+                       mask=_to(self.mask, device))
+
 
 @dataclass
 class DecodeGroup:
@@ -32,6 +36,10 @@ class DecodeGroup:
     blocks: torch.Tensor            # [count * num_blocks] block tables, flattened, padded
     mask: torch.Tensor | None       # [count, 1, 1, num_blocks * block_size]; None: kernel
     lengths: torch.Tensor | None = None   # [count] int32 context tokens (for the kernel)
+
+    def to(self, device: torch.device) -> DecodeGroup:
+        return replace(self, blocks=_to(self.blocks, device), mask=_to(self.mask, device),
+                       lengths=_to(self.lengths, device))
 
 
 @dataclass
@@ -61,6 +69,20 @@ class AttentionBatch:
         for chunk in self.prefills:
             found += [t for t in (chunk.context_blocks, chunk.mask) if t is not None]
         return found
+
+    def to(self, device: torch.device) -> AttentionBatch:
+        """The same batch on `device`, copied without blocking the host (see _to)."""
+        return replace(self, slot_mapping=_to(self.slot_mapping, device),
+                       decodes=[group.to(device) for group in self.decodes],
+                       prefills=[chunk.to(device) for chunk in self.prefills])
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A host tensor on `device`. non_blocking: a blocking copy to a CUDA device waits for
+    everything queued on the stream, the step still running included, before the host may go
+    on; this one waits for nothing (a pageable source is staged by the driver before the call
+    returns, so the host may reuse it)."""
+    return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -21,7 +21,8 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "thermal_sensor": "file:/tmp/temp{rank}", "thermal_victims": "largest_kv",
              "thermal_policy": "my_policies:Gentle", "admin_token": "secret", "auth_token": "tok",
              "http_host": "127.0.0.2", "graph_prompt_strategy": "max_bs",
-             "graph_decode_strategy": "min_tokens", "attention_backend": "torch"}
+             "graph_decode_strategy": "min_tokens", "attention_backend": "torch",
+             "overlap_steps": "on"}
 
 
 def _non_default(name: str, kind: type, default):

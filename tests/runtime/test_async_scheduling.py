@@ -24,8 +24,8 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64, 25)]
 
 
-def generate(model, ahead: bool, params: list[SamplingParams]):
-    with LLM(model, async_scheduling=ahead, **OPTIONS) as llm:
+def generate(model, ahead: bool, params: list[SamplingParams], overlap: str = "auto"):
+    with LLM(model, async_scheduling=ahead, overlap_steps=overlap, **OPTIONS) as llm:
         outputs = llm.generate(prompts(), params)
         stats = wait_idle(llm.client)
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0
@@ -47,6 +47,32 @@ def test_the_same_tokens_as_step_by_step_with_stop_tokens_mid_pipeline(model) ->
 
     ahead, stats = generate(model, True, plain)
     assert ahead == step_by_step
+    assert stats.num_overlapped_steps == 0          # auto: not on CPU
     assert stats.step_wall_ms > stats.step_forward_ms > 0
     stopped, _ = generate(model, True, stopping)
     assert stopped == expected
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_workers_give_the_tokens_of_step_by_step(model) -> None:
+    """--overlap-steps on (forced on CPU, where auto leaves it off): the worker launches each
+    step planned ahead before finishing the one running, its inputs taking that step's tokens
+    on the device. Greedy requests, requests ended by a stop token mid-pipeline and seeded
+    sampled requests must come out as planned step by step."""
+    lengths = [30, 45, 12, 60, 20, 50]
+    plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    step_by_step, _ = generate(model, False, plain, overlap="off")
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[tokens[6]])
+              for n, (tokens, _) in zip(lengths[:3], step_by_step[:3], strict=True)]
+    params += [SamplingParams(max_tokens=n, temperature=0.9, top_k=20, seed=n, ignore_eos=True)
+               for n in lengths[3:]]
+    expected, _ = generate(model, False, params, overlap="off")
+    overlapped, stats = generate(model, True, params, overlap="on")
+    assert overlapped == expected
+    assert [reason for _, reason in overlapped[:3]] == ["stop"] * 3
+    # Steps were overlapped (each of the 6 requests decodes at least 11 steps on its own),
+    # and the workers timed their steps and the gaps between them.
+    assert stats.num_overlapped_steps >= 10
+    assert stats.device_busy_ms > 0 and stats.device_idle_ms > 0
+    assert 0 < stats.device_idle_fraction < 1

@@ -82,10 +82,10 @@ class Harness:
         runner = self.runner
         prepare = type(runner)._prepare
 
-        def recording_prepare(scheduled, bucket=None):
+        def recording_prepare(scheduled, bucket=None, device=None):
             # The flattened batch holds each scheduled request's tokens, in this order.
             layouts.append([(rid, n) for rid, n in scheduled])
-            return prepare(runner, scheduled, bucket)
+            return prepare(runner, scheduled, bucket, device)
 
         runner._prepare = recording_prepare
         hook = self.model.register_forward_hook(
