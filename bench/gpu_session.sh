@@ -56,7 +56,7 @@ b)
     fi
     run throughput 420 python3 -m launch.cli bench throughput --workload issue10 \
         --load-format dummy --model-config llama-3.2-1b --dtype bfloat16 --device cuda \
-        --max-num-seqs 256 --max-num-batched-tokens 8192 --with-peer --json
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2176 --with-peer --json
     ;;
 *)
     echo "unknown stage $stage: a or b" >&2
