@@ -132,11 +132,17 @@ class AsyncClient:
                      timeout_s: float | None = None) -> RequestStream:
         """Add a request; raises ValueError with the engine's reason when it is refused. One
         still running timeout_s after acceptance ends with finish_reason "timeout"."""
+        return await self._send_add(prompt_token_ids, params, request_id, priority, timeout_s)
+
+    def _send_add(self, prompt_token_ids: list[int], params: SamplingParams,
+                  request_id: int | None = None, priority: int = 0,
+                  timeout_s: float | None = None) -> asyncio.Future:
+        """Send an AddRequest; the future resolves to its stream once the engine accepts it."""
         tag = next(self._tags)
         future = self._expect(self._adds, tag)
         self._send(AddRequest(tag=tag, prompt_token_ids=prompt_token_ids, params=params,
                               request_id=request_id, priority=priority, timeout_s=timeout_s))
-        return await future
+        return future
 
     async def generate(self, token_lists: list[list[int]], params: list[SamplingParams],
                        on_finished: Callable[[RequestOutput], None] | None = None,
@@ -145,11 +151,18 @@ class AsyncClient:
         on_finished is called as each one finishes, in whatever order they finish."""
         streams: list[RequestStream] = []
         try:
-            for index, (ids, p) in enumerate(zip(token_lists, params, strict=True)):
+            # Every request is sent before any acceptance is awaited: the engine accepts what
+            # has arrived between two steps, so awaiting each in turn would admit one per step.
+            accepted = [self._send_add(ids, p)
+                        for ids, p in zip(token_lists, params, strict=True)]
+            refused = None
+            for index, future in enumerate(accepted):
                 try:
-                    streams.append(await self.submit(ids, p))
+                    streams.append(await future)
                 except ValueError as error:
-                    raise ValueError(f"prompt {index}: {error}") from None
+                    refused = refused or ValueError(f"prompt {index}: {error}")
+            if refused is not None:
+                raise refused       # the accepted ones are aborted below
 
             async def collect(ids: list[int], stream: RequestStream) -> RequestOutput:
                 output = RequestOutput(stream.request_id, ids)

@@ -161,6 +161,9 @@ class SchedulerServer:
             self._send_to_workers_if_needed()
             return True
         self.group.broadcast(self.encoder.encode(step.plan))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %d requests, %d tokens (%d waiting)", step.plan.step_id,
+                      len(step.num_scheduled), step.num_tokens, len(scheduler.waiting))
         planned_ahead = False
         while step is not None:
             started = time.perf_counter()
