@@ -31,6 +31,17 @@ def test_chunked_row_parallel_reductions_give_the_same_outputs(tmp_path) -> None
 
 
 @pytest.mark.timeout(600)
+def test_overlapped_steps_with_two_ranks_give_the_same_outputs(tmp_path) -> None:
+    """--overlap-steps on (as auto is on CUDA): each rank launches the next step before it
+    finishes the one running; every rank must still run the same collectives in order."""
+    model, _ = sharp_llama(tmp_path, 4, 2)
+    with LLM(model, nproc_per_node=2, overlap_steps="on", **SMALL) as llm:
+        overlapped = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+        assert llm.client.stats().num_overlapped_steps > 0
+    assert overlapped == generate(model, **SMALL)
+
+
+@pytest.mark.timeout(600)
 def test_smollm2_with_three_workers_equals_one() -> None:
     """9 query heads and 3 KV heads: one KV head and three query heads per rank."""
     texts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
