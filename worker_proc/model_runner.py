@@ -18,6 +18,7 @@ from runtime.models.llama import (
     attention_inputs,
     mlp_inputs,
 )
+from worker_proc.block_table import BlockTables
 from worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 from worker_proc.sampler import sample_on_device
 from worker_proc.swap_space import SwapSpace
@@ -126,6 +127,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
+        # Their block tables as padded rows of one host tensor (decode batches gather rows).
+        self.block_tables = BlockTables(self.scratch_block)
         # The step launched last, and when its tokens were sampled (idle time between steps).
         self._last_launched: LaunchedStep | None = None
         self._last_finished_at: float | None = None
@@ -157,11 +160,13 @@ class ModelRunner:
         """Update per-request state from the plan; returns (request id, tokens) in plan order."""
         for request_id in plan.dropped_request_ids:
             self.requests.pop(request_id, None)
+            self.block_tables.remove(request_id)
         scheduled = []
         fresh_blocks: list[int] = []
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params)
+            self.block_tables.add(new.request_id, new.block_ids)
             # Blocks past the computed prefix are new to this request (the rest are cache hits).
             fresh_blocks.extend(new.block_ids[new.num_computed_tokens // self.block_size:])
             scheduled.append((new.request_id, new.num_scheduled_tokens))
@@ -170,6 +175,7 @@ class ModelRunner:
                 plan.cached_new_block_ids, strict=True):
             if new_blocks:
                 self.requests[request_id].block_ids.extend(new_blocks)
+                self.block_tables.append(request_id, new_blocks)
                 fresh_blocks.extend(new_blocks)
             scheduled.append((request_id, num_tokens))
         self._zero_blocks(fresh_blocks)
@@ -442,21 +448,19 @@ class ModelRunner:
             log.info("%s", report.line())
         return reports
 
-    def _decode_group(self, first: int, tables: list[list[int]], lengths: list[int],
+    def _decode_group(self, first: int, rows: list[int], lengths: list[int],
                       num_blocks: int, device: torch.device) -> DecodeGroup:
-        """Single-token queries `first`..`first + len(tables)` over `num_blocks` context blocks
-        each; tables are padded with the scratch block, which the mask (or for the kernel, the
-        context lengths) hides."""
-        filler = [self.scratch_block] * num_blocks
-        table_rows = [t[:num_blocks] + filler[len(t):] for t in tables]
+        """Single-token queries `first`..`first + len(rows)` over `num_blocks` context blocks
+        each, from those block-table rows; tables are padded with the scratch block, which the
+        mask (or for the kernel, the context lengths) hides."""
         if self.decode_kernel:
-            return DecodeGroup(first, len(tables),
-                               torch.tensor(table_rows, dtype=torch.int32, device=device).view(-1),
-                               None, torch.tensor(lengths, dtype=torch.int32, device=device))
-        blocks = torch.tensor(table_rows, device=device).view(-1)
+            tables = self.block_tables.gather(rows, num_blocks, torch.int32)
+            return DecodeGroup(first, len(rows), tables.view(-1).to(device), None,
+                               torch.tensor(lengths, dtype=torch.int32, device=device))
+        blocks = self.block_tables.gather(rows, num_blocks, torch.int64).view(-1)
         context = torch.arange(num_blocks * self.block_size)
-        mask = (context < torch.tensor(lengths)[:, None]).view(len(tables), 1, 1, -1)
-        return DecodeGroup(first, len(tables), blocks, mask.to(device))
+        mask = (context < torch.tensor(lengths)[:, None]).view(len(rows), 1, 1, -1)
+        return DecodeGroup(first, len(rows), blocks.to(device), mask.to(device))
 
     def _prepare(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int] | None = None,
                  device: torch.device | None = None):
@@ -466,7 +470,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[int] = []
-        decode_tables: list[list[int]] = []
+        decode_rows: list[int] = []        # block-table rows
         decode_lengths: list[int] = []
         prefill_specs: list[tuple[int, int, int, list[int]]] = []
         for request_id, num_tokens in scheduled:
@@ -480,7 +484,7 @@ class ModelRunner:
             slots.extend(table[p // block_size] * block_size + p % block_size
                          for p in range(start, end))
             if num_tokens == 1:
-                decode_tables.append(table)
+                decode_rows.append(self.block_tables.row(request_id))
                 decode_lengths.append(end)
             else:
                 prefill_specs.append((offset, num_tokens, start, table))
@@ -499,24 +503,24 @@ class ModelRunner:
             slots.extend(scratch + i % block_size for i in range(num_padding))
             if phase == "decode":
                 # Padding rows attend to the scratch block's first slot only.
-                decode_tables.extend([[]] * num_padding)
+                decode_rows.extend([BlockTables.PADDING_ROW] * num_padding)
                 decode_lengths.extend([1] * num_padding)
 
         device = device or self.device
         if bucket is not None and bucket[0] == "decode":
             # One group of the bucket's shape: bucket_bs rows over bucket_len context tokens.
-            decodes = [self._decode_group(0, decode_tables, decode_lengths,
+            decodes = [self._decode_group(0, decode_rows, decode_lengths,
                                           bucket[2] // block_size, device)]
-        elif self.decode_kernel and decode_tables:
+        elif self.decode_kernel and decode_rows:
             # The kernel reads each sequence's own context length: one group, no grouping.
-            decodes = [self._decode_group(0, decode_tables, decode_lengths,
+            decodes = [self._decode_group(0, decode_rows, decode_lengths,
                                           -(-max(decode_lengths) // block_size), device)]
         else:
             decodes = [self._decode_group(
-                first, decode_tables[first:first + DECODE_GROUP_SIZE],
+                first, decode_rows[first:first + DECODE_GROUP_SIZE],
                 decode_lengths[first:first + DECODE_GROUP_SIZE],
                 -(-max(decode_lengths[first:first + DECODE_GROUP_SIZE]) // block_size), device)
-                for first in range(0, len(decode_tables), DECODE_GROUP_SIZE)]
+                for first in range(0, len(decode_rows), DECODE_GROUP_SIZE)]
         prefills = []
         for offset, length, start, table in prefill_specs:
             if start == 0:

@@ -1,0 +1,68 @@
+"""Every request's KV block table kept on the host as one padded row of a tensor, so a decode
+batch's tables are a single row gather rather than a Python list built per request per step."""
+from __future__ import annotations
+
+import torch
+
+
+class BlockTables:
+    """Rows of block ids, padded with `filler` (a block no request owns, which attention masks
+    or the kernel's context lengths hide). Row 0 is never given out: all filler, it is the
+    table of a padding row."""
+
+    PADDING_ROW = 0
+
+    def __init__(self, filler: int, num_rows: int = 64, num_cols: int = 16) -> None:
+        self.filler = filler
+        self.table = torch.full((num_rows, num_cols), filler, dtype=torch.int64)
+        self.lengths = [0] * num_rows
+        self.rows: dict[int, int] = {}
+        self.free_rows = list(range(num_rows - 1, self.PADDING_ROW, -1))
+
+    def add(self, request_id: int, block_ids: list[int]) -> None:
+        """A request the worker did not hold (or holds anew: its old row is dropped)."""
+        self.remove(request_id)
+        if not self.free_rows:
+            self._grow(rows=self.table.shape[0])
+        row = self.free_rows.pop()
+        self.rows[request_id] = row
+        self.append(request_id, block_ids)
+
+    def append(self, request_id: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        row = self.rows[request_id]
+        start = self.lengths[row]
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            self._grow(cols=max(end, 2 * self.table.shape[1]) - self.table.shape[1])
+        self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int64)
+        self.lengths[row] = end
+
+    def remove(self, request_id: int) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is None:
+            return
+        self.table[row, :self.lengths[row]] = self.filler
+        self.lengths[row] = 0
+        self.free_rows.append(row)
+
+    def row(self, request_id: int) -> int:
+        return self.rows[request_id]
+
+    def gather(self, rows: list[int], num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        """[len(rows), num_blocks]: each row's first num_blocks blocks, filler past its end."""
+        width = self.table.shape[1]
+        tables = self.table[:, :num_blocks].index_select(0, torch.tensor(rows, dtype=torch.int64))
+        if num_blocks > width:
+            tables = torch.cat([tables, tables.new_full((len(rows), num_blocks - width),
+                                                        self.filler)], dim=1)
+        return tables.to(dtype)
+
+    def _grow(self, rows: int = 0, cols: int = 0) -> None:
+        old_rows, old_cols = self.table.shape
+        table = torch.full((old_rows + rows, old_cols + cols), self.filler, dtype=torch.int64)
+        table[:old_rows, :old_cols] = self.table
+        self.table = table
+        self.lengths.extend([0] * rows)
+        self.free_rows.extend(range(old_rows + rows - 1, old_rows - 1, -1))
