@@ -174,7 +174,7 @@ class EngineStats(_Wire, tag="stats_reply"):
     maintenance_ms: float              # scheduler bookkeeping done during steps, in total
     maintenance_hidden_ms: float       # of that, overlapped with the workers' forward passes
     step_wall_ms: float                # back-to-back steps: wall time from result to result
-    step_forward_ms: float             # of that, rank 0's forward passes (prepared to sampled)
+    step_forward_ms: float             # of that, rank 0's step times (CUDA: events; CPU: forward + sampling)
     device_idle_fraction: float        # idle / (busy + idle) of rank 0's device over those steps
     max_num_seqs: int                  # as configured, or as last set by an admin call
     running_cap: int                   # most requests allowed to run now (thermal cap included)
