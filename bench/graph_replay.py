@@ -101,11 +101,11 @@ class Bench:
         outputs.append(self.runner.finish(in_flight))
         wall_ms = (time.perf_counter() - started) * 1e3
         steady = outputs[1:]        # the first has no step before it to overlap with
-        device = sum(o.device_ms for o in steady)
+        device = sum(o.forward_ms for o in steady)
         idle = sum(o.idle_ms or 0.0 for o in steady)
         return {"overlap_step_ms": wall_ms / steps,
                 "prepare_ms": statistics.median(o.prepare_ms for o in outputs),
-                "device_ms": statistics.median(o.device_ms for o in steady),
+                "device_ms": statistics.median(o.forward_ms for o in steady),
                 "idle_ms": statistics.median(o.idle_ms or 0.0 for o in steady),
                 "idle_fraction": idle / (device + idle) if device + idle else 0.0}
 

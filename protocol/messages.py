@@ -288,15 +288,14 @@ class StepResult(_Wire, tag="result"):
     step_id: int
     request_ids: list[int]
     sampled_token_ids: list[int]
-    forward_ms: float
+    forward_ms: float       # rank 0's device time for the step (CUDA: events; CPU: forward + sampling)
     prepare_ms: float
     # Graph captures or compilations this step needed after warmup (a shape nobody warmed up).
     num_compilations: int = 0
     # Set on steps that read the sensors (every --thermal-interval-steps) when any rank has a reading.
     thermal: ThermalReading | None = None
-    # Rank 0's device time for the step (CUDA: timed by events), and the device's idle time
-    # between the step launched before it and this one (None: no step before it).
-    device_ms: float = 0.0
+    # The device's idle time between the step launched before it and this one (CUDA: timed by
+    # events, as forward_ms is; None: no step before it).
     idle_ms: float | None = None
     # Launched behind the step before it, before that one was finished (--overlap-steps).
     overlapped: bool = False

@@ -37,7 +37,7 @@ class StepTimes:
             self.step_wall_ms += (now - self._back_to_back_since) * 1e3
             self.step_forward_ms += result.forward_ms
             if result.idle_ms is not None:
-                self.device_busy_ms += result.device_ms
+                self.device_busy_ms += result.forward_ms
                 self.device_idle_ms += result.idle_ms
         self._back_to_back_since = now if more_work else None
 

@@ -54,11 +54,11 @@ class StepOutput:
     request_ids: list[int]
     sampled_token_ids: list[int]
     prepare_ms: float
+    # Device time of the step: CUDA events from its first input copy to the sampled tokens'
+    # copy back; on CPU, the forward pass and sampling.
     forward_ms: float
     num_compilations: int = 0
-    # Device time of the step (first input copy to the sampled tokens' copy back), and the
-    # device's idle time between the end of the step launched before it and its start.
-    device_ms: float = 0.0
+    # The device's idle time between the end of the step launched before it and its start.
     idle_ms: float | None = None
     overlapped: bool = False
 
@@ -129,9 +129,8 @@ class ModelRunner:
         self.requests: dict[int, RequestState] = {}
         # Their block tables as padded rows of one host tensor (decode batches gather rows).
         self.block_tables = BlockTables(self.scratch_block)
-        # The step launched last, and when its tokens were sampled (idle time between steps).
+        # The step launched last (the device's idle time before the next one).
         self._last_launched: LaunchedStep | None = None
-        self._last_finished_at: float | None = None
         # Draws for requests without a seed of their own; seeded requests use per-position seeds.
         self.generator = torch.Generator(device=device)
         if seed is None:
@@ -274,20 +273,18 @@ class ModelRunner:
         for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished_at = time.perf_counter()
-        idle_ms = None
+        previous, idle_ms = self._last_launched, None
         if done is not None:
             done.record()
-        elif in_flight is not None or self._last_finished_at is not None:
+        elif previous is not None:
             # On CPU the step ran in this call: the device (the host) was idle from the end
             # of the step before to the start of this one, input preparation included.
-            previous_end = in_flight.finished_at if in_flight is not None else self._last_finished_at
-            idle_ms = max(0.0, (launched_at - previous_end) * 1e3)
+            idle_ms = max(0.0, (launched_at - previous.finished_at) * 1e3)
         launched = LaunchedStep(step.sample_ids, token_slots, tokens, host_tokens, step.prepare_ms,
                                 num_compilations, launched_at, started, done, finished_at,
-                                idle_ms, previous=self._last_launched if cuda else None,
+                                idle_ms, previous=previous if cuda else None,
                                 overlapped=in_flight is not None)
         self._last_launched = launched
-        self._last_finished_at = finished_at
         return launched
 
     def _fill_unread(self, input_ids: torch.Tensor, step: PreparedStep,
@@ -318,7 +315,7 @@ class ModelRunner:
                 idle_ms = max(0.0, previous.done.elapsed_time(step.started))
             step.previous = None        # keep no chain of earlier steps alive
         return StepOutput(step.sample_ids, tokens, step.prepare_ms, device_ms,
-                          step.num_compilations, device_ms, idle_ms, step.overlapped)
+                          step.num_compilations, idle_ms, step.overlapped)
 
     # ------------------------------------------------------------------ compilation and warmup
 

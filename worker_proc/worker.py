@@ -301,7 +301,7 @@ class StepLoop:
                 step_id=in_flight.step_id, request_ids=output.request_ids,
                 sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
                 prepare_ms=output.prepare_ms, num_compilations=output.num_compilations,
-                thermal=thermal, device_ms=output.device_ms, idle_ms=output.idle_ms,
+                thermal=thermal, idle_ms=output.idle_ms,
                 overlapped=output.overlapped)))
 
 

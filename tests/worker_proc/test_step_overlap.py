@@ -184,10 +184,9 @@ def test_idle_and_device_time_are_reported(pair) -> None:
     runner = make_runner(model, config)
     plans = workload(buckets=False)
     first = runner.execute(plans[0])
-    assert first.idle_ms is None and first.device_ms > 0       # no step before it
+    assert first.idle_ms is None and first.forward_ms > 0      # no step before it
     second = runner.execute(plans[1])
-    assert second.idle_ms is not None and second.idle_ms >= 0 and second.device_ms > 0
-    assert second.forward_ms == second.device_ms
+    assert second.idle_ms is not None and second.idle_ms >= 0 and second.forward_ms > 0
 
 
 def test_swaps_are_not_prepared_ahead(pair) -> None:
