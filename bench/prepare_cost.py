@@ -54,7 +54,7 @@ def main() -> int:
     runner.apply_plan_state(StepPlan(0, new, [], [], []))
     scheduled = [(rid, 1) for rid in range(args.batch)]
     bucket = ("decode", args.batch, blocks * block_size)
-    for kernel in (False, True):
+    for kernel in ("", "triton"):
         runner.decode_kernel = kernel
         times = []
         for _ in range(args.calls):

@@ -30,9 +30,12 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--trace", action="store_true", help="print the profiler's op table")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8"))
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpp"))
     args = parser.parse_args()
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
-    config = EngineConfig(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=2048)
+    config = EngineConfig(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=2048,
+                          quantization=args.quantization, attention_backend=args.attention_backend)
     ctx = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
                              backend="gloo")
     runner, _ = build_runner(config, ctx)

@@ -77,6 +77,11 @@ THROUGHPUT_WORKLOADS = {
     "default": ThroughputWorkload(32, 32, 256, 64, 64),
     # Issue 10's comparison with transformers (with --load-format dummy --model-config llama-3.2-1b).
     "issue10": ThroughputWorkload(256, 100, 1024, 100, 1024),
+    # Issue 18's CPU comparisons with vLLM and llama.cpp (bench/cpu_peers.py). B1 is one
+    # request: cpu_peers.py times its TTFT and ITL rather than its throughput.
+    "W1": ThroughputWorkload(32, 32, 256, 64, 64),
+    "W2": ThroughputWorkload(64, 16, 64, 128, 128),
+    "B1": ThroughputWorkload(1, 512, 512, 128, 128),
 }
 
 

@@ -96,10 +96,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     graph_decode_strategy: Annotated[Literal["min_tokens", "max_bs"], Meta(description=(
         "order decode graphs are captured in (see --graph-prompt-strategy); max_bs first "
         "captures the large batches a loaded server decodes"))] = "max_bs"
-    attention_backend: Annotated[Literal["auto", "torch", "triton"], Meta(description=(
+    attention_backend: Annotated[Literal["auto", "torch", "triton", "cpp"], Meta(description=(
         "decode attention: triton reads the paged KV cache in place with this project's "
-        "Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); torch gathers each "
-        "sequence's context and runs SDPA; auto: triton on CUDA where Triton is installed"))] = "auto"
+        "Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); cpp does the same on the CPU "
+        "with its C++ kernel (float32; built on first use, needs a C++ compiler); torch "
+        "gathers each sequence's context and runs SDPA; auto: triton on CUDA where Triton is "
+        "installed, cpp on a float32 CPU worker where it builds, else torch"))] = "auto"
     async_scheduling: Annotated[bool, Meta(description=(
         "plan a decode step while the one before it runs (before its result), so the workers "
         "start it without waiting for the scheduler; a request that the step before ends "
@@ -109,6 +111,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "sampled tokens on the device, before they wait for it and send its result, so the "
         "device does not idle through host work between steps (with --async-scheduling); "
         "auto: on with CUDA workers"))] = "auto"
+    quantization: Annotated[Literal["none", "int8"], Meta(description=(
+        "none: the weights in --dtype (exact); int8: projection weights quantized per output "
+        "channel and activations per token, multiplied as int8 (CPU only; eager, --compile does not "
+        "apply; faster, slightly different outputs: see docs/BENCHMARKS.md for its quality)"))] = "none"
     dist_backend: Annotated[Literal["auto", "gloo", "nccl", "hccl"], Meta(description=(
         "torch.distributed backend of the tensor-parallel group: auto picks nccl on CUDA, hccl "
         "where Habana's plugin is installed, gloo otherwise"))] = "auto"
@@ -190,6 +196,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if sensor not in THERMAL_SENSORS and not (sensor.startswith("file:") and len(sensor) > 5):
             raise ValueError(f"thermal_sensor must be one of {', '.join(THERMAL_SENSORS)} or "
                              f"file:PATH, got {sensor!r}")
+        if self.quantization != "none" and self.device == "cuda":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU's integer GEMM: "
+                             "use --device cpu, or --quantization none on CUDA")
         remote = [address for address in (self.rpc_address, self.worker_address,
                                           f"tcp://{self.http_host}:{self.http_port}")
                   if address and not is_local_address(address)]

@@ -223,7 +223,9 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def compiling(config: EngineConfig) -> bool:
-    return config.compile and not config.enforce_eager
+    """--compile, unless eager is enforced or the projections are quantized (their integer
+    GEMM runs eagerly)."""
+    return config.compile and not config.enforce_eager and config.quantization == "none"
 
 
 def graphs_enabled(config: EngineConfig, device_type: str) -> bool:

@@ -108,9 +108,10 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, seed: int | None = None,
                  num_cpu_blocks: int = 0, scratch_block: int | None = None,
-                 decode_kernel: bool = False) -> None:
+                 decode_kernel: str = "") -> None:
         self.model = model
-        # Decode attention through the Triton kernel that reads the cache in place.
+        # Decode attention through a kernel that reads the cache in place: "triton" or "cpp"
+        # (runtime.layers.attention); "" gathers each group's context for SDPA.
         self.decode_kernel = decode_kernel
         self.kv_caches = kv_caches
         self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size)

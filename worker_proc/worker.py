@@ -26,8 +26,9 @@ from protocol.messages import (
 )
 from protocol.transport import Encoder, make_socket, poll_recv
 from runtime.bucketing import bucketing_enabled, compiling, engine_buckets, format_bytes, graphs_enabled
-from runtime.layers import triton_attention
+from runtime.layers import cpu_attention, triton_attention
 from runtime.layers.parallel import TensorParallel
+from runtime.layers.quantization import quantize_linear_weights
 from runtime.loaders import load_model, resolve_model
 from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
@@ -59,6 +60,11 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     model.load_hf_state_dict(weights)
     del weights
     model.to(ctx.device).eval()
+    if config.quantization != "none":
+        if ctx.device.type != "cpu":
+            raise ValueError(f"--quantization {config.quantization} needs a CPU worker, this one "
+                             f"runs on {ctx.device}")
+        quantize_linear_weights(model, config.quantization)
     log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
              config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
     max_model_len = model_config.max_position_embeddings
@@ -84,7 +90,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
                          scratch_block=num_blocks,
-                         decode_kernel=use_decode_kernel(config, ctx.device, model_config.head_dim))
+                         decode_kernel=use_decode_kernel(config, ctx.device, model_config.head_dim,
+                                                       dtype))
     prepare_buckets(runner, config, max_model_len, ctx,
                     graph_budget=sizing.graph_reserved_bytes if graphs else None)
     if num_cpu_blocks:
@@ -98,10 +105,24 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     return runner, ready
 
 
-def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int) -> bool:
-    """--attention-backend: whether decode attention runs the Triton kernel."""
-    if config.attention_backend == "torch":
-        return False
+def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int,
+                      dtype: torch.dtype = torch.float32) -> str:
+    """--attention-backend: the kernel decode attention runs ("triton" or "cpp"), or "" for the
+    torch path (gather and SDPA)."""
+    backend = config.attention_backend
+    if backend == "torch":
+        return ""
+    if backend == "cpp" or (backend == "auto" and device.type == "cpu"):
+        usable = device.type == "cpu" and dtype == torch.float32
+        if backend == "cpp" and not usable:
+            raise ValueError(f"--attention-backend cpp runs float32 on the CPU (this worker: "
+                             f"{dtype} on {device}); use --attention-backend torch or auto")
+        if usable and cpu_attention.load():
+            return "cpp"
+        if backend == "cpp":
+            raise ValueError("--attention-backend cpp: the C++ kernel could not be built here "
+                             "(see the warning above); use --attention-backend torch or auto")
+        return ""
     on_device = device.type == "cuda" or (config.attention_backend == "triton"
                                           and triton_attention.interpreting())
     usable = triton_attention.available() and on_device and head_dim >= triton_attention.MIN_DOT \
@@ -111,7 +132,7 @@ def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int)
             f"--attention-backend triton needs Triton installed, a CUDA device (or "
             f"TRITON_INTERPRET=1 on CPU) and a power-of-two head dim >= 16 (this model: "
             f"{head_dim}, device {device}); use --attention-backend torch or auto")
-    return usable
+    return "triton" if usable else ""
 
 
 def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorParallel:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from runtime.layers import triton_attention
+from runtime.layers import cpu_attention, triton_attention
 
 
 @dataclass
@@ -57,9 +57,10 @@ class AttentionBatch:
     # each attending causally within its row: the fixed shape a prompt graph is captured
     # with. `decodes` and `prefills` are then empty.
     prompt_rows: int | None = None
-    # Decode groups through the Triton kernel that reads the cache in place
-    # (runtime.layers.triton_attention) instead of gathering copies of their context.
-    decode_kernel: bool = False
+    # Decode groups through a kernel that reads the cache in place instead of gathering copies
+    # of their context: "triton" (runtime.layers.triton_attention) or "cpp"
+    # (runtime.layers.cpu_attention); "" for the gather and SDPA.
+    decode_kernel: str = ""
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the batch, in a fixed order (what a captured graph reads)."""
@@ -108,7 +109,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         n = group.count
         rows = slice(group.start, group.start + n)
         if batch.decode_kernel:
-            out[rows] = triton_attention.paged_decode_attention(
+            kernel = cpu_attention if batch.decode_kernel == "cpp" else triton_attention
+            out[rows] = kernel.paged_decode_attention(
                 q[rows], k_cache, v_cache, group.blocks.view(n, -1), group.lengths, bs, scale)
             continue
         keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.layers.quantization import Int8Weight, int8_linear
+
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -23,7 +25,10 @@ def _onednn_linear_op():
 _onednn_linear = _onednn_linear_op()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
     # Under torch.compile the compiler picks its own GEMM (it cannot lower this op as called).
     if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
             and not torch.compiler.is_compiling()):

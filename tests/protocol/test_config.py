@@ -22,7 +22,7 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "thermal_policy": "my_policies:Gentle", "admin_token": "secret", "auth_token": "tok",
              "http_host": "127.0.0.2", "graph_prompt_strategy": "max_bs",
              "graph_decode_strategy": "min_tokens", "attention_backend": "torch",
-             "overlap_steps": "on"}
+             "overlap_steps": "on", "quantization": "int8"}
 
 
 def _non_default(name: str, kind: type, default):

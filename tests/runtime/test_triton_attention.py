@@ -34,10 +34,11 @@ def test_the_kernel_is_chosen_on_cuda_only_and_a_bad_request_says_what_to_change
         monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
-    assert not use_decode_kernel(EngineConfig(), cpu, 64)
-    assert not use_decode_kernel(EngineConfig(attention_backend="torch"), torch.device("cuda"), 64)
+    # On CPU, auto never picks Triton (the C++ kernel or the torch path: test_cpu_attention.py).
+    assert use_decode_kernel(EngineConfig(), cpu, 64) != "triton"
+    assert use_decode_kernel(EngineConfig(attention_backend="torch"), torch.device("cuda"), 64) == ""
     with pytest.raises(ValueError, match="use --attention-backend torch or auto"):
         use_decode_kernel(EngineConfig(attention_backend="triton"), cpu, 64)
     if importlib.util.find_spec("triton") is not None:
-        assert use_decode_kernel(EngineConfig(), torch.device("cuda"), 64)
-        assert not use_decode_kernel(EngineConfig(), torch.device("cuda"), 48)   # not a power of 2
+        assert use_decode_kernel(EngineConfig(), torch.device("cuda"), 64) == "triton"
+        assert use_decode_kernel(EngineConfig(), torch.device("cuda"), 48) == ""   # not a power of 2

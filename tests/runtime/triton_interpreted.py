@@ -54,10 +54,10 @@ def check_runner() -> None:
     _, model, config = build_pair(seed=3)
     expected = graphs.run_workload(graphs.make_runner(model, config))
     kernel = graphs.make_runner(model, config)
-    kernel.decode_kernel = True
+    kernel.decode_kernel = "triton"
     assert graphs.run_workload(kernel) == expected
     captured = graphs.make_runner(model, config)
-    captured.decode_kernel = True
+    captured.decode_kernel = "triton"
     graphs.capture_all(captured)
     assert graphs.run_workload(captured) == expected
     print("runner ok")

@@ -14,6 +14,7 @@ from test_model_runner import BLOCK, GREEDY, NUM_BLOCKS, build_pair, prompt
 
 from protocol.messages import NewRequestData, StepPlan
 from runtime.bucketing import BucketRange, PhaseBuckets
+from runtime.layers import cpu_attention
 from worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 from worker_proc.kv_cache import allocate_kv_cache
 from worker_proc.model_runner import ModelRunner
@@ -129,6 +130,22 @@ def test_replayed_buckets_sample_what_the_eager_path_samples(pair) -> None:
     assert {key for key in replays.counts if key[0] == "decode"} == {
         ("decode", 4, 16), ("decode", 4, 24), ("decode", 4, 32), ("decode", 2, 24),
         ("decode", 2, 32)}
+
+
+@pytest.mark.skipif(not cpu_attention.load(), reason="the C++ kernel cannot be built here")
+def test_the_cpu_kernel_samples_what_the_torch_path_samples_eager_and_replayed(pair) -> None:
+    """Decode attention through the C++ kernel (one group, context lengths) instead of gathered
+    context and masks: same tokens, eagerly and through emulated bucket graphs (padding rows
+    read the scratch block)."""
+    _, model, config = pair
+    expected = run_workload(make_runner(model, config))
+    kernel = make_runner(model, config)
+    kernel.decode_kernel = "cpp"
+    assert run_workload(kernel) == expected
+    captured = make_runner(model, config)
+    captured.decode_kernel = "cpp"
+    capture_all(captured)
+    assert run_workload(captured) == expected
 
 
 def test_padding_of_a_replayed_batch_touches_no_real_block(pair) -> None:

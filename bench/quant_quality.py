@@ -1,0 +1,99 @@
+"""Quality of `--quantization int8` against float32: teacher-forced top-1 agreement and perplexity.
+
+Real English text (by default the design documents in ../shared/seeds/, ~14k tokens) is cut into
+windows of --window tokens; each window runs through the model once in float32 and once quantized
+(the same loader, model code and attention as the engine's workers). At every position both
+models predict the next token from the true prefix (teacher forcing), so an early disagreement
+does not snowball: agreement is the share of positions where their top-1 tokens match, and each
+model's perplexity is exp(mean negative log-likelihood of the true next token).
+
+    python bench/quant_quality.py                         # all seed documents
+    python bench/quant_quality.py --text some.txt --window 512
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from runtime.layers.attention import AttentionBatch, PrefillChunk  # noqa: E402
+from runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights  # noqa: E402
+from runtime.loaders import load_model, resolve_model  # noqa: E402
+from runtime.models.llama import LlamaForCausalLM  # noqa: E402
+from runtime.tokenizer import load_tokenizer  # noqa: E402
+
+SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+
+
+def build(model: str, quantization: str) -> LlamaForCausalLM:
+    config, weights = load_model(resolve_model(model), torch.float32)
+    llama = LlamaForCausalLM(config, torch.float32)
+    llama.load_hf_state_dict(weights)
+    quantize_linear_weights(llama.eval(), quantization)
+    return llama
+
+
+@torch.no_grad()
+def window_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """Float32 logits [len(ids), vocab] of one fresh prompt (causal, no cached context)."""
+    config, n = model.config, len(ids)
+    caches = [(torch.zeros(n, config.num_key_value_heads, config.head_dim),
+               torch.zeros(n, config.num_key_value_heads, config.head_dim))
+              for _ in range(config.num_hidden_layers)]
+    batch = AttentionBatch(block_size=n, slot_mapping=torch.arange(n), decodes=[],
+                           prefills=[PrefillChunk(0, n, None, None)])
+    hidden = model(torch.tensor(ids), torch.arange(n), caches, batch)
+    return model.compute_logits(hidden)
+
+
+def read_text(paths: list[Path]) -> str:
+    return "\n\n".join(path.read_text() for path in paths)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--quantization", default="int8", choices=QUANTIZATION_METHODS[1:])
+    parser.add_argument("--text", type=Path, nargs="*",
+                        help=f"text files (default: the *.md files of {SEEDS})")
+    parser.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced window")
+    parser.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    paths = args.text or sorted(SEEDS.glob("*.md"))
+    ids = load_tokenizer(resolve_model(args.model)).encode(read_text(paths))
+    if args.max_tokens:
+        ids = ids[:args.max_tokens]
+    exact, quantized = build(args.model, "none"), build(args.model, args.quantization)
+    agree = total = 0
+    nll = {"float32": 0.0, args.quantization: 0.0}
+    for start in range(0, len(ids) - 1, args.window):
+        window = ids[start:start + args.window + 1]
+        if len(window) < 2:
+            break
+        targets = torch.tensor(window[1:])
+        for name, model in (("float32", exact), (args.quantization, quantized)):
+            logits = window_logits(model, window[:-1])
+            nll[name] += -torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum().item()
+            top1 = logits.argmax(-1)
+            if name == "float32":
+                reference = top1
+            else:
+                agree += int((top1 == reference).sum())
+        total += len(targets)
+    ppl = {name: math.exp(value / total) for name, value in nll.items()}
+    change = ppl[args.quantization] / ppl["float32"] - 1
+    print(f"text: {len(paths)} file(s), {total} scored tokens in windows of {args.window}")
+    print(f"top-1 agreement with float32 (teacher-forced): {agree / total:.2%} ({agree}/{total})")
+    print(f"perplexity: float32 {ppl['float32']:.3f}, {args.quantization} "
+          f"{ppl[args.quantization]:.3f} ({change:+.2%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""--quantization int8 (runtime/layers/quantization.py): the int8 projection against float32,
+which weights it replaces, the options it refuses, and a real engine answering with it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.config import EngineConfig
+from protocol.sampling import SamplingParams
+from runtime import LLM
+from runtime.bucketing import compiling
+from runtime.layers.attention import AttentionBatch, PrefillChunk
+from runtime.layers.linear import linear
+from runtime.layers.quantization import Int8Weight, int8_linear, quantize_linear_weights
+from runtime.model_config import ModelConfig
+from runtime.models.llama import LlamaForCausalLM
+
+
+def tiny_model(seed: int) -> LlamaForCausalLM:
+    config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, rope_theta=1000.0, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
+    model = LlamaForCausalLM(config, torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            base = 1.0 if "norm" in name else 0.0
+            param.copy_(base + 0.2 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def test_weight_rounding_is_half_a_step_per_output_channel() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 32) * torch.logspace(-2, 1, 48)[:, None]     # channels of very different size
+    q = Int8Weight.quantize(w)
+    assert q.weight_t.dtype == torch.int8 and q.weight_t.shape == (32, 48) and q.shape == (48, 32)
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+
+
+def test_int8_linear_is_the_product_with_the_rounded_weights() -> None:
+    """Activations lose (almost) nothing: the two int8 parts of each token leave the weights'
+    rounding as the only error, even with an outlier channel that would crush one int8 part."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 7, 64)
+    x[..., 3] *= 50                                              # an outlier channel
+    w, bias = torch.randn(40, 64) * 0.1, torch.randn(40)
+    q = Int8Weight.quantize(w)
+    out = int8_linear(x, q, bias)
+    assert out.shape == (5, 7, 40) and out.dtype == torch.float32
+    expected = x @ q.dequantize().t() + bias
+    assert ((out - expected).norm() / expected.norm()).item() < 2e-4
+    assert ((out - (x @ w.t() + bias)).norm() / expected.norm()).item() < 2e-2
+    # A zero row (padding) gives exactly the bias; linear() dispatches on the weight's type.
+    zeros = torch.zeros(3, 64)
+    assert torch.equal(linear(zeros, q, bias), bias.expand(3, 40))
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    config, n = model.config, len(ids)
+    caches = [(torch.zeros(n, config.num_key_value_heads, config.head_dim),
+               torch.zeros(n, config.num_key_value_heads, config.head_dim))
+              for _ in range(config.num_hidden_layers)]
+    batch = AttentionBatch(block_size=n, slot_mapping=torch.arange(n), decodes=[],
+                           prefills=[PrefillChunk(0, n, None, None)])
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, batch))
+
+
+def test_quantizing_a_model_replaces_its_projections_and_keeps_its_predictions() -> None:
+    model = tiny_model(seed=5)
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    exact = _logits(model, ids.tolist())
+    lm_head = model.lm_head
+    assert quantize_linear_weights(model, "none") == 0
+    assert quantize_linear_weights(model, "int8") == 4 * config.num_hidden_layers
+    for layer in model.layers:
+        for weight in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            assert isinstance(weight, Int8Weight)
+    assert model.lm_head is lm_head                # the LM head stays float
+    quantized = _logits(model, ids.tolist())
+    # Per-channel int8 weights on random gaussian ones: ~3% logit error over two layers; a wrong
+    # scale or layout would be off by far more.
+    assert ((quantized - exact).norm() / exact.norm()).item() < 0.05
+    assert (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_linear_weights(model, "int3")
+
+
+def test_int8_on_cuda_is_refused_with_what_to_change_and_compile_leaves_it_eager() -> None:
+    with pytest.raises(ValueError, match="use --device cpu, or --quantization none on CUDA"):
+        EngineConfig(quantization="int8", device="cuda")
+    assert compiling(EngineConfig(compile=True))
+    assert not compiling(EngineConfig(compile=True, quantization="int8"))
+
+
+def test_an_int8_engine_answers() -> None:
+    with LLM("smollm2", quantization="int8", num_kv_blocks=256) as llm:
+        out = llm.generate("The capital of France is",
+                           SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert out.text.strip().startswith("Paris"), out.text
