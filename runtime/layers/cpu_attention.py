@@ -7,38 +7,16 @@ and 8 SDPA calls per layer. The operator in cpu_attention.cpp reads each token's
 from its slot, for the whole batch in one call, split over the intra-op threads by (sequence,
 KV head). It computes the same softmax(q k^T * scale) v in float32.
 
-It is compiled for this machine (-O3 -march=native) the first time a worker needs it, with
-torch's C++ extension builder (a C++ compiler and ninja), and cached under
-TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions); `load()` says whether it is usable.
+It is built with the project's other CPU operators (runtime.layers.cpu_ops) the first time a
+worker needs it; `load()` says whether it is usable.
 """
 from __future__ import annotations
 
-import functools
-import logging
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger("spmd.attention")
+from runtime.layers.cpu_ops import load
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-
-
-@functools.cache
-def load() -> bool:
-    """Build (once per machine) and load the operator; False, with the reason logged, where it
-    cannot be built here."""
-    try:
-        from torch.utils import cpp_extension
-        cpp_extension.load(name="spmd_cpu_attention", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
-    except Exception as error:          # no compiler, no ninja, a build error: use the torch path
-        log.warning("the CPU decode-attention kernel could not be built (%s); decode attention "
-                    "gathers its context instead", str(error).strip().splitlines()[-1:])
-        return False
-    return hasattr(torch.ops.spmd_cpu, "paged_decode_attention")
+__all__ = ["load", "paged_decode_attention"]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

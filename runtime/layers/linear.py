@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.quantization import Int8Weight, int8_linear
+from runtime.layers.quantization import Int8Weight, RescoredInt8Head, int8_linear
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -25,10 +25,12 @@ def _onednn_linear_op():
 _onednn_linear = _onednn_linear_op()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight,
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | RescoredInt8Head,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
+    if isinstance(weight, RescoredInt8Head):
+        return weight.logits(x)
     # Under torch.compile the compiler picks its own GEMM (it cannot lower this op as called).
     if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
             and not torch.compiler.is_compiling()):

@@ -11,7 +11,14 @@ from runtime import LLM
 from runtime.bucketing import compiling
 from runtime.layers.attention import AttentionBatch, PrefillChunk
 from runtime.layers.linear import linear
-from runtime.layers.quantization import Int8Weight, int8_linear, quantize_linear_weights
+from runtime.layers import cpu_ops
+from runtime.layers.quantization import (
+    Int8Weight,
+    RescoredInt8Head,
+    int8_linear,
+    int8_linear_reference,
+    quantize_linear_weights,
+)
 from runtime.model_config import ModelConfig
 from runtime.models.llama import LlamaForCausalLM
 
@@ -57,6 +64,17 @@ def test_int8_linear_is_the_product_with_the_rounded_weights() -> None:
     assert torch.equal(linear(zeros, q, bias), bias.expand(3, 40))
 
 
+@pytest.mark.skipif(not cpu_ops.load(), reason="the C++ operators cannot be built here")
+def test_the_cpp_element_wise_ends_give_the_bits_of_the_torch_chain() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(33, 96) * torch.logspace(-3, 2, 96)
+    x[4] = 0.0                                                   # a padding row
+    q = Int8Weight.quantize(torch.randn(50, 96))
+    bias = torch.randn(50)
+    assert torch.equal(int8_linear(x, q, bias), int8_linear_reference(x, q, bias))
+    assert torch.equal(int8_linear(x[:1], q, None), int8_linear_reference(x[:1], q, None))
+
+
 def _logits(model, ids: list[int]) -> torch.Tensor:
     config, n = model.config, len(ids)
     caches = [(torch.zeros(n, config.num_key_value_heads, config.head_dim),
@@ -75,12 +93,14 @@ def test_quantizing_a_model_replaces_its_projections_and_keeps_its_predictions()
     exact = _logits(model, ids.tolist())
     lm_head = model.lm_head
     assert quantize_linear_weights(model, "none") == 0
-    assert quantize_linear_weights(model, "int8") == 4 * config.num_hidden_layers
+    assert quantize_linear_weights(model, "int8") == 4 * config.num_hidden_layers + 1
     for layer in model.layers:
         for weight in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
             assert isinstance(weight, Int8Weight)
-    assert model.lm_head is lm_head                # the LM head stays float
+    # The LM head: int8 scores, its float table (not a copy) for re-scoring the candidates.
+    assert isinstance(model.lm_head, RescoredInt8Head) and model.lm_head.weight is not None
+    assert model.lm_head.weight.data_ptr() == lm_head.data_ptr()
     quantized = _logits(model, ids.tolist())
     # Per-channel int8 weights on random gaussian ones: ~3% logit error over two layers; a wrong
     # scale or layout would be off by far more.
@@ -88,6 +108,17 @@ def test_quantizing_a_model_replaces_its_projections_and_keeps_its_predictions()
     assert (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_linear_weights(model, "int3")
+
+
+def test_the_rescored_head_gives_float_logits_for_its_candidates() -> None:
+    torch.manual_seed(3)
+    table, hidden = torch.randn(300, 32), torch.randn(6, 32)
+    head = RescoredInt8Head(Int8Weight.quantize(table), table, candidates=5)
+    logits, exact = linear(hidden, head), hidden @ table.t()
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    rescored = (logits - exact).abs() < 1e-4          # the 5 candidates of each row, at least
+    assert (rescored.sum(-1) >= 5).all() and rescored.gather(1, exact.argmax(-1, keepdim=True)).all()
+    assert ((logits - exact).norm() / exact.norm()).item() < 0.02      # the rest: int8 scores
 
 
 def test_int8_on_cuda_is_refused_with_what_to_change_and_compile_leaves_it_eager() -> None:
