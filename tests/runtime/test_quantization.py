@@ -9,9 +9,9 @@ from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 from runtime import LLM
 from runtime.bucketing import compiling
+from runtime.layers import cpu_ops
 from runtime.layers.attention import AttentionBatch, PrefillChunk
 from runtime.layers.linear import linear
-from runtime.layers import cpu_ops
 from runtime.layers.quantization import (
     Int8Weight,
     RescoredInt8Head,
