@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from runtime.layers.attention import AttentionBatch, PrefillChunk  # noqa: E402
 from runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights  # noqa: E402
 from runtime.loaders import load_model, resolve_model  # noqa: E402
 from runtime.models.llama import LlamaForCausalLM  # noqa: E402
@@ -36,19 +35,6 @@ def build(model: str, quantization: str) -> LlamaForCausalLM:
     llama.load_hf_state_dict(weights)
     quantize_linear_weights(llama.eval(), quantization)
     return llama
-
-
-@torch.no_grad()
-def window_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """Float32 logits [len(ids), vocab] of one fresh prompt (causal, no cached context)."""
-    config, n = model.config, len(ids)
-    caches = [(torch.zeros(n, config.num_key_value_heads, config.head_dim),
-               torch.zeros(n, config.num_key_value_heads, config.head_dim))
-              for _ in range(config.num_hidden_layers)]
-    batch = AttentionBatch(block_size=n, slot_mapping=torch.arange(n), decodes=[],
-                           prefills=[PrefillChunk(0, n, None, None)])
-    hidden = model(torch.tensor(ids), torch.arange(n), caches, batch)
-    return model.compute_logits(hidden)
 
 
 def read_text(paths: list[Path]) -> str:
@@ -78,7 +64,7 @@ def main() -> int:
             break
         targets = torch.tensor(window[1:])
         for name, model in (("float32", exact), (args.quantization, quantized)):
-            logits = window_logits(model, window[:-1])
+            logits = model.prompt_logits(window[:-1])
             nll[name] += -torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum().item()
             top1 = logits.argmax(-1)
             if name == "float32":

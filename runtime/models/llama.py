@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.layers.attention import AttentionBatch, paged_attention
+from runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
 from runtime.layers.linear import linear
 from runtime.layers.norm import RMSNorm, rms_norm
 from runtime.layers.parallel import (
@@ -151,6 +151,19 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, batch, pieces)
         return self.norm(x)
+
+    @torch.no_grad()
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """Float logits [len(ids), vocab] at every position of one fresh prompt (causal, no cached
+        context), through a scratch KV cache of its own: for evaluation tools, not serving."""
+        n, config = len(ids), self.config
+        kv_heads = self.shards.num_kv_heads
+        caches = [(torch.zeros(n, kv_heads, config.head_dim, dtype=self.embed_tokens.dtype),
+                   torch.zeros(n, kv_heads, config.head_dim, dtype=self.embed_tokens.dtype))
+                  for _ in range(config.num_hidden_layers)]
+        batch = AttentionBatch(block_size=n, slot_mapping=torch.arange(n), decodes=[],
+                               prefills=[PrefillChunk(0, n, None, None)])
+        return self.compute_logits(self(torch.tensor(ids), torch.arange(n), caches, batch))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (shards gathered), so all ranks sample alike."""

@@ -10,7 +10,6 @@ from protocol.sampling import SamplingParams
 from runtime import LLM
 from runtime.bucketing import compiling
 from runtime.layers import cpu_ops
-from runtime.layers.attention import AttentionBatch, PrefillChunk
 from runtime.layers.linear import linear
 from runtime.layers.quantization import (
     Int8Weight,
@@ -75,22 +74,11 @@ def test_the_cpp_element_wise_ends_give_the_bits_of_the_torch_chain() -> None:
     assert torch.equal(int8_linear(x[:1], q, None), int8_linear_reference(x[:1], q, None))
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    config, n = model.config, len(ids)
-    caches = [(torch.zeros(n, config.num_key_value_heads, config.head_dim),
-               torch.zeros(n, config.num_key_value_heads, config.head_dim))
-              for _ in range(config.num_hidden_layers)]
-    batch = AttentionBatch(block_size=n, slot_mapping=torch.arange(n), decodes=[],
-                           prefills=[PrefillChunk(0, n, None, None)])
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, batch))
-
-
 def test_quantizing_a_model_replaces_its_projections_and_keeps_its_predictions() -> None:
     model = tiny_model(seed=5)
     config = model.config
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    exact = _logits(model, ids.tolist())
+    exact = model.prompt_logits(ids.tolist())
     lm_head = model.lm_head
     assert quantize_linear_weights(model, "none") == 0
     assert quantize_linear_weights(model, "int8") == 4 * config.num_hidden_layers + 1
@@ -101,7 +89,7 @@ def test_quantizing_a_model_replaces_its_projections_and_keeps_its_predictions()
     # The LM head: int8 scores, its float table (not a copy) for re-scoring the candidates.
     assert isinstance(model.lm_head, RescoredInt8Head) and model.lm_head.weight is not None
     assert model.lm_head.weight.data_ptr() == lm_head.data_ptr()
-    quantized = _logits(model, ids.tolist())
+    quantized = model.prompt_logits(ids.tolist())
     # Per-channel int8 weights on random gaussian ones: ~3% logit error over two layers; a wrong
     # scale or layout would be off by far more.
     assert ((quantized - exact).norm() / exact.norm()).item() < 0.05
