@@ -33,6 +33,18 @@ struct Layout {
   float scale;
 };
 
+// Calls visit(t, row) for each context token t of a sequence with its cache row (all KV heads
+// side by side), walking the block table block by block.
+template <typename index_t, typename Visit>
+inline void for_each_row(const Layout& L, const float* cache, const index_t* table, int64_t length,
+                         Visit visit) {
+  for (int64_t t0 = 0, b = 0; t0 < length; t0 += L.block_size, ++b) {
+    const float* block = cache + static_cast<int64_t>(table[b]) * L.block_size * L.slot_stride;
+    const int64_t n = std::min(L.block_size, length - t0);
+    for (int64_t i = 0; i < n; ++i) visit(t0 + i, block + i * L.slot_stride);
+  }
+}
+
 // One sequence, every head: its context is walked block by block and each token's K (then V)
 // row, all KV heads side by side, is read once, front to back, which the hardware prefetcher
 // follows (a task per KV head would read a third of each row, strided).
@@ -40,19 +52,14 @@ template <typename index_t>
 void attend_sequence(const Layout& L, const float* q, const float* k_cache, const float* v_cache,
                      const index_t* table, int64_t length, float* out, std::vector<float>& scores,
                      std::vector<float>& acc) {
-  const int64_t G = L.group, D = L.head_dim, bs = L.block_size, KV = L.kv_heads;
-  const int64_t heads = KV * G;
+  const int64_t G = L.group, D = L.head_dim;
+  const int64_t heads = L.kv_heads * G;
   scores.resize(heads * length);
   acc.assign(heads * D, 0.f);
-  for (int64_t t0 = 0, b = 0; t0 < length; t0 += bs, ++b) {
-    const float* k_block = k_cache + static_cast<int64_t>(table[b]) * bs * L.slot_stride;
-    const int64_t n = std::min(bs, length - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* k_row = k_block + i * L.slot_stride;
-      for (int64_t h = 0; h < heads; ++h)
-        scores[h * length + t0 + i] = dot(q + h * L.q_head_stride, k_row + (h / G) * D, D) * L.scale;
-    }
-  }
+  for_each_row(L, k_cache, table, length, [&](int64_t t, const float* k_row) {
+    for (int64_t h = 0; h < heads; ++h)
+      scores[h * length + t] = dot(q + h * L.q_head_stride, k_row + (h / G) * D, D) * L.scale;
+  });
   std::vector<float> inv_sum(heads);
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * length;
@@ -65,15 +72,10 @@ void attend_sequence(const Layout& L, const float* q, const float* k_cache, cons
     }
     inv_sum[h] = 1.f / total;
   }
-  for (int64_t t0 = 0, b = 0; t0 < length; t0 += bs, ++b) {
-    const float* v_block = v_cache + static_cast<int64_t>(table[b]) * bs * L.slot_stride;
-    const int64_t n = std::min(bs, length - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v_row = v_block + i * L.slot_stride;
-      for (int64_t h = 0; h < heads; ++h)
-        add_scaled(acc.data() + h * D, v_row + (h / G) * D, scores[h * length + t0 + i], D);
-    }
-  }
+  for_each_row(L, v_cache, table, length, [&](int64_t t, const float* v_row) {
+    for (int64_t h = 0; h < heads; ++h)
+      add_scaled(acc.data() + h * D, v_row + (h / G) * D, scores[h * length + t], D);
+  });
   for (int64_t h = 0; h < heads; ++h) {
     float* o = out + h * D;
     for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv_sum[h];

@@ -4,8 +4,8 @@ The torch path (runtime.layers.attention) gathers each decode group's context bl
 contiguous copy and runs SDPA over it, a group of a few sequences at a time: every context
 token's K and V are read, written and read again, and a batch of 64 decodes costs 16 gathers
 and 8 SDPA calls per layer. The operator in cpu_attention.cpp reads each token's K and V once,
-from its slot, for the whole batch in one call, split over the intra-op threads by (sequence,
-KV head). It computes the same softmax(q k^T * scale) v in float32.
+from its slot, for the whole batch in one call, split over the intra-op threads by sequence.
+It computes the same softmax(q k^T * scale) v in float32.
 
 It is built with the project's other CPU operators (runtime.layers.cpu_ops) the first time a
 worker needs it; `load()` says whether it is usable.

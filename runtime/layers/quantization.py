@@ -71,8 +71,7 @@ def int8_linear_reference(x: torch.Tensor, weight: Int8Weight,
     (both give the same bits)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    # A zero row gets a tiny scale and quantizes to zeros, so its result is exactly zero.
-    x_scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp_min_(1e-12).div_(127.0)
+    x_scale = token_scales(rows)
     scaled = rows / x_scale
     hi = scaled.round()
     lo = scaled.sub_(hi).mul_(_LO_STEPS).round_()
@@ -82,6 +81,12 @@ def int8_linear_reference(x: torch.Tensor, weight: Int8Weight,
     if bias is not None:
         out.add_(bias)
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+def token_scales(rows: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] float32: each row's largest |x| over 127 (its int8 step). A zero row gets a tiny
+    scale and quantizes to zeros, so its result is exactly zero."""
+    return rows.abs().amax(dim=-1, keepdim=True).float().clamp_min_(1e-12).div_(127.0)
 
 
 # hi's rounding error lies in [-0.5, 0.5]: times 254 it fills int8's [-127, 127].
@@ -106,7 +111,7 @@ class RescoredInt8Head:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
-        x_scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp_min_(1e-12).div_(127.0)
+        x_scale = token_scales(rows)
         q = torch.round(rows / x_scale).to(torch.int8)
         logits = torch._int_mm(q, self.scores.weight_t).to(torch.float32)
         logits.mul_(x_scale).mul_(self.scores.scale)
@@ -115,7 +120,7 @@ class RescoredInt8Head:
         return logits.scatter_(1, top, exact.to(logits.dtype)).view(*hidden.shape[:-1], -1)
 
 
-def _swap(module: nn.Module, name: str, quantized: Int8Weight) -> None:
+def _swap(module: nn.Module, name: str, quantized: Int8Weight | RescoredInt8Head) -> None:
     # A registered parameter can only be replaced by another parameter: unregister it first.
     if name in module._parameters:
         del module._parameters[name]
