@@ -50,8 +50,7 @@ from peer_common import (  # noqa: E402
     throughput_spec,
     write_json,
 )
-
-from launch.bench import (  # noqa: E402
+from spmd_runtime.launch.bench import (  # noqa: E402
     TABLE_HEADER,
     ThroughputReport,
     ThroughputWorkload,
@@ -59,7 +58,7 @@ from launch.bench import (  # noqa: E402
     run_throughput,
     throughput_workload_from_args,
 )
-from protocol.config import EngineConfig  # noqa: E402
+from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
 
 MODEL = "smollm2"
 CACHE = Path.home() / ".cache" / "spmd-bench"
@@ -79,7 +78,7 @@ class Engine:
 
 
 def ours_generate(llm) -> Generate:
-    from protocol.sampling import SamplingParams
+    from spmd_runtime.protocol.sampling import SamplingParams
 
     def generate(prompts, output_lens) -> list[list[int]]:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -94,7 +93,7 @@ def run_ours(engine: str, options: dict, spec: dict, agreement_prompts: int = AG
     """Our engine on the spec: throughput runs through launch.bench.run_throughput, then the
     first agreement_prompts prompts again (untimed) for their token ids; latency runs as the
     peers time them."""
-    from runtime import LLM
+    from spmd_runtime.runtime import LLM
     started = time.perf_counter()
     with LLM(MODEL, dtype="float32", device="cpu",
              **{"max_num_seqs": spec["max_num_seqs"], **options}) as llm:
@@ -313,7 +312,7 @@ def main() -> int:
         engines = engines_from_args(args)
     except ValueError as error:
         parser.error(str(error))
-    from runtime.loaders import load_model_config, resolve_model
+    from spmd_runtime.runtime.loaders import load_model_config, resolve_model
     runs = workload_runs(workload, load_model_config(resolve_model(MODEL)).vocab_size)
     spec = peer_spec(runs, args.max_num_seqs)
     print(f"workload {args.workload}: {workload.describe()}, seed {workload.seed}; {MODEL} float32 "

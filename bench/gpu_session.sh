@@ -57,7 +57,7 @@ b)
     fi
     ;;
 c)
-    run throughput 570 python3 -m launch.cli bench throughput --workload issue10 \
+    run throughput 570 python3 -m spmd_runtime.launch.cli bench throughput --workload issue10 \
         --load-format dummy --model-config llama-3.2-1b --dtype bfloat16 --device cuda \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2176 --with-peer --json
     ;;

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launch.bench import (  # noqa: E402
+from spmd_runtime.launch.bench import (  # noqa: E402
     TABLE_HEADER,
     ThroughputReport,
     add_peer_options,
@@ -36,9 +36,9 @@ from launch.bench import (  # noqa: E402
     run_throughput,
     throughput_workload_from_args,
 )
-from protocol.config import EngineConfig  # noqa: E402
-from runtime.loaders import load_model, load_model_config, resolve_model  # noqa: E402
-from runtime.model_config import MODEL_PRESETS  # noqa: E402
+from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
+from spmd_runtime.runtime.loaders import load_model, load_model_config, resolve_model  # noqa: E402
+from spmd_runtime.runtime.model_config import MODEL_PRESETS  # noqa: E402
 
 # The row's label (the table's engine column is 24 characters wide).
 ENGINE = "transformers (sdpa)"
@@ -198,7 +198,7 @@ def run_transformers(model: str, prompts: list[list[int]], output_lens: list[int
 
 def run_ours(model: str, prompts: list[list[int]], output_lens: list[int], dtype: str, device: str,
              seed: int, options: dict) -> ThroughputReport:
-    from runtime import LLM
+    from spmd_runtime.runtime import LLM
     with LLM(model, dtype=dtype, device=device, dummy_seed=seed, **options) as llm:
         return run_throughput(llm.client, prompts, output_lens, "spmd-runtime")
 

@@ -18,13 +18,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from protocol.config import EngineConfig  # noqa: E402
-from protocol.messages import NewRequestData, StepPlan  # noqa: E402
-from protocol.sampling import SamplingParams  # noqa: E402
-from worker_proc.distributed import DistributedContext  # noqa: E402
-from worker_proc.model_runner import HOST  # noqa: E402
-from worker_proc.worker import build_runner  # noqa: E402
+from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan  # noqa: E402
+from spmd_runtime.protocol.sampling import SamplingParams  # noqa: E402
+from spmd_runtime.worker_proc.distributed import DistributedContext  # noqa: E402
+from spmd_runtime.worker_proc.model_runner import HOST  # noqa: E402
+from spmd_runtime.worker_proc.worker import build_runner  # noqa: E402
 
 
 def main() -> int:

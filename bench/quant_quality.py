@@ -20,11 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights  # noqa: E402
-from runtime.loaders import load_model, resolve_model  # noqa: E402
-from runtime.models.llama import LlamaForCausalLM  # noqa: E402
-from runtime.tokenizer import load_tokenizer  # noqa: E402
+from spmd_runtime.runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights  # noqa: E402
+from spmd_runtime.runtime.loaders import load_model, resolve_model  # noqa: E402
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM  # noqa: E402
+from spmd_runtime.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from cpu_peers import MODEL, add_engine_options, engines_from_args, throughput_report
 from peer_common import peer_spec, throughput_spec
-
-from launch.bench import ThroughputWorkload
+from spmd_runtime.launch.bench import ThroughputWorkload
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "scaling_cpu.png"
 
@@ -90,7 +89,7 @@ def main() -> int:
         engines = engines_from_args(args, agreement_prompts=0)
     except ValueError as error:
         parser.error(str(error))
-    from runtime.loaders import load_model_config, resolve_model
+    from spmd_runtime.runtime.loaders import load_model_config, resolve_model
     runs = sweep_runs(concurrency, args.prompt_len, args.output_len,
                       load_model_config(resolve_model(MODEL)).vocab_size, args.seed)
     spec = peer_spec(runs, max_num_seqs=max(concurrency))

@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-
-from worker_proc.thermal import ThermalMonitor  # noqa: E402
+from spmd_runtime.worker_proc.thermal import ThermalMonitor  # noqa: E402
 
 
 def busy(ms: float) -> None:
@@ -74,7 +73,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, results) -
 
 
 def engine_runs(args: argparse.Namespace) -> None:
-    from runtime import LLM, SamplingParams
+    from spmd_runtime.runtime import LLM, SamplingParams
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (int(n),), generator=g).tolist()
                for n in torch.randint(32, 129, (args.num_requests,), generator=g)]

@@ -1,6 +1,6 @@
-"""`python -m launch ...` is `spmdrun ...`."""
+"""`python -m spmd_runtime.launch ...` is `spmdrun ...`."""
 import sys
 
-from launch.cli import main
+from spmd_runtime.launch.cli import main
 
 sys.exit(main())

@@ -167,7 +167,7 @@ def run_throughput(client, prompts: list[list[int]], output_lens: int | Sequence
     """Time one offline batch through an engine client (greedy, EOS ignored, the output length
     of each prompt, or one for all). alive() tells whether the engine's processes still run (a
     dead engine fails at once); auth_token is the server's --auth-token, if it has one."""
-    from protocol.sampling import SamplingParams
+    from spmd_runtime.protocol.sampling import SamplingParams
     lens = [output_lens] * len(prompts) if isinstance(output_lens, int) else list(output_lens)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
     # Warm-up on tokens no benchmark prompt starts with, so it seeds no prefix cache hit.
@@ -182,8 +182,8 @@ def run_throughput(client, prompts: list[list[int]], output_lens: int | Sequence
 def _generate_each(address: str, prompts: list[list[int]], params: list, description: str,
                    alive, auth_token: str) -> list:
     """launch.progress.generate_with_progress with sampling parameters per prompt."""
-    from launch.progress import Progress
-    from runtime.async_client import AsyncClient
+    from spmd_runtime.launch.progress import Progress
+    from spmd_runtime.runtime.async_client import AsyncClient
 
     async def run() -> list:
         async with AsyncClient(address, alive=alive, auth_token=auth_token) as client:

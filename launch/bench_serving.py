@@ -16,9 +16,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from launch.progress import Progress
-from protocol.sampling import SamplingParams
-from runtime.async_client import AsyncClient
+from spmd_runtime.launch.progress import Progress
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.async_client import AsyncClient
 
 
 @dataclass

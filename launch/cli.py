@@ -9,12 +9,11 @@ import math
 import sys
 
 import msgspec
-
-from launch.bench import add_peer_options, add_throughput_workload_options
-from protocol.config import EngineConfig, engine_config_choices, engine_config_fields
-from protocol.sampling import SamplingParams
-from runtime.log_format import configure_logging
-from runtime.model_config import MODEL_PRESETS
+from spmd_runtime.launch.bench import add_peer_options, add_throughput_workload_options
+from spmd_runtime.protocol.config import EngineConfig, engine_config_choices, engine_config_fields
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.log_format import configure_logging
+from spmd_runtime.runtime.model_config import MODEL_PRESETS
 
 LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
 
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     configure_logging(config.log_level)
-    from launch import commands
+    from spmd_runtime.launch import commands
     if args.command == "generate":
         return commands.generate(config, args)
     if args.command == "serve":

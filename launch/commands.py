@@ -10,8 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-
-from launch.bench import (
+from spmd_runtime.launch.bench import (
     TABLE_HEADER,
     ThroughputReport,
     random_workload,
@@ -19,18 +18,18 @@ from launch.bench import (
     shared_prefix_workload,
     throughput_workload_from_args,
 )
-from launch.bench_serving import ServingReport, measure, served_model
-from launch.cli import sampling_from_args
-from launch.http_front import start_http_front
-from launch.progress import generate_with_progress
-from launch.running import RunningEngine, exit_with_failure
-from launch.supervisor import ChildExited
-from protocol.config import EngineConfig
-from protocol.messages import EngineStats
-from protocol.transport import free_tcp_port
-from runtime.chat import chat_prompt_ids
-from runtime.client import EngineError
-from runtime.loaders.source import DUMMY_PREFIX
+from spmd_runtime.launch.bench_serving import ServingReport, measure, served_model
+from spmd_runtime.launch.cli import sampling_from_args
+from spmd_runtime.launch.http_front import start_http_front
+from spmd_runtime.launch.progress import generate_with_progress
+from spmd_runtime.launch.running import RunningEngine, exit_with_failure
+from spmd_runtime.launch.supervisor import ChildExited
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import EngineStats
+from spmd_runtime.protocol.transport import free_tcp_port
+from spmd_runtime.runtime.chat import chat_prompt_ids
+from spmd_runtime.runtime.client import EngineError
+from spmd_runtime.runtime.loaders.source import DUMMY_PREFIX
 
 
 def _supervise_workers_only(engine: RunningEngine) -> int:

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import msgspec
-
-from launch.supervisor import Supervisor, spawn_python
-from protocol.config import EngineConfig
-from protocol.transport import free_tcp_port, private_ipc_address
+from spmd_runtime.launch.supervisor import Supervisor, spawn_python
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.transport import free_tcp_port, private_ipc_address
 
 
 def complete_addresses(config: EngineConfig) -> EngineConfig:
@@ -28,7 +27,7 @@ def start_engine(config: EngineConfig, supervisor: Supervisor) -> EngineConfig:
     """Spawn this node's processes under `supervisor`; returns the completed config."""
     config = complete_addresses(config)
     if config.node_rank == 0:
-        supervisor.add("scheduler", spawn_python("scheduler_proc", [config.to_json()]))
+        supervisor.add("scheduler", spawn_python("spmd_runtime.scheduler_proc", [config.to_json()]))
     start_workers(config, supervisor)
     return config
 
@@ -48,4 +47,4 @@ def start_workers(config: EngineConfig, supervisor: Supervisor, generation: int 
             "MASTER_PORT": str(master_port or config.master_port),
             "SPMD_WORKER_GENERATION": str(generation),
         }
-        supervisor.add(f"worker rank {rank}", spawn_python("worker_proc", [payload], env))
+        supervisor.add(f"worker rank {rank}", spawn_python("spmd_runtime.worker_proc", [payload], env))

@@ -6,8 +6,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from launch.supervisor import Supervisor, spawn_python
-from protocol.config import EngineConfig
+from spmd_runtime.launch.supervisor import Supervisor, spawn_python
+from spmd_runtime.protocol.config import EngineConfig
 
 # Where to reach a front bound to a wildcard address from this machine.
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
@@ -20,9 +20,9 @@ def http_url(config: EngineConfig) -> str:
 
 def start_http_front(config: EngineConfig, supervisor: Supervisor, alive: Callable[[], bool],
                      timeout_s: float = 300.0) -> str:
-    """Spawn `python -m runtime.serving` for the engine at config.rpc_address and wait until its
+    """Spawn `python -m spmd_runtime.runtime.serving` for the engine at config.rpc_address and wait until its
     /health answers; returns its URL. Raises RuntimeError when it does not come up."""
-    supervisor.add("http front", spawn_python("runtime.serving", [config.to_json()]))
+    supervisor.add("http front", spawn_python("spmd_runtime.runtime.serving", [config.to_json()]))
     url = http_url(config)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from protocol.sampling import SamplingParams
-from runtime.async_client import AsyncClient
-from runtime.outputs import RequestOutput
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.async_client import AsyncClient
+from spmd_runtime.runtime.outputs import RequestOutput
 
 log = logging.getLogger("spmd.progress")
 

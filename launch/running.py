@@ -8,13 +8,12 @@ import time
 
 import msgspec
 import zmq
-
-from launch.engine import start_engine, start_workers
-from launch.supervisor import Child, ChildExited, Supervisor
-from protocol.config import EngineConfig
-from protocol.messages import WorkersLost
-from protocol.transport import free_tcp_port, private_ipc_address
-from runtime.client import Client
+from spmd_runtime.launch.engine import start_engine, start_workers
+from spmd_runtime.launch.supervisor import Child, ChildExited, Supervisor
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import WorkersLost
+from spmd_runtime.protocol.transport import free_tcp_port, private_ipc_address
+from spmd_runtime.runtime.client import Client
 
 RESTART_WINDOW_S = 3600.0
 

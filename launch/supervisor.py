@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.process import spawn_python
+from spmd_runtime.runtime.process import spawn_python
 
 __all__ = ["Child", "ChildExited", "Supervisor", "spawn_python"]
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
-
-from protocol.sampling import SamplingParams
+from spmd_runtime.protocol.sampling import SamplingParams
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,

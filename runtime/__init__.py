@@ -5,17 +5,17 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from protocol.sampling import SamplingParams
-    from runtime.client import Client, StreamDelta
-    from runtime.llm import LLM
-    from runtime.outputs import RequestOutput
+    from spmd_runtime.protocol.sampling import SamplingParams
+    from spmd_runtime.runtime.client import Client, StreamDelta
+    from spmd_runtime.runtime.llm import LLM
+    from spmd_runtime.runtime.outputs import RequestOutput
 
 _LAZY = {
-    "SamplingParams": "protocol.sampling",
-    "Client": "runtime.client",
-    "StreamDelta": "runtime.client",
-    "LLM": "runtime.llm",
-    "RequestOutput": "runtime.outputs",
+    "SamplingParams": "spmd_runtime.protocol.sampling",
+    "Client": "spmd_runtime.runtime.client",
+    "StreamDelta": "spmd_runtime.runtime.client",
+    "LLM": "spmd_runtime.runtime.llm",
+    "RequestOutput": "spmd_runtime.runtime.outputs",
 }
 
 __all__ = ["LLM", "Client", "RequestOutput", "SamplingParams", "StreamDelta"]
@@ -24,4 +24,4 @@ __all__ = ["LLM", "Client", "RequestOutput", "SamplingParams", "StreamDelta"]
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    raise AttributeError(f"module 'spmd_runtime.runtime' has no attribute {name!r}")

@@ -14,8 +14,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
-
-from protocol.messages import (
+from spmd_runtime.protocol.messages import (
     AbortRequest,
     AddRequest,
     AdminBatchReply,
@@ -31,10 +30,10 @@ from protocol.messages import (
     StatsRequest,
     server_decoder,
 )
-from protocol.sampling import SamplingParams
-from protocol.transport import Encoder, make_socket
-from runtime.client import EngineError
-from runtime.outputs import RequestOutput
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.transport import Encoder, make_socket
+from spmd_runtime.runtime.client import EngineError
+from spmd_runtime.runtime.outputs import RequestOutput
 
 log = logging.getLogger("spmd.async_client")
 

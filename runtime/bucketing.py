@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.config import EngineConfig
+from spmd_runtime.protocol.config import EngineConfig
 
 Bucket = tuple[int, int]        # (batch size, sequence or context length)
 

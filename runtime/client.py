@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
-
-from protocol.messages import (
+from spmd_runtime.protocol.messages import (
     AbortRequest,
     AddRequest,
     AdminBatchReply,
@@ -27,10 +26,10 @@ from protocol.messages import (
     StatsRequest,
     server_decoder,
 )
-from protocol.sampling import SamplingParams
-from protocol.transport import Encoder, make_socket
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.outputs import RequestOutput
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.transport import Encoder, make_socket
+from spmd_runtime.runtime.detokenizer import IncrementalDetokenizer
+from spmd_runtime.runtime.outputs import RequestOutput
 
 Prompt = str | Sequence[int]
 
@@ -96,8 +95,8 @@ class Client:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from runtime.loaders.source import resolve_model
-            from runtime.tokenizer import load_tokenizer
+            from spmd_runtime.runtime.loaders.source import resolve_model
+            from spmd_runtime.runtime.tokenizer import load_tokenizer
             self._tokenizer = load_tokenizer(resolve_model(self.model_info().model))
         return self._tokenizer
 

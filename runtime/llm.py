@@ -6,14 +6,13 @@ import subprocess
 from collections.abc import Sequence
 
 import msgspec
-
-from protocol.config import EngineConfig
-from protocol.sampling import SamplingParams
-from protocol.transport import private_ipc_address
-from runtime.chat import chat_prompt_ids
-from runtime.client import Client, Prompt
-from runtime.outputs import RequestOutput
-from runtime.process import spawn_python
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.transport import private_ipc_address
+from spmd_runtime.runtime.chat import chat_prompt_ids
+from spmd_runtime.runtime.client import Client, Prompt
+from spmd_runtime.runtime.outputs import RequestOutput
+from spmd_runtime.runtime.process import spawn_python
 
 
 class LLM:
@@ -36,7 +35,7 @@ class LLM:
         except msgspec.ValidationError as error:
             raise ValueError(f"invalid engine option: {error}") from None
         self._process: subprocess.Popen | None = spawn_python(
-            "launch", ["serve", "--config-json", self.config.to_json()],
+            "spmd_runtime.launch", ["serve", "--config-json", self.config.to_json()],
             stdout=subprocess.DEVNULL)
         self._client = Client(self.config.rpc_address, alive=self._alive,
                               auth_token=self.config.auth_token)

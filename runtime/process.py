@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _die_with_parent() -> None:
@@ -21,12 +20,10 @@ def _die_with_parent() -> None:
 
 def spawn_python(module: str, args: list[str], env: dict[str, str] | None = None,
                  stdout=None) -> subprocess.Popen:
-    """Start `python -m module args` with this checkout importable."""
+    """Start `python -m module args` (module under the installed spmd_runtime namespace)."""
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO_ROOT, full_env.get("PYTHONPATH", "")) if p)
     return subprocess.Popen([sys.executable, "-m", module, *args], env=full_env,
                             stdin=subprocess.DEVNULL, stdout=stdout,
                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.loaders.source import ModelSource, config_source_kind
+from spmd_runtime.runtime.loaders.source import ModelSource, config_source_kind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,7 +76,7 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     if tok.chat_template is None:
-        from runtime.loaders.gguf import gguf_chat_template
+        from spmd_runtime.runtime.loaders.gguf import gguf_chat_template
 
         tok.chat_template = gguf_chat_template(path)
     try:

@@ -1,9 +1,9 @@
-"""`python -m scheduler_proc CONFIG_JSON`: run the scheduler process (normally started by spmdrun)."""
+"""`python -m spmd_runtime.scheduler_proc CONFIG_JSON`: the scheduler process (started by spmdrun)."""
 import logging
 import sys
 
-from protocol.config import EngineConfig
-from scheduler_proc.server import serve
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.scheduler_proc.server import serve
 
 if __name__ == "__main__":
     config = EngineConfig.from_json(sys.argv[1])

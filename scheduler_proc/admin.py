@@ -5,10 +5,10 @@ from __future__ import annotations
 import hmac
 import logging
 
-from protocol.config import EngineConfig
-from protocol.messages import AdminBatchReply, AdminBatchRequest, ErrorReply
-from scheduler_proc.scheduler import Scheduler
-from scheduler_proc.thermal import select_victims
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import AdminBatchReply, AdminBatchRequest, ErrorReply
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
+from spmd_runtime.scheduler_proc.thermal import select_victims
 
 log = logging.getLogger("spmd.scheduler")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from scheduler_proc.block_pool import BlockHash
+from spmd_runtime.scheduler_proc.block_pool import BlockHash
 
 
 def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:

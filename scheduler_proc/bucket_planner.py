@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.bucketing import Bucket, PhaseBuckets, bucket_tokens
-from scheduler_proc.policy import Policy
-from scheduler_proc.request import Request
+from spmd_runtime.runtime.bucketing import Bucket, PhaseBuckets, bucket_tokens
+from spmd_runtime.scheduler_proc.policy import Policy
+from spmd_runtime.scheduler_proc.request import Request
 
 
 @dataclass

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_proc.block_hash import extend_block_hashes
-from scheduler_proc.block_pool import BlockPool, KVBlock
-from scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.block_hash import extend_block_hashes
+from spmd_runtime.scheduler_proc.block_pool import BlockPool, KVBlock
+from spmd_runtime.scheduler_proc.request import Request
 
 
 @dataclass

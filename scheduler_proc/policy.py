@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.request import Request
 
 Policy = Literal["fifo", "prefill_first"]
 POLICIES: tuple[Policy, ...] = ("fifo", "prefill_first")

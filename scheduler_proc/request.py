@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 
-from protocol.sampling import SamplingParams
+from spmd_runtime.protocol.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

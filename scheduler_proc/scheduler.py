@@ -28,14 +28,14 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from protocol.messages import NewRequestData, StepPlan, StepResult
-from runtime.bucketing import PhaseBuckets
-from scheduler_proc.bucket_planner import BucketPlanner, phase_of
-from scheduler_proc.cpu_block_pool import CpuBlockPool
-from scheduler_proc.kv_cache_manager import KVCacheManager
-from scheduler_proc.policy import Policy, running_order
-from scheduler_proc.request import FinishReason, Request, RequestStatus
-from scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl, select_victims
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan, StepResult
+from spmd_runtime.runtime.bucketing import PhaseBuckets
+from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner, phase_of
+from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.policy import Policy, running_order
+from spmd_runtime.scheduler_proc.request import FinishReason, Request, RequestStatus
+from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl, select_victims
 
 log = logging.getLogger("spmd.scheduler")
 

@@ -10,9 +10,8 @@ import time
 
 import msgspec
 import zmq
-
-from protocol.config import EngineConfig
-from protocol.messages import (
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import (
     DECODE_ERRORS,
     AbortDone,
     AbortRequest,
@@ -35,15 +34,21 @@ from protocol.messages import (
     WorkersLost,
     client_decoder,
 )
-from protocol.transport import Encoder, bound_address, make_socket
-from runtime.bucketing import bucketing_enabled, engine_buckets
-from scheduler_proc.admin import admin_batch
-from scheduler_proc.kv_cache_manager import KVCacheManager
-from scheduler_proc.request import FinishReason, Request
-from scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
-from scheduler_proc.stats import StepTimes, engine_stats
-from scheduler_proc.thermal import ThermalControl, load_policy_class
-from scheduler_proc.worker_group import GroupLost, Stopping, WorkerGroup, WorkersFailed, authentic
+from spmd_runtime.protocol.transport import Encoder, bound_address, make_socket
+from spmd_runtime.runtime.bucketing import bucketing_enabled, engine_buckets
+from spmd_runtime.scheduler_proc.admin import admin_batch
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.request import FinishReason, Request
+from spmd_runtime.scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
+from spmd_runtime.scheduler_proc.stats import StepTimes, engine_stats
+from spmd_runtime.scheduler_proc.thermal import ThermalControl, load_policy_class
+from spmd_runtime.scheduler_proc.worker_group import (
+    GroupLost,
+    Stopping,
+    WorkerGroup,
+    WorkersFailed,
+    authentic,
+)
 
 log = logging.getLogger("spmd.scheduler")
 

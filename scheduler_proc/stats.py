@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from protocol.messages import EngineStats, StepResult
-from scheduler_proc.scheduler import Scheduler
+from spmd_runtime.protocol.messages import EngineStats, StepResult
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
 
 @dataclass

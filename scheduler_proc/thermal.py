@@ -26,8 +26,8 @@ import math
 from collections import deque
 from importlib.metadata import entry_points
 
-from protocol.messages import ThermalEvent, ThermalReading
-from scheduler_proc.request import Request
+from spmd_runtime.protocol.messages import ThermalEvent, ThermalReading
+from spmd_runtime.scheduler_proc.request import Request
 
 log = logging.getLogger("spmd.thermal")
 
@@ -139,7 +139,7 @@ def load_policy_class(spec: str) -> type[ThermalPolicy]:
         cls = found[0].load()
     if not (isinstance(cls, type) and issubclass(cls, ThermalPolicy)):
         raise ValueError(f"--thermal-policy {spec}: {cls!r} is not a subclass of "
-                         "scheduler_proc.thermal.ThermalPolicy")
+                         "spmd_runtime.scheduler_proc.thermal.ThermalPolicy")
     return cls
 
 

@@ -8,9 +8,8 @@ import time
 from collections.abc import Callable
 
 import zmq
-
-from protocol.config import EngineConfig
-from protocol.messages import (
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import (
     Heartbeat,
     Shutdown,
     WorkerError,
@@ -18,7 +17,7 @@ from protocol.messages import (
     WorkersLost,
     scheduler_inbound_decoder,
 )
-from protocol.transport import Encoder, make_socket, poll_recv
+from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 
 log = logging.getLogger("spmd.scheduler")
 

@@ -49,7 +49,7 @@ def _engine_module(proc: psutil.Process) -> str | None:
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
     if "-m" in cmd[:-1]:
-        module = cmd[cmd.index("-m") + 1]
+        module = cmd[cmd.index("-m") + 1].removeprefix("spmd_runtime.")
         if module in ENGINE_MODULES:
             return module
     return None
@@ -182,11 +182,11 @@ class TorchrunEngine:
         log = open(log_path, "wb")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         self.scheduler = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_proc", config.to_json()], cwd=REPO_ROOT, env=env,
+            [sys.executable, "-m", "spmd_runtime.scheduler_proc", config.to_json()], cwd=REPO_ROOT, env=env,
             stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         self.workers = subprocess.Popen(
             [torchrun, "--nproc-per-node", str(config.nproc_per_node), "--master-addr",
-             "127.0.0.1", "--master-port", str(config.master_port), "-m", "worker_proc",
+             "127.0.0.1", "--master-port", str(config.master_port), "-m", "spmd_runtime.worker_proc",
              config.to_json()], cwd=REPO_ROOT, env=env, stdout=log, stderr=log,
             stdin=subprocess.DEVNULL)
         log.close()
@@ -218,7 +218,7 @@ class ServeProcess:
         env = dict(os.environ)
         env[PROC_TAG_ENV] = self.tag
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        self.command = [sys.executable, "-m", "launch", *launcher, "serve", "--rpc-address",
+        self.command = [sys.executable, "-m", "spmd_runtime.launch", *launcher, "serve", "--rpc-address",
                         self.address, *args]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(self.command, cwd=REPO_ROOT, env=env,

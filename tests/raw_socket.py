@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import zmq
-
-from protocol.messages import server_decoder
+from spmd_runtime.protocol.messages import server_decoder
 
 
 class RawSocket:

@@ -3,8 +3,7 @@ directories: engine variants that compute the same thing must pick the same gree
 from __future__ import annotations
 
 import torch
-
-from runtime import SamplingParams
+from spmd_runtime.runtime import SamplingParams
 
 VOCAB = 250            # not a multiple of the TP sizes: the last vocabulary shard is padded
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -1,9 +1,9 @@
-"""`python -m worker_proc CONFIG_JSON`: run one worker (rank from the torchrun environment)."""
+"""`python -m spmd_runtime.worker_proc CONFIG_JSON`: run one worker (rank from the torchrun environment)."""
 import logging
 import sys
 
-from protocol.config import EngineConfig
-from worker_proc.worker import run_worker
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.worker_proc.worker import run_worker
 
 if __name__ == "__main__":
     config = EngineConfig.from_json(sys.argv[1])

@@ -65,7 +65,7 @@ def init_distributed(requested_device: str, requested_backend: str = "auto",
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from protocol.transport import free_tcp_port
+        from spmd_runtime.protocol.transport import free_tcp_port
         os.environ["MASTER_PORT"] = str(free_tcp_port())
     device = pick_device(requested_device, local_rank)
     if device.type == "cuda":

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from runtime.layers.attention import AttentionBatch
+from spmd_runtime.runtime.layers.attention import AttentionBatch
 
 
 @dataclass

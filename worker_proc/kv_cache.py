@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-
-from protocol.config import EngineConfig
-from runtime.layers.attention import AttentionBatch, PrefillChunk
-from runtime.model_config import ModelConfig
-from runtime.models.llama import LlamaForCausalLM
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk
+from spmd_runtime.runtime.model_config import ModelConfig
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,

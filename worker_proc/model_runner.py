@@ -6,22 +6,27 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from protocol.messages import StepPlan
-from protocol.sampling import SamplingParams
-from runtime.bucketing import Bucket, GraphPhaseReport, PhaseBuckets, bucket_tokens, plan_graph_captures
-from runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
-from runtime.models.llama import (
+from spmd_runtime.protocol.messages import StepPlan
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.bucketing import (
+    Bucket,
+    GraphPhaseReport,
+    PhaseBuckets,
+    bucket_tokens,
+    plan_graph_captures,
+)
+from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from spmd_runtime.runtime.models.llama import (
     EAGER,
     LayerPieces,
     LlamaForCausalLM,
     attention_inputs,
     mlp_inputs,
 )
-from worker_proc.block_table import BlockTables
-from worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
-from worker_proc.sampler import sample_on_device
-from worker_proc.swap_space import SwapSpace
+from spmd_runtime.worker_proc.block_table import BlockTables
+from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
+from spmd_runtime.worker_proc.sampler import sample_on_device
+from spmd_runtime.worker_proc.swap_space import SwapSpace
 
 log = logging.getLogger("spmd.worker")
 

@@ -6,8 +6,7 @@ not depend on which other requests share the batch, on preemption, or on step bo
 from __future__ import annotations
 
 import torch
-
-from protocol.sampling import SamplingParams
+from spmd_runtime.protocol.sampling import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

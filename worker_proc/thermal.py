@@ -29,8 +29,7 @@ from datetime import timedelta
 import psutil
 import torch
 import torch.distributed as dist
-
-from protocol.messages import ThermalReading
+from spmd_runtime.protocol.messages import ThermalReading
 
 log = logging.getLogger("spmd.worker")
 

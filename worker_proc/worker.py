@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 import zmq
-
-from protocol.config import EngineConfig
-from protocol.messages import (
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import (
     Heartbeat,
     Shutdown,
     StepPlan,
@@ -24,18 +23,24 @@ from protocol.messages import (
     WorkerReady,
     worker_inbound_decoder,
 )
-from protocol.transport import Encoder, make_socket, poll_recv
-from runtime.bucketing import bucketing_enabled, compiling, engine_buckets, format_bytes, graphs_enabled
-from runtime.layers import cpu_attention, triton_attention
-from runtime.layers.parallel import TensorParallel
-from runtime.layers.quantization import quantize_linear_weights
-from runtime.loaders import load_model, resolve_model
-from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
-from worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
-from worker_proc.graphs import GraphCapturer
-from worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
-from worker_proc.model_runner import LaunchedStep, ModelRunner
-from worker_proc.thermal import ThermalMonitor
+from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
+from spmd_runtime.runtime.bucketing import (
+    bucketing_enabled,
+    compiling,
+    engine_buckets,
+    format_bytes,
+    graphs_enabled,
+)
+from spmd_runtime.runtime.layers import cpu_attention, triton_attention
+from spmd_runtime.runtime.layers.parallel import TensorParallel
+from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
+from spmd_runtime.runtime.loaders import load_model, resolve_model
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
+from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
+from spmd_runtime.worker_proc.graphs import GraphCapturer
+from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
+from spmd_runtime.worker_proc.model_runner import LaunchedStep, ModelRunner
+from spmd_runtime.worker_proc.thermal import ThermalMonitor
 
 log = logging.getLogger("spmd.worker")
 

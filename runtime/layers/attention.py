@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-
-from runtime.layers import cpu_attention, triton_attention
+from spmd_runtime.runtime.layers import cpu_attention, triton_attention
 
 
 @dataclass

@@ -13,8 +13,7 @@ worker needs it; `load()` says whether it is usable.
 from __future__ import annotations
 
 import torch
-
-from runtime.layers.cpu_ops import load
+from spmd_runtime.runtime.layers.cpu_ops import load
 
 __all__ = ["load", "paged_decode_attention"]
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from runtime.layers.quantization import Int8Weight, RescoredInt8Head, int8_linear
+from spmd_runtime.runtime.layers.quantization import Int8Weight, RescoredInt8Head, int8_linear
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from spmd_runtime.runtime.layers import cpu_ops
 from torch import nn
-
-from runtime.layers import cpu_ops
 
 QUANTIZATION_METHODS = ("none", "int8")
 

@@ -50,8 +50,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(-1) != 1:
         q = q.contiguous()
     import triton
-
-    from runtime.layers.paged_decode_kernel import paged_decode_kernel
+    from spmd_runtime.runtime.layers.paged_decode_kernel import paged_decode_kernel
     paged_decode_kernel[(num_seqs, kv_heads)](
         q, k_cache, v_cache, block_tables, lengths, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.loaders.source import PRESET_PREFIX, ModelSource, config_source_kind, resolve_model
-from runtime.model_config import ModelConfig, model_preset
+from spmd_runtime.runtime.loaders.source import PRESET_PREFIX, ModelSource, config_source_kind, resolve_model
+from spmd_runtime.runtime.model_config import ModelConfig, model_preset
 
 if TYPE_CHECKING:
     import torch
@@ -21,11 +21,11 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     if kind == "preset":
         return model_preset(source.path[len(PRESET_PREFIX):])
     if kind == "gguf":
-        from runtime.loaders.gguf import read_gguf_config
+        from spmd_runtime.runtime.loaders.gguf import read_gguf_config
 
         return read_gguf_config(source.path)
     if kind in ("hf", "json"):
-        from runtime.loaders.hf_dir import read_hf_config
+        from spmd_runtime.runtime.loaders.hf_dir import read_hf_config
 
         return read_hf_config(source.path)
     raise ValueError(f"unknown model source kind {source.kind!r}")
@@ -39,15 +39,15 @@ def load_weights(
     `shard_spec` lets formats that can (safetensors) read only a rank's shard of each tensor;
     the others return whole tensors, which the model slices."""
     if source.kind == "gguf":
-        from runtime.loaders.gguf import load_gguf_weights
+        from spmd_runtime.runtime.loaders.gguf import load_gguf_weights
 
         return load_gguf_weights(source.path, config, dtype)
     if source.kind == "hf":
-        from runtime.loaders.hf_dir import load_hf_weights
+        from spmd_runtime.runtime.loaders.hf_dir import load_hf_weights
 
         return load_hf_weights(source.path, config, dtype, shard_spec)
     if source.kind == "dummy":
-        from runtime.loaders.dummy import random_weights
+        from spmd_runtime.runtime.loaders.dummy import random_weights
 
         return random_weights(config, dtype, seed)
     raise ValueError(f"unknown model source kind {source.kind!r}")
@@ -58,7 +58,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, seed: int = 0,
     """Config and weights together, reading the source once where that matters (GGUF).
     `shard_spec_for(config)` gives the shard spec of load_weights."""
     if source.kind == "gguf":
-        from runtime.loaders.gguf import load_gguf_model
+        from spmd_runtime.runtime.loaders.gguf import load_gguf_model
 
         return load_gguf_model(source.path, dtype)
     config = load_model_config(source)

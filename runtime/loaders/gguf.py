@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-
-from runtime.model_config import ModelConfig, merge_token_ids, optional_bias_shapes, weight_shapes
+from spmd_runtime.runtime.model_config import (
+    ModelConfig,
+    merge_token_ids,
+    optional_bias_shapes,
+    weight_shapes,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.model_config import ModelConfig, optional_bias_shapes, weight_shapes
+from spmd_runtime.runtime.model_config import ModelConfig, optional_bias_shapes, weight_shapes
 
 if TYPE_CHECKING:
     import torch
@@ -58,8 +58,7 @@ def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
     config. With `shard_spec` (name -> (dimension, start, count) or None, see
     runtime.models.llama.llama_shard_spec) only that slice of each tensor is read from disk."""
     from safetensors import safe_open
-
-    from runtime.layers.parallel import read_shard
+    from spmd_runtime.runtime.layers.parallel import read_shard
 
     expected = weight_shapes(config)
     allowed = {**expected, **optional_bias_shapes(config)}

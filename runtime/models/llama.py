@@ -6,20 +6,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
-from runtime.layers.linear import linear
-from runtime.layers.norm import RMSNorm, rms_norm
-from runtime.layers.parallel import (
+from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
+from spmd_runtime.runtime.layers.linear import linear
+from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
+from spmd_runtime.runtime.layers.parallel import (
     ShardLayout,
     TensorParallel,
     read_shard,
     row_parallel_linear,
     vocab_parallel_embedding,
 )
-from runtime.layers.rotary import RotaryEmbedding, apply_rotary
-from runtime.model_config import ModelConfig
+from spmd_runtime.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from spmd_runtime.runtime.model_config import ModelConfig
+from torch import nn
 
 
 def _linear_weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:

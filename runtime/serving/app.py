@@ -19,16 +19,15 @@ from fastapi import APIRouter, FastAPI, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-
-from protocol.config import EngineConfig
-from protocol.messages import ModelInfo
-from runtime.async_client import AsyncClient
-from runtime.chat import chat_prompt_ids
-from runtime.client import EngineError
-from runtime.serving.choice import ChoiceRun
-from runtime.serving.errors import APIError, api_error_handler, validation_error_handler
-from runtime.serving.metrics import ServingMetrics
-from runtime.serving.schema import (
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import ModelInfo
+from spmd_runtime.runtime.async_client import AsyncClient
+from spmd_runtime.runtime.chat import chat_prompt_ids
+from spmd_runtime.runtime.client import EngineError
+from spmd_runtime.runtime.serving.choice import ChoiceRun
+from spmd_runtime.runtime.serving.errors import APIError, api_error_handler, validation_error_handler
+from spmd_runtime.runtime.serving.metrics import ServingMetrics
+from spmd_runtime.runtime.serving.schema import (
     AdminBatchBody,
     ChatCompletionBody,
     CompletionBody,
@@ -39,7 +38,7 @@ from runtime.serving.schema import (
     sampling_params,
     stop_strings,
 )
-from runtime.serving.text_stream import TextStream
+from spmd_runtime.runtime.serving.text_stream import TextStream
 
 log = logging.getLogger("spmd.http")
 
@@ -110,8 +109,8 @@ def _require_api_key(app: FastAPI, auth_token: str) -> None:
 
 
 def _load_tokenizer(model: str):
-    from runtime.loaders.source import resolve_model
-    from runtime.tokenizer import load_tokenizer
+    from spmd_runtime.runtime.loaders.source import resolve_model
+    from spmd_runtime.runtime.tokenizer import load_tokenizer
     try:
         return load_tokenizer(resolve_model(model))
     except ValueError as error:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from runtime.async_client import RequestStream
-from runtime.serving.metrics import ServingMetrics
-from runtime.serving.text_stream import TextStream
+from spmd_runtime.runtime.async_client import RequestStream
+from spmd_runtime.runtime.serving.metrics import ServingMetrics
+from spmd_runtime.runtime.serving.text_stream import TextStream
 
 
 class ChoiceRun:

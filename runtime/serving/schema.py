@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from protocol.sampling import SamplingParams
-from runtime.serving.errors import APIError
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.serving.errors import APIError
 
 # Fields of the OpenAI API this server does not implement, with the values that mean "off":
 # a request may carry them (SDKs send some by default) as long as it asks for nothing else.

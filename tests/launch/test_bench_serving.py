@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from launch.bench_serving import RequestResult, ServingReport, arrival_offsets
+from spmd_runtime.launch.bench_serving import RequestResult, ServingReport, arrival_offsets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTH_TOKEN = "bench-rpc-secret"
@@ -64,7 +63,8 @@ def server(spmd_serve, free_port):
 def bench(*args: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    result = subprocess.run([sys.executable, "-m", "launch", "bench", "serving", *args, "--json"],
+    result = subprocess.run([sys.executable, "-m", "spmd_runtime.launch", "bench", "serving", *args,
+                             "--json"],
                             cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -104,7 +104,7 @@ def test_bench_against_the_rpc_endpoint_at_a_rate(server) -> None:
 def test_bench_without_the_servers_auth_token_says_so(server) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    result = subprocess.run([sys.executable, "-m", "launch", "bench", "serving", "--url",
+    result = subprocess.run([sys.executable, "-m", "spmd_runtime.launch", "bench", "serving", "--url",
                              server.address, *WORKLOAD], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=150)
     assert result.returncode == 1

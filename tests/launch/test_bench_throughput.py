@@ -6,10 +6,9 @@ import dataclasses
 import json
 
 import pytest
-
-from launch.bench import THROUGHPUT_WORKLOADS, ThroughputWorkload, throughput_workload_from_args
-from launch.cli import build_parser, config_from_args
-from launch.commands import bench_model, load_hf_peer
+from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS, ThroughputWorkload, throughput_workload_from_args
+from spmd_runtime.launch.cli import build_parser, config_from_args
+from spmd_runtime.launch.commands import bench_model, load_hf_peer
 
 
 def _bench_args(*flags: str):
@@ -68,9 +67,9 @@ def test_transformers_peer_runs_our_model_and_weights(tmp_path) -> None:
     """transformers, loaded by bench/hf_peer.py with our dummy weights, produces our greedy
     tokens (float32, CPU), per-request output lengths included; for the tied preset and for an
     untied variant (whose outputs depend on every weight, not mostly on the tied embedding)."""
-    from protocol.sampling import SamplingParams
-    from runtime import LLM
-    from runtime.model_config import model_preset
+    from spmd_runtime.protocol.sampling import SamplingParams
+    from spmd_runtime.runtime import LLM
+    from spmd_runtime.runtime.model_config import model_preset
 
     peer = load_hf_peer()
     untied = tmp_path / "config.json"

@@ -3,8 +3,7 @@ prompt lengths and output lengths on SmolLM2's vocabulary."""
 from __future__ import annotations
 
 import pytest
-
-from launch.bench import THROUGHPUT_WORKLOADS
+from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS
 
 SMOLLM2_VOCAB = 49152
 

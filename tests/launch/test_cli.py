@@ -18,7 +18,7 @@ DUMMY = ("--model", "dummy:smollm2", "--num-kv-blocks", "16", "--max-model-len",
 def spmdrun(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "launch", *args], cwd=REPO_ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "spmd_runtime.launch", *args], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -120,7 +120,7 @@ def test_ctrl_c_stops_a_serving_launcher_quietly(free_port) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "launch", "serve", *DUMMY, "--rpc-address",
+    proc = subprocess.Popen([sys.executable, "-m", "spmd_runtime.launch", "serve", *DUMMY, "--rpc-address",
                              address], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)         # its own process group
@@ -169,7 +169,7 @@ def _watch_children(args: list[str]) -> tuple[subprocess.CompletedProcess, int, 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "launch", *args], cwd=REPO_ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "spmd_runtime.launch", *args], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     most = 0
@@ -218,7 +218,7 @@ def test_bench_throughput_uniform_output_lengths_with_the_transformers_peer() ->
     the drawn lengths."""
     import json
 
-    from launch.bench import ThroughputWorkload
+    from spmd_runtime.launch.bench import ThroughputWorkload
 
     result = spmdrun("bench", "throughput", "--load-format", "dummy", "--model-config", "tiny-llama",
                      "--num-requests", "6", "--input-len-min", "8", "--input-len-max", "40",

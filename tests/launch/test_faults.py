@@ -11,10 +11,9 @@ import psutil
 import pytest
 from conftest import TorchrunEngine, free_tcp_port
 from sharp_llama import sharp_llama
-
-from protocol.config import EngineConfig
-from runtime import Client, SamplingParams
-from runtime.client import EngineError
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime import Client, SamplingParams
+from spmd_runtime.runtime.client import EngineError
 
 LONG = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
 ENGINE = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)

@@ -17,9 +17,8 @@ import psutil
 import pytest
 from conftest import descendants
 from prometheus_client.parser import text_string_to_metric_families
-
-from runtime import LLM, Client, SamplingParams
-from runtime.chat import chat_prompt_ids
+from spmd_runtime.runtime import LLM, Client, SamplingParams
+from spmd_runtime.runtime.chat import chat_prompt_ids
 
 MAX_MODEL_LEN = 256
 ADMIN_TOKEN = "test-admin-secret"
@@ -433,7 +432,7 @@ def test_admin_batch_needs_the_bearer_token(server, http, rpc) -> None:
 
 def front_process(server) -> psutil.Process:
     for proc in descendants(server.proc.pid):
-        if "runtime.serving" in proc.cmdline():
+        if "spmd_runtime.runtime.serving" in proc.cmdline():
             return proc
     raise AssertionError("no HTTP front child of the launcher")
 

@@ -8,9 +8,8 @@ import socket
 import pytest
 from conftest import TorchrunEngine, free_tcp_port
 from sharp_llama import GREEDY, prompts, sharp_llama
-
-from protocol.config import EngineConfig
-from runtime import LLM, Client
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime import LLM, Client
 
 ENGINE = ["--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import logging
 
-from launch.progress import Progress
+from spmd_runtime.launch.progress import Progress
 
 
 class FakeTerminal(io.StringIO):

@@ -9,9 +9,8 @@ import msgspec
 import pytest
 from raw_socket import RawSocket
 from sharp_llama import sharp_llama
-
-from protocol.messages import AddRequest, EngineStats, ErrorReply, StatsRequest
-from runtime import Client, SamplingParams
+from spmd_runtime.protocol.messages import AddRequest, EngineStats, ErrorReply, StatsRequest
+from spmd_runtime.runtime import Client, SamplingParams
 
 TOKEN = "auth-s3cret"
 

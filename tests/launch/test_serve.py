@@ -17,8 +17,7 @@ import time
 import msgspec
 import pytest
 from raw_socket import RawSocket
-
-from protocol.messages import (
+from spmd_runtime.protocol.messages import (
     AbortDone,
     AddRequest,
     EngineStats,
@@ -28,7 +27,7 @@ from protocol.messages import (
     RequestAccepted,
     StatsRequest,
 )
-from runtime import Client, SamplingParams
+from spmd_runtime.runtime import Client, SamplingParams
 
 MAX_MODEL_LEN = 256
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -69,7 +68,7 @@ def test_serving_line_and_model_info(server, client) -> None:
 
 CONCURRENT_SCRIPT = textwrap.dedent("""
     import json, sys, threading
-    from runtime import Client, SamplingParams
+    from spmd_runtime.runtime import Client, SamplingParams
 
     address = sys.argv[1]
     prompts = json.loads(sys.stdin.read())

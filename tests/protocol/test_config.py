@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from launch.cli import LAUNCHER_FIELDS, build_parser, config_from_args
-from protocol.config import EngineConfig, engine_config_fields, is_local_address
+from spmd_runtime.launch.cli import LAUNCHER_FIELDS, build_parser, config_from_args
+from spmd_runtime.protocol.config import EngineConfig, engine_config_fields, is_local_address
 
 PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dummy_seed": 3,
              "block_size": 8, "num_kv_blocks": 24, "gpu_memory_utilization": 0.5,

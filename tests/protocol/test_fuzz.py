@@ -8,10 +8,9 @@ import typing
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from spmd_runtime.protocol.messages import DECODE_ERRORS
+from spmd_runtime.scheduler_proc.server import _tag_of
 from test_messages import UNIONS, auto_sample
-
-from protocol.messages import DECODE_ERRORS
-from scheduler_proc.server import _tag_of
 
 FUZZ = settings(max_examples=1000, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -6,8 +6,7 @@ import typing
 
 import msgspec
 import pytest
-
-from protocol.messages import (
+from spmd_runtime.protocol.messages import (
     AbortDone,
     AbortRequest,
     AddRequest,
@@ -33,7 +32,7 @@ from protocol.messages import (
     server_decoder,
     worker_inbound_decoder,
 )
-from protocol.sampling import SamplingParams
+from spmd_runtime.protocol.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
                         stop_token_ids=(5, 9), ignore_eos=True, cache_salt="salt")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.client import Client
+from spmd_runtime.runtime.client import Client
 
 
 def wait_idle(client: Client, timeout_s: float = 60.0):

@@ -8,9 +8,8 @@ import pytest
 import torch
 from engine_idle import wait_idle
 from sharp_llama import sharp_llama
-
-from runtime import LLM, SamplingParams
-from runtime.async_client import AsyncClient
+from spmd_runtime.runtime import LLM, SamplingParams
+from spmd_runtime.runtime.async_client import AsyncClient
 
 VOCAB = 256
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -7,8 +7,7 @@ import pytest
 import torch
 from engine_idle import wait_idle
 from sharp_llama import sharp_llama
-
-from runtime import LLM, SamplingParams
+from spmd_runtime.runtime import LLM, SamplingParams
 
 VOCAB = 256
 OPTIONS = dict(num_kv_blocks=96, max_model_len=256, max_num_seqs=8, dtype="float32", device="cpu")

@@ -3,8 +3,7 @@ the figures of the bucketing source document."""
 from __future__ import annotations
 
 import pytest
-
-from runtime.bucketing import (
+from spmd_runtime.runtime.bucketing import (
     BucketRange,
     PhaseBuckets,
     capture_order,

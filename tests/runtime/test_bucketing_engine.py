@@ -8,8 +8,7 @@ import importlib.util
 import pytest
 import torch
 from sharp_llama import sharp_llama as make_sharp_llama
-
-from runtime import LLM, SamplingParams
+from spmd_runtime.runtime import LLM, SamplingParams
 
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

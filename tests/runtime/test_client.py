@@ -7,11 +7,10 @@ import time
 
 import pytest
 import zmq
-
-from protocol.messages import Ping, Pong, RequestAccepted, client_decoder
-from protocol.sampling import SamplingParams
-from protocol.transport import Encoder, private_ipc_address
-from runtime.client import Client, EngineError
+from spmd_runtime.protocol.messages import Ping, Pong, RequestAccepted, client_decoder
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.transport import Encoder, private_ipc_address
+from spmd_runtime.runtime.client import Client, EngineError
 
 
 class StandIn:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from protocol.config import EngineConfig
-from runtime.layers import cpu_attention
-from worker_proc.worker import use_decode_kernel
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime.layers import cpu_attention
+from spmd_runtime.worker_proc.worker import use_decode_kernel
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.load(),
                                   reason="the C++ kernel cannot be built here (no compiler?)")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime import LLM, SamplingParams
+from spmd_runtime.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

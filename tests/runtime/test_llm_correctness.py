@@ -13,8 +13,7 @@ loop likewise never stops at EOS.
 from __future__ import annotations
 
 import pytest
-
-from runtime import LLM, SamplingParams
+from spmd_runtime.runtime import LLM, SamplingParams
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

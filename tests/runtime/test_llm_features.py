@@ -11,9 +11,8 @@ import psutil
 import pytest
 import zmq
 from engine_idle import wait_idle
-
-from protocol.messages import AddRequest, RequestAccepted, server_decoder
-from runtime import LLM, Client, SamplingParams
+from spmd_runtime.protocol.messages import AddRequest, RequestAccepted, server_decoder
+from spmd_runtime.runtime import LLM, Client, SamplingParams
 
 BUDGET = 32
 NUM_BLOCKS = 24
@@ -215,7 +214,7 @@ def test_invalid_engine_option_is_a_value_error_before_any_process_starts() -> N
 
 @pytest.mark.timeout(120)
 def test_engine_that_cannot_start_raises_and_leaves_nothing(tmp_path) -> None:
-    from runtime.client import EngineError
+    from spmd_runtime.runtime.client import EngineError
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -234,7 +233,8 @@ def test_shutdown_leaves_no_child_processes(llm) -> None:
     launcher = psutil.Process(llm._process.pid)
     procs = [launcher] + launcher.children(recursive=True)
     names = sorted(" ".join(p.cmdline()[1:3]) for p in procs)
-    assert names == ["-m launch", "-m scheduler_proc", "-m worker_proc"], names
+    assert names == ["-m spmd_runtime.launch", "-m spmd_runtime.scheduler_proc",
+                     "-m spmd_runtime.worker_proc"], names
     started = time.monotonic()
     llm.shutdown()
     gone, alive = psutil.wait_procs(procs, timeout=30)

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runtime.loaders import load_model_config, load_weights, resolve_model
-from runtime.loaders import source as source_mod
-from runtime.model_config import ModelConfig, weight_shapes
+from spmd_runtime.runtime.loaders import load_model_config, load_weights, resolve_model
+from spmd_runtime.runtime.loaders import source as source_mod
+from spmd_runtime.runtime.model_config import ModelConfig, weight_shapes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -203,10 +202,9 @@ def test_resolve_rules_dummy_weights_and_torch_free_config(
 
 def test_hf_directory_reads_only_a_ranks_shard(tmp_path) -> None:
     from sharp_llama import sharp_llama
-
-    from runtime.layers.parallel import TensorParallel
-    from runtime.loaders.hf_dir import load_hf_weights, read_hf_config
-    from runtime.models.llama import LlamaForCausalLM, llama_shard_spec
+    from spmd_runtime.runtime.layers.parallel import TensorParallel
+    from spmd_runtime.runtime.loaders.hf_dir import load_hf_weights, read_hf_config
+    from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 
     directory, _ = sharp_llama(tmp_path, heads=4, kv_heads=2, vocab=250)
     config = read_hf_config(directory)
@@ -243,10 +241,9 @@ def test_hf_directory_reads_only_a_ranks_shard(tmp_path) -> None:
 def test_llama_3_2_1b_preset_is_transformers_own_shape() -> None:
     """dummy:llama-3.2-1b resolves torch-free to the preset, whose weight names and shapes are
     those of transformers' LlamaForCausalLM built (on the meta device) from its config."""
+    from spmd_runtime.runtime.loaders.source import PRESET_PREFIX
+    from spmd_runtime.runtime.model_config import MODEL_PRESETS, model_preset
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from runtime.loaders.source import PRESET_PREFIX
-    from runtime.model_config import MODEL_PRESETS, model_preset
 
     source = resolve_model("dummy:llama-3.2-1b")
     assert (source.kind, source.path) == ("dummy", PRESET_PREFIX + "llama-3.2-1b")
@@ -280,7 +277,7 @@ def test_llama_3_2_1b_preset_is_transformers_own_shape() -> None:
 
 
 def test_presets_round_trip_and_match_their_models(smollm2_config) -> None:
-    from runtime.model_config import MODEL_PRESETS
+    from spmd_runtime.runtime.model_config import MODEL_PRESETS
 
     for name, preset in MODEL_PRESETS.items():
         assert ModelConfig.from_hf_dict(preset.to_hf_dict()) == preset, name
@@ -300,11 +297,10 @@ def test_presets_round_trip_and_match_their_models(smollm2_config) -> None:
 
 
 def test_llama3_rope_of_the_preset_matches_transformers() -> None:
+    from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
+    from spmd_runtime.runtime.model_config import model_preset
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from runtime.layers.rotary import RotaryEmbedding
-    from runtime.model_config import model_preset
 
     config = model_preset("llama-3.2-1b")
     # transformers multiplies positions by frequencies in float32 (we do it in float64), which
@@ -326,8 +322,8 @@ def test_dummy_weights_do_not_depend_on_threads_and_are_fast() -> None:
     thread count (ranks of one node get different shares of the cores)."""
     import time
 
-    from runtime.loaders.dummy import random_weights
-    from runtime.model_config import model_preset
+    from spmd_runtime.runtime.loaders.dummy import random_weights
+    from spmd_runtime.runtime.model_config import model_preset
 
     config = model_preset("smollm2-135m")
     threads = torch.get_num_threads()

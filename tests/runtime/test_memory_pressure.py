@@ -30,8 +30,7 @@ import msgspec
 import pytest
 from engine_idle import wait_idle
 from raw_socket import RawSocket
-
-from protocol.messages import (
+from spmd_runtime.protocol.messages import (
     AbortDone,
     AbortRequest,
     AddRequest,
@@ -39,7 +38,7 @@ from protocol.messages import (
     Outputs,
     RequestAccepted,
 )
-from runtime import LLM, SamplingParams
+from spmd_runtime.runtime import LLM, SamplingParams
 
 BLOCK = 16
 ROOMY_BLOCKS = 512

@@ -9,15 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from runtime.layers.parallel import (
+from spmd_runtime.runtime.layers.parallel import (
     ShardLayout,
     TensorParallel,
     row_parallel_linear,
     shard_rows,
     vocab_parallel_embedding,
 )
-from runtime.model_config import ModelConfig
+from spmd_runtime.runtime.model_config import ModelConfig
 
 
 def config(heads: int, kv_heads: int, vocab: int = 100, intermediate: int = 96) -> ModelConfig:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 from engine_idle import wait_idle
-
-from runtime import LLM, Client, SamplingParams
+from spmd_runtime.runtime import LLM, Client, SamplingParams
 
 BUDGET = 64
 NUM_BLOCKS = 256
@@ -302,11 +301,10 @@ def model_runner():
     Its KV cache is allocated by the worker's own allocate_kv_cache, with torch.empty returning
     NaN-filled memory -- what a reused heap chunk may hold (seen in engines under test).
     """
+    import spmd_runtime.worker_proc.worker as worker
     import torch
-
-    import worker_proc.worker as worker
-    from protocol.config import EngineConfig
-    from worker_proc.distributed import DistributedContext
+    from spmd_runtime.protocol.config import EngineConfig
+    from spmd_runtime.worker_proc.distributed import DistributedContext
 
     real_allocate = worker.allocate_kv_cache
 
@@ -331,7 +329,7 @@ def run_plans_with_a_hit(runner, prompt: list[int], fill: float | None = None) -
     """Request 1 computes `prompt` (block 1 full, block 2 partial) and decodes 3 tokens; request 2
     has the same prompt and is admitted after a hit on block 1, computing the rest into block 5.
     With `fill`, every KV slot is set to it first."""
-    from protocol.messages import NewRequestData, StepPlan
+    from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 
     if fill is not None:
         for keys, values in runner.kv_caches:

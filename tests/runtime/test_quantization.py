@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from protocol.config import EngineConfig
-from protocol.sampling import SamplingParams
-from runtime import LLM
-from runtime.bucketing import compiling
-from runtime.layers import cpu_ops
-from runtime.layers.linear import linear
-from runtime.layers.quantization import (
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime import LLM
+from spmd_runtime.runtime.bucketing import compiling
+from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers.linear import linear
+from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
     RescoredInt8Head,
     int8_linear,
     int8_linear_reference,
     quantize_linear_weights,
 )
-from runtime.model_config import ModelConfig
-from runtime.models.llama import LlamaForCausalLM
+from spmd_runtime.runtime.model_config import ModelConfig
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
 def tiny_model(seed: int) -> LlamaForCausalLM:

@@ -10,11 +10,10 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
-from protocol.messages import DECODE_ERRORS, AddRequest, client_decoder
-from runtime.serving.app import _completion_prompts
-from runtime.serving.errors import APIError
-from runtime.serving.schema import (
+from spmd_runtime.protocol.messages import DECODE_ERRORS, AddRequest, client_decoder
+from spmd_runtime.runtime.serving.app import _completion_prompts
+from spmd_runtime.runtime.serving.errors import APIError
+from spmd_runtime.runtime.serving.schema import (
     AdminBatchBody,
     ChatCompletionBody,
     CompletionBody,

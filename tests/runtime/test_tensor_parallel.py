@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 from sharp_llama import GREEDY, SMALL, prompts, sharp_llama
-
-from runtime import LLM, SamplingParams
+from spmd_runtime.runtime import LLM, SamplingParams
 
 
 def generate(model: str, **options) -> list[list[int]]:

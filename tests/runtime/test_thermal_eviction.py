@@ -13,9 +13,8 @@ import time
 
 import pytest
 from sharp_llama import sharp_llama
-
-from runtime import LLM, SamplingParams
-from runtime.client import Client
+from spmd_runtime.runtime import LLM, SamplingParams
+from spmd_runtime.runtime.client import Client
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 OPTIONS = dict(num_kv_blocks=128, max_model_len=256, max_num_seqs=8, swap_space=0.01)

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from runtime.loaders import resolve_model
-from runtime.tokenizer import load_tokenizer, tokenizer_cache_dir
+from spmd_runtime.runtime.loaders import resolve_model
+from spmd_runtime.runtime.tokenizer import load_tokenizer, tokenizer_cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEXT = "What is the capital of France?"

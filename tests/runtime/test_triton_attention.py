@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from protocol.config import EngineConfig
-from worker_proc.worker import use_decode_kernel
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.worker_proc.worker import use_decode_kernel
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed")

@@ -15,8 +15,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).par
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-from runtime.layers import triton_attention  # noqa: E402
+from spmd_runtime.runtime.layers import triton_attention  # noqa: E402
 
 
 def check_kernel() -> None:

@@ -13,11 +13,11 @@ so a request's output must not depend on batching, preemption, swapping or cache
 """
 from __future__ import annotations
 
-from protocol.messages import StepPlan, StepResult, ThermalReading
-from protocol.sampling import SamplingParams
-from scheduler_proc.kv_cache_manager import KVCacheManager
-from scheduler_proc.request import Request
-from scheduler_proc.scheduler import Scheduler
+from spmd_runtime.protocol.messages import StepPlan, StepResult, ThermalReading
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
 EOS = 2
 VOCAB = 1000

@@ -12,9 +12,8 @@ import msgspec
 import pytest
 from raw_socket import RawSocket
 from sharp_llama import VOCAB, sharp_llama
-
-from protocol.messages import AdminBatchRequest, ErrorReply
-from runtime import Client, SamplingParams
+from spmd_runtime.protocol.messages import AdminBatchRequest, ErrorReply
+from spmd_runtime.runtime import Client, SamplingParams
 
 MAX_MODEL_LEN = 256
 MAX_MESSAGE_BYTES = 65536

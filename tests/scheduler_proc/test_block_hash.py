@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from scheduler_proc.block_hash import extend_block_hashes, hash_block
+from spmd_runtime.scheduler_proc.block_hash import extend_block_hashes, hash_block
 
 BS = 4       # small blocks keep the token arithmetic readable
 

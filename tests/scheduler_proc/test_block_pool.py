@@ -14,14 +14,13 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from protocol.messages import StepResult
-from protocol.sampling import SamplingParams
-from scheduler_proc.block_hash import hash_block
-from scheduler_proc.block_pool import BlockPool, KVBlock
-from scheduler_proc.kv_cache_manager import KVCacheManager
-from scheduler_proc.request import Request, RequestStatus
-from scheduler_proc.scheduler import Scheduler
+from spmd_runtime.protocol.messages import StepResult
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.scheduler_proc.block_hash import hash_block
+from spmd_runtime.scheduler_proc.block_pool import BlockPool, KVBlock
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.request import Request, RequestStatus
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
 BS = 4       # small blocks keep the token arithmetic readable
 EOS = 2

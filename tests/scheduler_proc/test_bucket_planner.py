@@ -7,10 +7,9 @@ import random
 
 import pytest
 from fake_engine import EOS, VOCAB, EngineLoop, FakeWorker, add, assert_pool_full, step, token_at
-
-from runtime.bucketing import BucketRange, PhaseBuckets
-from scheduler_proc.kv_cache_manager import KVCacheManager
-from scheduler_proc.scheduler import Scheduler
+from spmd_runtime.runtime.bucketing import BucketRange, PhaseBuckets
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
 
 def buckets(prompt_bs=(1, 2, 4), prompt_seq=(16, 16, 64), decode_bs=(1, 4, 8),

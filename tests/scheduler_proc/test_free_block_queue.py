@@ -5,8 +5,7 @@ import random
 import time
 
 import pytest
-
-from scheduler_proc.block_pool import FreeBlockQueue, KVBlock
+from spmd_runtime.scheduler_proc.block_pool import FreeBlockQueue, KVBlock
 
 # ---------------------------------------------------------------------------- FreeBlockQueue
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from runtime import Client, SamplingParams
+from spmd_runtime.runtime import Client, SamplingParams
 
 CLIENTS = 10
 PER_CLIENT = 100

@@ -6,8 +6,7 @@ import random
 
 import pytest
 from fake_engine import VOCAB, add, assert_pool_full, make, run_to_completion, step, token_at
-
-from scheduler_proc.request import FinishReason, RequestStatus
+from spmd_runtime.scheduler_proc.request import FinishReason, RequestStatus
 
 
 def full_pool(num_cpu_blocks: int, **kwargs):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 from fake_engine import EOS, add, assert_pool_full, make, token_at
-
-from scheduler_proc.request import FinishReason
-from scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl
+from spmd_runtime.scheduler_proc.request import FinishReason
+from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl
 
 PROMPT_LENS = [20, 33, 46, 59, 72, 85]
 MAX_TOKENS = [5, 8, 11, 14, 17, 20]

@@ -11,8 +11,7 @@ from fake_engine import (  # noqa: E402
     step,
     token_at,
 )
-
-from scheduler_proc.request import FinishReason, RequestStatus
+from spmd_runtime.scheduler_proc.request import FinishReason, RequestStatus
 
 # ---------------------------------------------------------------------------- budget and chunks
 

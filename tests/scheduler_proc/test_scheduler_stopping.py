@@ -11,10 +11,9 @@ from fake_engine import (  # noqa: E402
     step,
     token_at,
 )
-
-from protocol.sampling import SamplingParams
-from scheduler_proc.kv_cache_manager import KVCacheManager
-from scheduler_proc.request import FinishReason, Request, RequestStatus
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.request import FinishReason, Request, RequestStatus
 
 # ---------------------------------------------------------------------------- stopping
 

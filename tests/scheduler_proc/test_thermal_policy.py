@@ -6,10 +6,9 @@ from importlib.metadata import EntryPoint
 
 import pytest
 from fake_engine import add, assert_pool_full, make, step, token_at
-
-from scheduler_proc import thermal as thermal_module
-from scheduler_proc.request import Request
-from scheduler_proc.thermal import (
+from spmd_runtime.scheduler_proc import thermal as thermal_module
+from spmd_runtime.scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.thermal import (
     ProportionalThermalPolicy,
     ThermalControl,
     ThermalPolicy,

@@ -2,7 +2,7 @@
 scheduler process as tests.scheduler_proc.thermal_policy_plugin:KeepTwoWhenWarm)."""
 from __future__ import annotations
 
-from scheduler_proc.thermal import ThermalPolicy
+from spmd_runtime.scheduler_proc.thermal import ThermalPolicy
 
 
 class KeepTwoWhenWarm(ThermalPolicy):

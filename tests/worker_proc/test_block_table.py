@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import torch
-
-from worker_proc.block_table import BlockTables
+from spmd_runtime.worker_proc.block_table import BlockTables
 
 FILLER = 99
 

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 import torch
-
-from protocol.transport import free_tcp_port
-from worker_proc.distributed import pick_backend
+from spmd_runtime.protocol.transport import free_tcp_port
+from spmd_runtime.worker_proc.distributed import pick_backend
 
 CPU = torch.device("cpu")
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.runtime.bucketing import BucketRange, PhaseBuckets
+from spmd_runtime.runtime.layers import cpu_attention
+from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
+from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
+from spmd_runtime.worker_proc.model_runner import ModelRunner
 from test_model_runner import BLOCK, GREEDY, NUM_BLOCKS, build_pair, prompt
-
-from protocol.messages import NewRequestData, StepPlan
-from runtime.bucketing import BucketRange, PhaseBuckets
-from runtime.layers import cpu_attention
-from worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
-from worker_proc.kv_cache import allocate_kv_cache
-from worker_proc.model_runner import ModelRunner
 
 BUCKETS = {
     "prompt": PhaseBuckets.generate("prompt", BucketRange(1, 2, 4), BucketRange(8, 8, 16), 64),
@@ -164,7 +163,7 @@ def test_padding_of_a_replayed_batch_touches_no_real_block(pair) -> None:
 
 def test_a_batch_of_another_shape_is_refused_by_a_graph() -> None:
     def inputs(n: int) -> StaticInputs:
-        from runtime.layers.attention import AttentionBatch
+        from spmd_runtime.runtime.layers.attention import AttentionBatch
         batch = AttentionBatch(block_size=4, slot_mapping=torch.zeros(n, dtype=torch.long),
                                decodes=[], prefills=[], prompt_rows=n)
         return StaticInputs(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),

@@ -13,13 +13,12 @@ import json
 
 import pytest
 import torch
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.worker_proc import kv_cache
+from spmd_runtime.worker_proc.distributed import DistributedContext
+from spmd_runtime.worker_proc.kv_cache import CacheSizing, bytes_per_block, size_kv_cache
+from spmd_runtime.worker_proc.worker import build_runner
 from test_model_runner import build_pair
-
-from protocol.config import EngineConfig
-from worker_proc import kv_cache
-from worker_proc.distributed import DistributedContext
-from worker_proc.kv_cache import CacheSizing, bytes_per_block, size_kv_cache
-from worker_proc.worker import build_runner
 
 CPU = torch.device("cpu")
 GIB = 2**30

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from protocol.messages import NewRequestData, StepPlan
-from protocol.sampling import SamplingParams
-from runtime.model_config import ModelConfig
-from runtime.models.llama import LlamaForCausalLM
-from worker_proc.kv_cache import allocate_kv_cache
-from worker_proc.model_runner import ModelRunner
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.model_config import ModelConfig
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
+from spmd_runtime.worker_proc.model_runner import ModelRunner
 
 BLOCK = 4
 NUM_BLOCKS = 64

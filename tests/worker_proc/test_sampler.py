@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from protocol.sampling import SamplingParams
-from worker_proc.sampler import _filtered_probs, sample
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.worker_proc.sampler import _filtered_probs, sample
 
 VOCAB = 300
 

@@ -8,14 +8,13 @@ import copy
 
 import pytest
 import torch
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.worker_proc.graphs import GraphCapturer
+from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
+from spmd_runtime.worker_proc.model_runner import UNREAD_TOKEN, ModelRunner
 from test_graphs import BUCKETS, STRATEGIES, capture_all, make_runner
 from test_model_runner import GREEDY, NUM_BLOCKS, build_pair, prompt
-
-from protocol.messages import NewRequestData, StepPlan
-from protocol.sampling import SamplingParams
-from worker_proc.graphs import GraphCapturer
-from worker_proc.kv_cache import allocate_kv_cache
-from worker_proc.model_runner import UNREAD_TOKEN, ModelRunner
 
 SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=100)
 BLOCKS = 8

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spmd_runtime.protocol.messages import StepPlan, worker_inbound_decoder
+from spmd_runtime.protocol.transport import Encoder
+from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
+from spmd_runtime.worker_proc.model_runner import ModelRunner
+from spmd_runtime.worker_proc.swap_space import SwapSpace
 from test_model_runner import (
     BLOCK,
     NUM_BLOCKS,
@@ -22,12 +27,6 @@ from test_model_runner import (
     prompt,
     reference_logits,
 )
-
-from protocol.messages import StepPlan, worker_inbound_decoder
-from protocol.transport import Encoder
-from worker_proc.kv_cache import allocate_kv_cache
-from worker_proc.model_runner import ModelRunner
-from worker_proc.swap_space import SwapSpace
 
 NUM_CPU_BLOCKS = 16
 

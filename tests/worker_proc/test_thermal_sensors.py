@@ -11,10 +11,9 @@ from collections import namedtuple
 import psutil
 import pytest
 import torch
-
-from protocol.transport import free_tcp_port
-from worker_proc import thermal
-from worker_proc.thermal import FileSensor, NvmlSensor, PsutilSensor, ThermalMonitor, make_sensor
+from spmd_runtime.protocol.transport import free_tcp_port
+from spmd_runtime.worker_proc import thermal
+from spmd_runtime.worker_proc.thermal import FileSensor, NvmlSensor, PsutilSensor, ThermalMonitor, make_sensor
 
 CPU = torch.device("cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,7 +157,7 @@ def test_a_group_without_sensors_reads_and_reduces_nothing() -> None:
 
 TWO_RANKS = """
 import os, sys, torch.distributed as dist
-from worker_proc.thermal import ThermalMonitor
+from spmd_runtime.worker_proc.thermal import ThermalMonitor
 dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
 monitor = ThermalMonitor.create(sys.argv[1], 1, dist.get_rank(), 2, __import__("torch").device("cpu"))
 reading = monitor.finish(monitor.begin(0))
