@@ -37,8 +37,8 @@ from spmd_runtime.launch.bench import (  # noqa: E402
     throughput_workload_from_args,
 )
 from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
+from spmd_runtime.protocol.model_config import MODEL_PRESETS  # noqa: E402
 from spmd_runtime.runtime.loaders import load_model, load_model_config, resolve_model  # noqa: E402
-from spmd_runtime.runtime.model_config import MODEL_PRESETS  # noqa: E402
 
 # The row's label (the table's engine column is 24 characters wide).
 ENGINE = "transformers (sdpa)"

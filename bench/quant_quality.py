@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from spmd_runtime.runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights  # noqa: E402
 from spmd_runtime.runtime.loaders import load_model, resolve_model  # noqa: E402
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM  # noqa: E402
-from spmd_runtime.runtime.tokenizer import load_tokenizer  # noqa: E402
+from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer  # noqa: E402
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 

@@ -11,9 +11,9 @@ import sys
 import msgspec
 from spmd_runtime.launch.bench import add_peer_options, add_throughput_workload_options
 from spmd_runtime.protocol.config import EngineConfig, engine_config_choices, engine_config_fields
+from spmd_runtime.protocol.model_config import MODEL_PRESETS
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.log_format import configure_logging
-from spmd_runtime.runtime.model_config import MODEL_PRESETS
 
 LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
 

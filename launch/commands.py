@@ -26,10 +26,10 @@ from spmd_runtime.launch.running import RunningEngine, exit_with_failure
 from spmd_runtime.launch.supervisor import ChildExited
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import EngineStats
+from spmd_runtime.protocol.model_source import DUMMY_PREFIX
 from spmd_runtime.protocol.transport import free_tcp_port
-from spmd_runtime.runtime.chat import chat_prompt_ids
 from spmd_runtime.runtime.client import EngineError
-from spmd_runtime.runtime.loaders.source import DUMMY_PREFIX
+from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 
 def _supervise_workers_only(engine: RunningEngine) -> int:

@@ -28,8 +28,8 @@ from spmd_runtime.protocol.messages import (
 )
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.transport import Encoder, make_socket
-from spmd_runtime.runtime.detokenizer import IncrementalDetokenizer
 from spmd_runtime.runtime.outputs import RequestOutput
+from spmd_runtime.scheduler_proc.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
 
@@ -95,8 +95,8 @@ class Client:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from spmd_runtime.runtime.loaders.source import resolve_model
-            from spmd_runtime.runtime.tokenizer import load_tokenizer
+            from spmd_runtime.protocol.model_source import resolve_model
+            from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
             self._tokenizer = load_tokenizer(resolve_model(self.model_info().model))
         return self._tokenizer
 

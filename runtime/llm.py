@@ -9,10 +9,10 @@ import msgspec
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.transport import private_ipc_address
-from spmd_runtime.runtime.chat import chat_prompt_ids
 from spmd_runtime.runtime.client import Client, Prompt
 from spmd_runtime.runtime.outputs import RequestOutput
 from spmd_runtime.runtime.process import spawn_python
+from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 
 class LLM:

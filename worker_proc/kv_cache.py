@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk
-from spmd_runtime.runtime.model_config import ModelConfig
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.linear import linear
-from spmd_runtime.runtime.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

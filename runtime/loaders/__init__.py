@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from spmd_runtime.runtime.loaders.source import PRESET_PREFIX, ModelSource, config_source_kind, resolve_model
-from spmd_runtime.runtime.model_config import ModelConfig, model_preset
+from spmd_runtime.protocol.model_config import ModelConfig, model_preset
+from spmd_runtime.protocol.model_source import PRESET_PREFIX, ModelSource, config_source_kind, resolve_model
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from spmd_runtime.runtime.model_config import ModelConfig, weight_shapes
+from spmd_runtime.protocol.model_config import ModelConfig, weight_shapes
 
 _INIT_STD = 0.02  # HF Llama initializer_range: keeps activations and logits finite through many layers
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-from spmd_runtime.runtime.model_config import (
+from spmd_runtime.protocol.model_config import (
     ModelConfig,
     merge_token_ids,
     optional_bias_shapes,
@@ -120,11 +120,6 @@ def config_from_reader(reader: gguf.GGUFReader, path: str) -> ModelConfig:
         ),
         rope_scaling=rope_scaling,
     )
-
-
-def gguf_chat_template(path: str) -> str | None:
-    """The tokenizer.chat_template string stored in a GGUF file, if any."""
-    return _field(gguf.GGUFReader(path, "r"), "tokenizer.chat_template")
 
 
 def hf_name(gguf_name: str) -> str:

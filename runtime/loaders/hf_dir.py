@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spmd_runtime.runtime.model_config import ModelConfig, optional_bias_shapes, weight_shapes
+from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
 
 if TYPE_CHECKING:
     import torch

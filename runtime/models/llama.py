@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
@@ -17,7 +18,6 @@ from spmd_runtime.runtime.layers.parallel import (
     vocab_parallel_embedding,
 )
 from spmd_runtime.runtime.layers.rotary import RotaryEmbedding, apply_rotary
-from spmd_runtime.runtime.model_config import ModelConfig
 from torch import nn
 
 

@@ -22,7 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import ModelInfo
 from spmd_runtime.runtime.async_client import AsyncClient
-from spmd_runtime.runtime.chat import chat_prompt_ids
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.serving.choice import ChoiceRun
 from spmd_runtime.runtime.serving.errors import APIError, api_error_handler, validation_error_handler
@@ -39,6 +38,7 @@ from spmd_runtime.runtime.serving.schema import (
     stop_strings,
 )
 from spmd_runtime.runtime.serving.text_stream import TextStream
+from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 log = logging.getLogger("spmd.http")
 
@@ -109,8 +109,8 @@ def _require_api_key(app: FastAPI, auth_token: str) -> None:
 
 
 def _load_tokenizer(model: str):
-    from spmd_runtime.runtime.loaders.source import resolve_model
-    from spmd_runtime.runtime.tokenizer import load_tokenizer
+    from spmd_runtime.protocol.model_source import resolve_model
+    from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
     try:
         return load_tokenizer(resolve_model(model))
     except ValueError as error:

@@ -5,7 +5,7 @@ Text that could be the start of a stop string is held back until the next tokens
 """
 from __future__ import annotations
 
-from spmd_runtime.runtime.detokenizer import IncrementalDetokenizer
+from spmd_runtime.scheduler_proc.detokenizer import IncrementalDetokenizer
 
 
 class TextStream:

@@ -67,9 +67,9 @@ def test_transformers_peer_runs_our_model_and_weights(tmp_path) -> None:
     """transformers, loaded by bench/hf_peer.py with our dummy weights, produces our greedy
     tokens (float32, CPU), per-request output lengths included; for the tied preset and for an
     untied variant (whose outputs depend on every weight, not mostly on the tied embedding)."""
+    from spmd_runtime.protocol.model_config import model_preset
     from spmd_runtime.protocol.sampling import SamplingParams
     from spmd_runtime.runtime import LLM
-    from spmd_runtime.runtime.model_config import model_preset
 
     peer = load_hf_peer()
     untied = tmp_path / "config.json"

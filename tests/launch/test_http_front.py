@@ -18,7 +18,7 @@ import pytest
 from conftest import descendants
 from prometheus_client.parser import text_string_to_metric_families
 from spmd_runtime.runtime import LLM, Client, SamplingParams
-from spmd_runtime.runtime.chat import chat_prompt_ids
+from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 MAX_MODEL_LEN = 256
 ADMIN_TOKEN = "test-admin-secret"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from spmd_runtime.protocol import model_source as source_mod
+from spmd_runtime.protocol.model_config import ModelConfig, weight_shapes
 from spmd_runtime.runtime.loaders import load_model_config, load_weights, resolve_model
-from spmd_runtime.runtime.loaders import source as source_mod
-from spmd_runtime.runtime.model_config import ModelConfig, weight_shapes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,7 +192,7 @@ def test_resolve_rules_dummy_weights_and_torch_free_config(
     # The scheduler reads configs and must never pull in torch.
     code = (
         "import sys\n"
-        "from runtime.loaders import load_model_config, resolve_model\n"
+        "from spmd_runtime.runtime.loaders import load_model_config, resolve_model\n"
         f"for n in ('smollm2', 'dummy:{config_json}'):\n"
         "    load_model_config(resolve_model(n))\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
@@ -241,8 +241,8 @@ def test_hf_directory_reads_only_a_ranks_shard(tmp_path) -> None:
 def test_llama_3_2_1b_preset_is_transformers_own_shape() -> None:
     """dummy:llama-3.2-1b resolves torch-free to the preset, whose weight names and shapes are
     those of transformers' LlamaForCausalLM built (on the meta device) from its config."""
-    from spmd_runtime.runtime.loaders.source import PRESET_PREFIX
-    from spmd_runtime.runtime.model_config import MODEL_PRESETS, model_preset
+    from spmd_runtime.protocol.model_config import MODEL_PRESETS, model_preset
+    from spmd_runtime.protocol.model_source import PRESET_PREFIX
     from transformers import LlamaConfig, LlamaForCausalLM
 
     source = resolve_model("dummy:llama-3.2-1b")
@@ -277,7 +277,7 @@ def test_llama_3_2_1b_preset_is_transformers_own_shape() -> None:
 
 
 def test_presets_round_trip_and_match_their_models(smollm2_config) -> None:
-    from spmd_runtime.runtime.model_config import MODEL_PRESETS
+    from spmd_runtime.protocol.model_config import MODEL_PRESETS
 
     for name, preset in MODEL_PRESETS.items():
         assert ModelConfig.from_hf_dict(preset.to_hf_dict()) == preset, name
@@ -289,7 +289,7 @@ def test_presets_round_trip_and_match_their_models(smollm2_config) -> None:
 
     code = (
         "import sys\n"
-        "from runtime.loaders import load_model_config, resolve_model\n"
+        "from spmd_runtime.runtime.loaders import load_model_config, resolve_model\n"
         "load_model_config(resolve_model('dummy:llama-3.2-1b'))\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
@@ -297,8 +297,8 @@ def test_presets_round_trip_and_match_their_models(smollm2_config) -> None:
 
 
 def test_llama3_rope_of_the_preset_matches_transformers() -> None:
+    from spmd_runtime.protocol.model_config import model_preset
     from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
-    from spmd_runtime.runtime.model_config import model_preset
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -322,8 +322,8 @@ def test_dummy_weights_do_not_depend_on_threads_and_are_fast() -> None:
     thread count (ranks of one node get different shares of the cores)."""
     import time
 
+    from spmd_runtime.protocol.model_config import model_preset
     from spmd_runtime.runtime.loaders.dummy import random_weights
-    from spmd_runtime.runtime.model_config import model_preset
 
     config = model_preset("smollm2-135m")
     threads = torch.get_num_threads()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.parallel import (
     ShardLayout,
     TensorParallel,
@@ -16,7 +17,6 @@ from spmd_runtime.runtime.layers.parallel import (
     shard_rows,
     vocab_parallel_embedding,
 )
-from spmd_runtime.runtime.model_config import ModelConfig
 
 
 def config(heads: int, kv_heads: int, vocab: int = 100, intermediate: int = 96) -> ModelConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime import LLM
 from spmd_runtime.runtime.bucketing import compiling
@@ -17,7 +18,6 @@ from spmd_runtime.runtime.layers.quantization import (
     int8_linear_reference,
     quantize_linear_weights,
 )
-from spmd_runtime.runtime.model_config import ModelConfig
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 

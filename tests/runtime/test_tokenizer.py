@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from spmd_runtime.runtime.loaders import resolve_model
-from spmd_runtime.runtime.tokenizer import load_tokenizer, tokenizer_cache_dir
+from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer, tokenizer_cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEXT = "What is the capital of France?"
@@ -67,8 +67,8 @@ def test_smollm2_tokenizer_cache_round_trip(tmp_path: Path, monkeypatch, referen
     # The scheduler tokenizes; a cached tokenizer must load without importing torch.
     code = (
         "import sys\n"
-        "from runtime.loaders import resolve_model\n"
-        "from runtime.tokenizer import load_tokenizer\n"
+        "from spmd_runtime.runtime.loaders import resolve_model\n"
+        "from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer\n"
         f"ids = load_tokenizer(resolve_model('smollm2'))({TEXT!r}).input_ids\n"
         f"assert ids == {reference(TEXT).input_ids}, ids\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

@@ -29,7 +29,7 @@ def test_unavailable_backends_are_refused_with_what_to_use() -> None:
 def test_a_worker_that_cannot_reach_the_master_exits_with_a_clear_message() -> None:
     env = dict(os.environ, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_tcp_port()))
-    code = ("from worker_proc.distributed import init_distributed\n"
+    code = ("from spmd_runtime.worker_proc.distributed import init_distributed\n"
             "init_distributed('cpu', 'gloo', timeout_s=3)\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=90, cwd=os.path.dirname(os.path.dirname(os.path.dirname(

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.runtime.model_config import ModelConfig
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
 from spmd_runtime.worker_proc.model_runner import ModelRunner

@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from spmd_runtime.runtime.model_config import MODEL_PRESETS
+from spmd_runtime.protocol.model_config import MODEL_PRESETS
 
 EMBEDDED_MODEL = "smollm2"
 DUMMY_PREFIX = "dummy:"

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spmd_runtime.runtime.loaders.source import ModelSource, config_source_kind
+from spmd_runtime.protocol.model_source import ModelSource, config_source_kind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -57,6 +57,14 @@ def _load_saved(directory: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+def gguf_chat_template(path: str) -> str | None:
+    """The tokenizer.chat_template string stored in a GGUF file, if any."""
+    import gguf
+
+    field = gguf.GGUFReader(path, "r").fields.get("tokenizer.chat_template")
+    return None if field is None else field.contents()
+
+
 def _gguf_cache_key(path: str) -> str:
     from transformers import __version__ as transformers_version
 
@@ -76,8 +84,6 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     if tok.chat_template is None:
-        from spmd_runtime.runtime.loaders.gguf import gguf_chat_template
-
         tok.chat_template = gguf_chat_template(path)
     try:
         cache_root.mkdir(parents=True, exist_ok=True)
