@@ -1,6 +1,7 @@
 """The one typed configuration object of an engine; CLI flags are generated from its fields."""
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -161,6 +162,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     auth_token: Annotated[str, Meta(description=(
         "shared secret every client frame (and, across nodes, every worker frame) must carry; "
         "frames without it are refused"))] = ""
+    served_model_name: Annotated[str, Meta(description=(
+        "name clients use for the model (HTTP `model` field, /v1/models, RPC model info); "
+        "empty: the --model value as typed, or the file or directory name for a path"))] = ""
     http_host: Annotated[str, Meta(description=(
         "address the OpenAI-compatible HTTP front binds to"))] = "127.0.0.1"
     http_port: Annotated[int, Meta(ge=0, le=65535, description=(
@@ -215,6 +219,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def admin_enabled(self) -> bool:
         return self.enable_admin or bool(self.admin_token)
+
+    def served_name(self) -> str:
+        """--served-model-name, else --model as typed, or the file/directory name of a path."""
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.model.removesuffix("/")
+        return os.path.basename(model) if os.sep in model else model
 
     @property
     def world_size(self) -> int:

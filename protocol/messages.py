@@ -203,6 +203,8 @@ class ModelInfo(_Wire, tag="model_info_reply"):
     eos_token_ids: list[int]
     block_size: int
     world_size: int
+    # The name clients address the model by (--served-model-name, else derived from --model).
+    served_model_name: str = ""
 
 
 class ErrorReply(_Wire, tag="error"):

@@ -117,7 +117,8 @@ class SchedulerServer:
         self.thermal_sensor = first.thermal_sensor
         self.model_info = ModelInfo(tag=0, model=self.config.model, max_model_len=max_model_len,
                                     vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
-                                    block_size=block_size, world_size=world)
+                                    block_size=block_size, world_size=world,
+                                    served_model_name=self.config.served_name())
         self.rpc = make_socket(self.ctx, zmq.ROUTER, self.config.rpc_address, bind=True)
         # Past this, zmq drops the connection without reading the frame into memory.
         self.rpc.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_message_bytes)

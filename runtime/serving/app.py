@@ -55,6 +55,11 @@ class ServingState:
     metrics: ServingMetrics
     created: int
 
+    @property
+    def model_name(self) -> str:
+        """What clients call the model (--served-model-name, else derived from --model)."""
+        return self.info.served_model_name or self.info.model
+
 
 def build_app(config: EngineConfig) -> FastAPI:
     """The app for an engine at config.rpc_address; it connects (and waits) at startup."""
@@ -69,7 +74,7 @@ def build_app(config: EngineConfig) -> FastAPI:
             app.state.serving = ServingState(config, client, info, tokenizer, ServingMetrics(),
                                              int(time.time()))
             log.info("HTTP front ready on http://%s:%d for %s", config.http_host, config.http_port,
-                     info.model)
+                     info.served_model_name or info.model)
             yield
         finally:
             client.close()
@@ -139,7 +144,7 @@ async def health(request: Request) -> JSONResponse:
 async def models(request: Request) -> dict:
     state = _state(request)
     return {"object": "list", "data": [{
-        "id": state.info.model, "object": "model", "created": state.created,
+        "id": state.model_name, "object": "model", "created": state.created,
         "owned_by": "spmd-runtime", "max_model_len": state.info.max_model_len,
         "vocab_size": state.info.vocab_size}]}
 
@@ -230,9 +235,9 @@ def _completion_prompts(state: ServingState, body: CompletionBody) -> list[list[
 async def _generate(request: Request, state: ServingState, body: GenerationBody,
                     prompts: list[list[int]], chat: bool) -> Response:
     started = time.perf_counter()
-    if body.model is not None and body.model != state.info.model:
+    if body.model is not None and body.model != state.model_name:
         raise APIError(f"The model {body.model!r} does not exist: this server serves "
-                       f"{state.info.model!r}", status=404, param="model", code="model_not_found")
+                       f"{state.model_name!r}", status=404, param="model", code="model_not_found")
     check_supported(body)
     stops = stop_strings(body)
     n = choice_count(body)
@@ -255,7 +260,7 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     except BaseException:
         _close_all(runs)
         raise
-    response = _ResponseShape(chat, state.info.model, sum(map(len, prompts)))
+    response = _ResponseShape(chat, state.model_name, sum(map(len, prompts)))
     if body.stream:
         return _ChoiceStreamResponse(runs, _stream_events(runs, response, body.include_usage))
     return await _complete(request, runs, response)
