@@ -1,68 +1,116 @@
-"""`spmdrun [launcher options] {generate,serve,bench} [engine options]`: the command line.
+"""`spmdrun [launcher options] {generate,serve,bench} [options]`: the command line.
 
-Every engine option is generated from the fields of protocol.config.EngineConfig.
+Every engine option is generated from the fields of protocol.config.EngineConfig and shown in
+its --help section (protocol.config.OPTION_GROUPS); each subcommand takes the options it uses.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import sys
+import traceback
+from typing import NoReturn
 
-import msgspec
 from spmd_runtime.launch.bench import add_peer_options, add_throughput_workload_options
-from spmd_runtime.protocol.config import EngineConfig, engine_config_choices, engine_config_fields
+from spmd_runtime.launch.options import (
+    config_from_args,
+    prompts_from_args,
+    sampling_from_args,
+    token_warnings,
+)
+from spmd_runtime.protocol.config import (
+    OPTION_GROUPS,
+    EngineConfig,
+    engine_config_choices,
+    engine_config_fields,
+)
 from spmd_runtime.protocol.model_config import MODEL_PRESETS
-from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.log_format import configure_logging
+from spmd_runtime.runtime.preflight import ConfigError, check_config
+
+__all__ = ["LAUNCHER_FIELDS", "build_parser", "config_from_args", "main"]
 
 LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+# The spellings a vLLM user would try, beside each field's own flag.
+ALIASES = {"http_host": ("--host",), "http_port": ("--port",), "auth_token": ("--api-key",)}
+# What only a server uses: the other commands talk to their engine over a private socket.
+SERVER_FIELDS = ("served_model_name", "rpc_address", "http_host", "http_port",
+                 "max_message_bytes", "enable_admin", "admin_token")
+OPTIONS_USAGE = "%(prog)s [options]"
+FIELDS = {name: (kind, default, description)
+          for name, kind, default, description in engine_config_fields()}
 
 
-def add_engine_options(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None,
-                       exclude: tuple[str, ...] = ()) -> None:
-    """One flag per EngineConfig field; unset flags stay absent so defaults live in one place."""
+class DefaultsShown(argparse.HelpFormatter):
+    """--help shows each option's default, unless its help already tells it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default is False
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """No abbreviated options; a mistake is one line on stderr and exit code 2."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"spmdrun: error: {message} (see {self.prog} --help)\n")
+
+
+def add_engine_options(parser: argparse.ArgumentParser, fields) -> None:
+    """One flag per EngineConfig field in `fields`, in its --help section; flags not given
+    stay absent from the namespace, so that the defaults live in EngineConfig alone."""
     choices = engine_config_choices()
-    for name, kind, default, description in engine_config_fields():
-        if (only is not None and name not in only) or name in exclude:
+    for title, names in OPTION_GROUPS.items():
+        names = [name for name in names if name in fields]
+        if not names:
             continue
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{description} (default: {default})"
-        if kind is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
-                                choices=choices.get(name),
-                                metavar=None if name in choices else name.upper(), help=help_text)
+        group = parser.add_argument_group(title)
+        for name in names:
+            kind, default, description = FIELDS[name]
+            flags = ["--" + name.replace("_", "-"), *ALIASES.get(name, ())]
+            help_text = f"{description} (default: {default!r})".replace("%", "%%")
+            if kind is bool:
+                group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(*flags, dest=name, type=kind, default=argparse.SUPPRESS,
+                                   choices=choices.get(name),
+                                   metavar=None if name in choices else name.upper(),
+                                   help=help_text)
+            if name == "nproc_per_node":
+                group.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
+                                   default=argparse.SUPPRESS,
+                                   help="tensor-parallel size over all nodes: sets "
+                                   "--nproc-per-node to N / --nnodes")
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    if getattr(args, "config_json", None):
-        return EngineConfig.from_json(args.config_json)
-    names = {name for name, *_ in engine_config_fields()}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    try:
-        return msgspec.convert(values, EngineConfig)
-    except msgspec.ValidationError as error:
-        raise SystemExit(f"spmdrun: invalid option: {error}") from None
+def engine_fields(*, exclude: tuple[str, ...] = ()) -> list[str]:
+    return [name for name in FIELDS if name not in exclude]
 
 
-def add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int,
-                         temperature: float) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=temperature,
-                        help="0 is greedy (default: %(default)s)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    except ValueError as error:
-        raise SystemExit(f"spmdrun: {error}") from None
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128,
+                       help="most tokens to generate per prompt (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0,
+                       help="0 is greedy (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="nucleus sampling: smallest set of tokens with this much probability; "
+                       "1 keeps all (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=-1,
+                       help="sample among the k likeliest tokens; -1 keeps all (default: "
+                       "%(default)s)")
+    group.add_argument("--seed", type=int, default=None,
+                       help="per-request sampling seed (default: none, a random one)")
 
 
 def add_model_source_options(parser: argparse.ArgumentParser) -> None:
@@ -72,32 +120,65 @@ def add_model_source_options(parser: argparse.ArgumentParser) -> None:
                         "--model-config, i.e. --model dummy:<that> (default: %(default)s)")
     parser.add_argument("--model-config", choices=tuple(MODEL_PRESETS),
                         help="a built-in model shape instead of --model; it has no weights, so "
-                        "it implies --load-format dummy")
+                        "it implies --load-format dummy (default: none)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="spmdrun", description="Run an SPMD inference engine: a scheduler and one worker "
-        "per device, on one node or many.")
-    add_engine_options(parser, only=LAUNCHER_FIELDS)
-    commands = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> CommandLineParser:
+    parser = CommandLineParser(
+        prog="spmdrun", usage="%(prog)s [launcher options] COMMAND [options]",
+        description="Run an SPMD inference engine: a scheduler and one worker "
+        "per device, on one node or many. The launcher options are accepted before the "
+        "command too.")
+    group = parser.add_argument_group("launcher")
+    for name in LAUNCHER_FIELDS:
+        kind, default, description = FIELDS[name]
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, metavar=name.upper(),
+                           default=argparse.SUPPRESS, help=f"{description} (default: {default!r})")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="spmdrun",
+                                     title="commands")
+    _add_generate(commands)
+    serve = commands.add_parser(
+        "serve", usage=OPTIONS_USAGE, help="serve RPC clients (and HTTP with --port) until stopped",
+        description="Serve RPC clients, and OpenAI-compatible HTTP with --port, until Ctrl-C or "
+        "SIGTERM.")
+    add_engine_options(serve, engine_fields())
+    serve.add_argument("--config-json", help=argparse.SUPPRESS)
+    bench = commands.add_parser("bench", usage="%(prog)s KIND [options]", help="benchmarks",
+                                description="Benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND",
+                                 prog="spmdrun bench",
+                                 title="benchmarks")
+    _add_bench_throughput(kinds)
+    _add_bench_prefix(kinds)
+    _add_bench_pressure(kinds)
+    _add_bench_serving(kinds)
+    return parser
 
-    generate = commands.add_parser("generate", help="complete prompts and print the answers")
-    generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    generate.add_argument("--prompt-file", help="a file with one prompt per line")
+
+def _add_generate(commands) -> None:
+    generate = commands.add_parser(
+        "generate", usage="%(prog)s [options] [PROMPT ...]",
+        help="complete prompts and print the answers", description="Complete "
+        "prompts and print each answer as it completes (answers on stdout, logs on stderr).",
+        epilog='example: spmdrun generate "What is 2+2?" --max-tokens 32')
+    generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to complete")
+    generate.add_argument("--prompt", action="append", default=[],
+                          help="a prompt (repeatable; default: none)")
+    generate.add_argument("--prompt-file", help="a file with one prompt per line (default: none)")
     generate.add_argument("--no-chat-template", action="store_true",
                           help="send the raw text instead of applying the model's chat template")
-    add_sampling_options(generate, max_tokens=128, temperature=0.0)
-    add_engine_options(generate, exclude=LAUNCHER_FIELDS)
+    generate.add_argument("--output", choices=("text", "jsonl"), default="text",
+                          help="text: each answer (labelled [index] when there are several); "
+                          "jsonl: one JSON object per answer with index, prompt, text, "
+                          "token_ids and finish_reason (default: %(default)s)")
+    add_sampling_options(generate)
+    add_engine_options(generate, engine_fields(exclude=SERVER_FIELDS))
 
-    serve = commands.add_parser("serve", help="serve RPC clients until stopped")
-    add_engine_options(serve, exclude=LAUNCHER_FIELDS)
-    serve.add_argument("--config-json", help=argparse.SUPPRESS)
 
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    throughput = bench_kinds.add_parser(
-        "throughput", help="offline throughput on random prompts (EOS ignored), optionally "
+def _add_bench_throughput(kinds) -> None:
+    throughput = kinds.add_parser(
+        "throughput", usage=OPTIONS_USAGE, help="offline throughput on random prompts (EOS "
+        "ignored), optionally "
         "against Hugging Face transformers in the same run",
         epilog="issue 10's benchmark: spmdrun bench throughput --workload issue10 --load-format "
         "dummy --model-config llama-3.2-1b --with-peer")
@@ -110,10 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_peer_options(throughput)
     throughput.add_argument("--json", action="store_true", help="print one JSON line per row too")
     add_model_source_options(throughput)
-    add_engine_options(throughput, exclude=LAUNCHER_FIELDS)
+    add_engine_options(throughput, engine_fields(exclude=SERVER_FIELDS))
 
-    prefix = bench_kinds.add_parser(
-        "prefix", help="shared-prefix workload with prefix caching on and off, in the same run")
+
+def _add_bench_prefix(kinds) -> None:
+    prefix = kinds.add_parser(
+        "prefix", usage=OPTIONS_USAGE,
+        help="shared-prefix workload with prefix caching on and off, in the same run")
     prefix.add_argument("--num-prefixes", type=int, default=8)
     prefix.add_argument("--prefix-len", type=int, default=256,
                         help="shared tokens per prompt; 0 makes every prompt unique (0%% hits)")
@@ -122,32 +206,38 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--output-len", type=int, default=16)
     prefix.add_argument("--workload-seed", type=int, default=0)
     prefix.add_argument("--rounds", type=int, default=1,
-                        help="on/off pairs to run, alternating their order (default: %(default)s)")
+                        help="on/off pairs to run, alternating their order")
     add_model_source_options(prefix)
-    add_engine_options(prefix, exclude=LAUNCHER_FIELDS + ("enable_prefix_caching",))
+    add_engine_options(prefix, engine_fields(exclude=SERVER_FIELDS + ("enable_prefix_caching",)))
 
-    pressure = bench_kinds.add_parser(
-        "pressure", help="throughput with a roomy KV pool and with a small one (offload and "
+
+def _add_bench_pressure(kinds) -> None:
+    pressure = kinds.add_parser(
+        "pressure", usage=OPTIONS_USAGE, help="throughput with a roomy KV pool and with a "
+        "small one (offload and "
         "soft reset), in the same run")
     pressure.add_argument("--num-requests", type=int, default=32)
     pressure.add_argument("--input-len-min", type=int, default=32)
     pressure.add_argument("--input-len-max", type=int, default=128)
     pressure.add_argument("--output-len", type=int, default=64)
     pressure.add_argument("--pressure-blocks", type=int, default=48,
-                          help="KV blocks of the small pool (default: %(default)s)")
+                          help="KV blocks of the small pool")
     pressure.add_argument("--swap-space-gib", type=float, default=1.0,
-                          help="CPU swap space of the offload run (default: %(default)s)")
+                          help="CPU swap space of the offload run")
     pressure.add_argument("--workload-seed", type=int, default=0)
     pressure.add_argument("--rounds", type=int, default=1,
-                          help="runs of each variant, rotating their order (default: %(default)s)")
+                          help="runs of each variant, rotating their order")
     add_model_source_options(pressure)
-    add_engine_options(pressure, exclude=LAUNCHER_FIELDS + ("swap_space",))
+    add_engine_options(pressure, engine_fields(exclude=SERVER_FIELDS + ("swap_space",)))
 
-    serving = bench_kinds.add_parser(
-        "serving", help="online load at a request rate against the HTTP front or the RPC "
+
+def _add_bench_serving(kinds) -> None:
+    serving = kinds.add_parser(
+        "serving", usage=OPTIONS_USAGE, help="online load at a request rate against the HTTP "
+        "front or the RPC "
         "endpoint: throughput, time to first token, time per output token, inter-token latency")
     serving.add_argument("--endpoint", choices=("http", "rpc"), default="http",
-                         help="what to send requests to (default: %(default)s)")
+                         help="what to send requests to")
     serving.add_argument("--url", default="",
                          help="a running server: http://host:port (HTTP front) or its RPC "
                          "address; empty starts an engine here with the engine options")
@@ -156,32 +246,97 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--input-len-min", type=int, default=32)
     serving.add_argument("--input-len-max", type=int, default=256)
     serving.add_argument("--num-prefixes", type=int, default=4,
-                         help="shared-prefix: distinct prefixes (default: %(default)s)")
+                         help="shared-prefix: distinct prefixes")
     serving.add_argument("--prefix-len", type=int, default=128)
     serving.add_argument("--suffix-len", type=int, default=32)
     serving.add_argument("--output-len", type=int, default=64)
     serving.add_argument("--request-rate", type=float, default=math.inf,
-                         help="requests per second, Poisson arrivals; inf sends all at once "
-                         "(default: %(default)s)")
+                         help="requests per second, Poisson arrivals; inf sends all at once")
     serving.add_argument("--max-concurrency", type=int, default=0,
-                         help="most requests in flight; 0: no limit (default: %(default)s)")
+                         help="most requests in flight; 0: no limit")
     serving.add_argument("--workload-seed", type=int, default=0)
     serving.add_argument("--json", action="store_true", help="print one JSON line too")
     add_model_source_options(serving)
-    add_engine_options(serving, exclude=LAUNCHER_FIELDS)
-    return parser
+    add_engine_options(serving, engine_fields(
+        exclude=("rpc_address", "enable_admin", "admin_token")))
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommand parsers under `parser`, by name ("bench serving" for nested ones)."""
+    found = {}
+    for action in parser._actions:            # argparse lists its subparsers nowhere public
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found[name] = sub
+                found.update({f"{name} {k}": v for k, v in subcommand_parsers(sub).items()})
+    return found
+
+
+def _unrecognized(extras: list[str], command: str, parsers: dict) -> str:
+    """The one-line error for arguments no option took: the commands that have that option,
+    or the nearest option of this one."""
+    option = next((arg.split("=", 1)[0] for arg in extras if arg.startswith("-")), None)
+    if option is None:
+        return f"unexpected argument {extras[0]!r} for `spmdrun {command}`"
+    elsewhere = [f"`spmdrun {name}`" for name, sub in parsers.items()
+                 if name != command and option in sub._option_string_actions]
+    if elsewhere:
+        return f"`spmdrun {command}` has no option {option} (it is one of {', '.join(elsewhere)})"
+    # argparse lists a parser's options nowhere public; compared without their dashes.
+    valid = {name.lstrip("-"): name for name in parsers[command]._option_string_actions}
+    nearest = difflib.get_close_matches(option.lstrip("-"), valid, n=1, cutoff=0.6)
+    if nearest:
+        return f"unrecognized option {option}: did you mean {valid[nearest[0]]}?"
+    return f"unrecognized option {option}"
+
+
+def parse_command_line(parser: CommandLineParser, argv: list[str] | None) -> argparse.Namespace:
+    args, extras = parser.parse_known_args(argv)
+    if args.command == "generate":
+        # argparse takes one run of positionals: prompts after an option come back unparsed.
+        args.prompts += [arg for arg in extras if not arg.startswith("-")]
+        extras = [arg for arg in extras if arg.startswith("-")]
+    if extras:
+        command = " ".join(filter(None, (args.command, getattr(args, "bench_kind", None))))
+        parsers = subcommand_parsers(parser)
+        parsers[command].error(_unrecognized(extras, command, parsers))
+    return args
+
+
+def prepare(args: argparse.Namespace) -> EngineConfig:
+    """Everything that can go wrong before a process starts, checked: ConfigError if not."""
+    config = config_from_args(args)
+    configure_logging(config.log_level)
+    if args.command == "bench":
+        from spmd_runtime.launch.commands import bench_model
+        config = bench_model(config, args)
+    if args.command == "generate":
+        args.prompts = prompts_from_args(args, config.model)
+        args.sampling = sampling_from_args(args)
+    if not getattr(args, "url", ""):              # bench serving --url starts no engine
+        check_config(config, serves_rpc=args.command == "serve")
+    for warning in token_warnings(args):
+        print(f"spmdrun: warning: {warning}", file=sys.stderr, flush=True)
+    if args.command in ("generate", "serve") and config.log_level in ("debug", "info"):
+        print(f"spmdrun: loading model {config.model} …", file=sys.stderr, flush=True)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args)
-    configure_logging(config.log_level)
-    from spmd_runtime.launch import commands
-    if args.command == "generate":
-        return commands.generate(config, args)
-    if args.command == "serve":
-        return commands.serve(config)
-    return commands.bench(config, args)
+    args = parse_command_line(build_parser(), argv)
+    try:
+        config = prepare(args)
+        from spmd_runtime.launch import commands
+        if args.command == "generate":
+            return commands.generate(config, args)
+        if args.command == "serve":
+            return commands.serve(config)
+        return commands.bench(config, args)
+    except ConfigError as error:
+        if getattr(args, "log_level", "") == "debug":
+            traceback.print_exc()
+        print(f"spmdrun: error: {error}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from spmd_runtime.launch.bench import (
     throughput_workload_from_args,
 )
 from spmd_runtime.launch.bench_serving import ServingReport, measure, served_model
-from spmd_runtime.launch.cli import sampling_from_args
 from spmd_runtime.launch.http_front import start_http_front
 from spmd_runtime.launch.progress import generate_with_progress
 from spmd_runtime.launch.running import RunningEngine, exit_with_failure
@@ -29,6 +28,8 @@ from spmd_runtime.protocol.messages import EngineStats
 from spmd_runtime.protocol.model_source import DUMMY_PREFIX
 from spmd_runtime.protocol.transport import free_tcp_port
 from spmd_runtime.runtime.client import EngineError
+from spmd_runtime.runtime.outputs import RequestOutput
+from spmd_runtime.runtime.preflight import ConfigError
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 
@@ -42,14 +43,7 @@ def _supervise_workers_only(engine: RunningEngine) -> int:
 
 
 def generate(config: EngineConfig, args: argparse.Namespace) -> int:
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as handle:
-            prompts.extend(line.rstrip("\n") for line in handle if line.strip())
-    if not prompts:
-        print("spmdrun generate: give at least one --prompt or a --prompt-file", file=sys.stderr)
-        return 2
-    params = sampling_from_args(args)
+    """args.prompts (text) with args.sampling; each answer is printed as it completes."""
     with RunningEngine(config, private_rpc=True) as engine:
         if config.node_rank != 0:
             return _supervise_workers_only(engine)
@@ -57,20 +51,30 @@ def generate(config: EngineConfig, args: argparse.Namespace) -> int:
             client = engine.connect()
             tokenizer = client.tokenizer
             token_lists = [client.encode(p) if args.no_chat_template else chat_prompt_ids(tokenizer, p)
-                           for p in prompts]
-            outputs = generate_with_progress(engine.config.rpc_address, token_lists, params,
-                                             "generate", alive=engine.alive,
-                                             auth_token=engine.config.auth_token)
-            for output in outputs:
+                           for p in args.prompts]
+
+            def answer(index: int, output: RequestOutput) -> str:
                 output.text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
+                return answer_line(args.output, index, args.prompts, output)
+
+            generate_with_progress(engine.config.rpc_address, token_lists, args.sampling,
+                                   "generate", alive=engine.alive,
+                                   auth_token=engine.config.auth_token, on_output=answer)
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
-        except ValueError as error:
-            print(f"spmdrun generate: {error}", file=sys.stderr)
-            return 2
-    for output in outputs:
-        print(output.text.strip(), flush=True)
+        except ValueError as error:            # a prompt the engine refuses (too long, ...)
+            raise ConfigError(str(error)) from None
     return 0
+
+
+def answer_line(output_format: str, index: int, prompts: list[str], output: RequestOutput) -> str:
+    """An answer as `generate --output` prints it: its text (after [index] when there are
+    several prompts), or a JSON object."""
+    if output_format == "jsonl":
+        return json.dumps({"index": index, "prompt": prompts[index], "text": output.text,
+                           "token_ids": output.token_ids, "finish_reason": output.finish_reason})
+    text = output.text.strip()
+    return f"[{index}] {text}" if len(prompts) > 1 else text
 
 
 def serve(config: EngineConfig) -> int:
@@ -90,11 +94,6 @@ def serve(config: EngineConfig) -> int:
 
 
 def bench(config: EngineConfig, args: argparse.Namespace) -> int:
-    try:
-        config = bench_model(config, args)
-    except ValueError as error:
-        print(f"spmdrun bench {args.bench_kind}: {error}", file=sys.stderr)
-        return 2
     if args.bench_kind == "serving":
         return bench_serving(config, args)
     if args.bench_kind == "prefix":
@@ -110,7 +109,7 @@ def bench_model(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
     model = config.model
     if args.model_config:
         if "model" in args:
-            raise ValueError("give --model or --model-config, not both")
+            raise ConfigError("give --model or --model-config, not both")
         model = args.model_config
     if (args.load_format == "dummy" or args.model_config) and not model.startswith(DUMMY_PREFIX):
         model = DUMMY_PREFIX + model
@@ -122,8 +121,7 @@ def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
         workload = throughput_workload_from_args(args)
         peer = load_hf_peer() if args.with_peer else None
     except ValueError as error:
-        print(f"spmdrun bench throughput: {error}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(error)) from None
     output_lens = workload.output_lens()
     with RunningEngine(config, private_rpc=True) as engine:
         if config.node_rank != 0:
@@ -266,9 +264,7 @@ def bench_pressure(config: EngineConfig, args: argparse.Namespace) -> int:
 def bench_serving(config: EngineConfig, args: argparse.Namespace) -> int:
     """Online load against a running server (--url), or against an engine started here."""
     if args.num_requests < 1 or args.output_len < 1 or not args.request_rate > 0:
-        print("spmdrun bench serving: --num-requests, --output-len and --request-rate must be "
-              "positive", file=sys.stderr)
-        return 2
+        raise ConfigError("--num-requests, --output-len and --request-rate must be positive")
     if args.url:
         try:
             report = asyncio.run(_serving_load(args.url, args, None, config.auth_token))

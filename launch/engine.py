@@ -1,9 +1,12 @@
 """Start the engine's processes for this node: the scheduler on node 0, one worker per device."""
 from __future__ import annotations
 
+import subprocess
+
 import msgspec
 from spmd_runtime.launch.supervisor import Supervisor, spawn_python
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.process_entry import config_env
 from spmd_runtime.protocol.transport import free_tcp_port, private_ipc_address
 
 
@@ -27,7 +30,7 @@ def start_engine(config: EngineConfig, supervisor: Supervisor) -> EngineConfig:
     """Spawn this node's processes under `supervisor`; returns the completed config."""
     config = complete_addresses(config)
     if config.node_rank == 0:
-        supervisor.add("scheduler", spawn_python("spmd_runtime.scheduler_proc", [config.to_json()]))
+        supervisor.add("scheduler", spawn_child("spmd_runtime.scheduler_proc", config))
     start_workers(config, supervisor)
     return config
 
@@ -36,7 +39,6 @@ def start_workers(config: EngineConfig, supervisor: Supervisor, generation: int 
                   master_port: int | None = None) -> None:
     """This node's workers, torchrun's environment contract for each; a restarted group
     (generation > 0) meets on a fresh master port."""
-    payload = config.to_json()
     for local_rank in range(config.nproc_per_node):
         rank = config.node_rank * config.nproc_per_node + local_rank
         env = {
@@ -47,4 +49,13 @@ def start_workers(config: EngineConfig, supervisor: Supervisor, generation: int 
             "MASTER_PORT": str(master_port or config.master_port),
             "SPMD_WORKER_GENERATION": str(generation),
         }
-        supervisor.add(f"worker rank {rank}", spawn_python("spmd_runtime.worker_proc", [payload], env))
+        supervisor.add(f"worker rank {rank}", spawn_child("spmd_runtime.worker_proc", config, env))
+
+
+def spawn_child(module: str, config: EngineConfig, env: dict[str, str] | None = None
+                ) -> subprocess.Popen:
+    """`python -m module` with the config in its environment (not in its argv, which `ps`
+    shows every user: the config carries the tokens) and its stderr relayed by the
+    supervisor."""
+    return spawn_python(module, [], {**config_env(config), **(env or {})},
+                        stderr=subprocess.PIPE)

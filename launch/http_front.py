@@ -6,7 +6,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from spmd_runtime.launch.supervisor import Supervisor, spawn_python
+from spmd_runtime.launch.engine import spawn_child
+from spmd_runtime.launch.supervisor import Supervisor
 from spmd_runtime.protocol.config import EngineConfig
 
 # Where to reach a front bound to a wildcard address from this machine.
@@ -22,7 +23,7 @@ def start_http_front(config: EngineConfig, supervisor: Supervisor, alive: Callab
                      timeout_s: float = 300.0) -> str:
     """Spawn `python -m spmd_runtime.runtime.serving` for the engine at config.rpc_address and wait until its
     /health answers; returns its URL. Raises RuntimeError when it does not come up."""
-    supervisor.add("http front", spawn_python("spmd_runtime.runtime.serving", [config.to_json()]))
+    supervisor.add("http front", spawn_child("spmd_runtime.runtime.serving", config))
     url = http_url(config)
     deadline = time.monotonic() + timeout_s
     while True:

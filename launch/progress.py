@@ -39,6 +39,14 @@ class Progress:
             log.info("%s: %d/%d done", self.description, self.done, self.total)
             self._next_log = self.done * 10 // max(self.total, 1) + 1
 
+    def write(self, line: str, stream: TextIO | None = None) -> None:
+        """Print a line on `stream` (stdout by default) without breaking the bar."""
+        stream = sys.stdout if stream is None else stream
+        if self._bar is not None:
+            self._bar.write(line, file=stream)
+        else:
+            print(line, file=stream, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -52,13 +60,32 @@ class Progress:
 
 def generate_with_progress(address: str, token_lists: list[list[int]], params: SamplingParams,
                            description: str, alive: Callable[[], bool] | None = None,
-                           auth_token: str = "") -> list[RequestOutput]:
-    """Run a batch of prompts to completion on the engine at `address`, showing progress."""
+                           auth_token: str = "",
+                           on_output: Callable[[int, RequestOutput], str | None] | None = None,
+                           ) -> list[RequestOutput]:
+    """Run a batch of prompts to completion on the engine at `address`, showing progress.
+    on_output(index, output) is called as each prompt completes, in the order they complete;
+    the line it returns, if any, is printed on stdout (above the bar)."""
 
     async def run() -> list[RequestOutput]:
         async with AsyncClient(address, alive=alive, auth_token=auth_token) as client:
             with Progress(len(token_lists), description) as progress:
-                return await client.generate(token_lists, [params] * len(token_lists),
-                                             on_finished=lambda _: progress.update())
+
+                async def complete(index: int, ids: list[int]) -> RequestOutput:
+                    try:
+                        [output] = await client.generate([ids], [params])
+                    except ValueError as error:
+                        message = str(error).removeprefix("prompt 0: ")
+                        raise ValueError(f"prompt {index}: {message}") from None
+                    progress.update()
+                    line = on_output(index, output) if on_output else None
+                    if line is not None:
+                        progress.write(line)
+                    return output
+
+                # Every request is sent before any reply is read (each task sends first), so
+                # the engine batches them as one generate call of all of them would be.
+                return list(await asyncio.gather(*(complete(index, ids) for index, ids
+                                                   in enumerate(token_lists))))
 
     return asyncio.run(run())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -24,12 +25,15 @@ class RunningEngine:
     """Context manager: starts this node's processes, stops them all on exit, whatever happens."""
 
     def __init__(self, config: EngineConfig, *, private_rpc: bool = False) -> None:
+        # A server's job is done when it is told to stop; private work (generate, bench) is not.
+        self.serves = not private_rpc
         if private_rpc:
             config = msgspec.structs.replace(config, rpc_address=private_ipc_address("rpc"))
         self.supervisor = Supervisor()
         self.supervisor.install_signal_handlers()
         self.config = start_engine(config, self.supervisor)
         self.client: Client | None = None
+        self.ready = False        # every worker loaded and the scheduler serving
         self.generation = 0
         self._restarts: list[float] = []
         self._gave_up = False
@@ -42,11 +46,11 @@ class RunningEngine:
         scheduler the engine is down and let the job stop."""
         if not child.name.startswith("worker") or self._gave_up:
             return False
-        if self.config.node_rank == 0 and self.client is None:
+        if self.config.node_rank == 0 and not self.ready:
             return False          # it failed before the engine ever served: a start-up error
         now = time.monotonic()
         self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
-        reason = f"{child.name} (pid {child.process.pid}) exited with code {code}"
+        reason = child.describe(code)
         final = len(self._restarts) >= self.config.max_restarts or self.config.nnodes > 1
         self._notify_scheduler(WorkersLost(generation=self.generation + 1, reason=reason,
                                            final=final))
@@ -103,6 +107,7 @@ class RunningEngine:
         self.client = Client(self.config.rpc_address, alive=self.alive,
                              auth_token=self.config.auth_token)
         self.client.wait_ready()
+        self.ready = True
         return self.client
 
     def __enter__(self) -> "RunningEngine":
@@ -113,17 +118,25 @@ class RunningEngine:
             self.client.close()
         self.supervisor.stop_all()
 
-    def failure_message(self) -> str:
-        try:
-            self.supervisor.check()
-        except ChildExited as exited:
-            return f"spmdrun: {exited}; stopped the whole job"
+    def failure(self) -> tuple[str, int] | None:
+        """The last line for a job that ends early, and its exit code; None if nothing failed
+        and no stop was asked for. A child's failure names the child and its own reason (the
+        one that caused it, not the scheduler that followed a worker); the code is 2 when that
+        child reported a user error (exit code 2), else 1. A server stopped by SIGTERM exits
+        cleanly (0); otherwise a stop by signal N is 128 + N (Ctrl-C: 130)."""
         if self.supervisor.stop_requested:
-            return "spmdrun: stopped by signal"
-        return ""
+            signum = self.supervisor.stop_signal or signal.SIGTERM
+            clean = self.serves and signum == signal.SIGTERM
+            return "spmdrun: stopped by signal", 0 if clean else 128 + signum
+        culprit = self.supervisor.culprit()
+        if culprit is None:
+            return None
+        child, code = culprit
+        return (f"spmdrun: error: {child.describe(code)}; stopped the whole job",
+                2 if code == 2 else 1)
 
 
 def exit_with_failure(engine: RunningEngine, error: BaseException) -> int:
-    message = engine.failure_message() or f"spmdrun: {error}"
+    message, code = engine.failure() or (f"spmdrun: error: {error}", 1)
     print(message, file=sys.stderr, flush=True)
-    return 130 if engine.supervisor.stop_requested and "signal" in message else 1
+    return code

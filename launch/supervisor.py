@@ -1,25 +1,71 @@
-"""Spawning and supervising child processes: one dies, all stop; no orphans."""
+"""Spawning and supervising child processes: one dies, all stop; no orphans. Each child's
+stderr passes through the launcher, which keeps the child's own account of a failure."""
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from spmd_runtime.protocol.process_entry import ERROR_PREFIX
 from spmd_runtime.runtime.process import spawn_python
 
 __all__ = ["Child", "ChildExited", "Supervisor", "spawn_python"]
+
+# "<date> <time> ERROR <logger>: <message>" (runtime.log_format): a failure a child only logged.
+ERROR_RECORD = re.compile(r"\S+ \S+ ERROR \S+: (.+)")
+
 
 @dataclass
 class Child:
     name: str
     process: subprocess.Popen
+    error: str = ""         # its own one-line account of why it exits (ERROR_PREFIX stripped)
+    logged_error: str = ""  # else the first line of the last error it logged
+    relay: threading.Thread | None = field(default=None, repr=False)
+    relay_joined: bool = field(default=False, repr=False)
+
+    def reason(self, wait_s: float = 1.0) -> str:
+        """Why it exited, in its own words ("" if it said nothing); the first call after it
+        exited waits up to wait_s for the rest of its stderr."""
+        if self.relay is not None and not self.relay_joined and self.process.poll() is not None:
+            self.relay.join(wait_s)
+            self.relay_joined = True
+        return self.error or self.logged_error
+
+    def describe(self, code: int) -> str:
+        reason = self.reason()
+        return (f"{self.name} (pid {self.process.pid}) exited with code {code}"
+                + (f": {reason}" if reason else ""))
+
+
+def relay_stderr(child: Child) -> None:
+    """Copy the child's stderr to ours line by line, keeping its error line (which the
+    launcher repeats, naming the child, as its own last line) rather than printing it twice."""
+    stream = child.process.stderr
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\r\n")
+        if line.startswith(ERROR_PREFIX):
+            child.error = line[len(ERROR_PREFIX):]
+            continue
+        logged = ERROR_RECORD.match(line)
+        if logged:
+            child.logged_error = logged.group(1)
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass                # nowhere to write: keep draining, or the child would block
+    stream.close()
 
 
 class ChildExited(RuntimeError):
     def __init__(self, child: Child, code: int) -> None:
-        super().__init__(f"{child.name} (pid {child.process.pid}) exited with code {code}")
+        super().__init__(child.describe(code))
         self.child = child
         self.code = code
 
@@ -28,30 +74,66 @@ class Supervisor:
     def __init__(self) -> None:
         self.children: list[Child] = []
         self.stop_requested = False
+        self.stop_signal: int | None = None
         # Called with a child that exited and its code; True if it dealt with it (restarted).
         self.on_exit: Callable[[Child, int], bool] | None = None
 
     def add(self, name: str, process: subprocess.Popen) -> None:
-        self.children.append(Child(name, process))
+        """Supervise `process`; started with stderr=PIPE, its stderr is relayed (relay_stderr)."""
+        child = Child(name, process)
+        if process.stderr is not None:
+            child.relay = threading.Thread(target=relay_stderr, args=(child,), daemon=True,
+                                           name=f"stderr of {name}")
+            child.relay.start()
+        self.children.append(child)
 
     def install_signal_handlers(self) -> None:
         def request_stop(signum, _frame):
             self.stop_requested = True
+            self.stop_signal = signum
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
 
+    def exited(self) -> list[tuple[Child, int]]:
+        """The children that have exited and their codes, workers before the scheduler: when a
+        worker fails, the scheduler notices and exits too, and the worker is the cause."""
+        codes = [(child, child.process.poll()) for child in self.children]
+        exited = [(child, code) for child, code in codes if code is not None]
+        return sorted(exited, key=lambda item: item[0].name == "scheduler")
+
     def check(self) -> None:
-        """Raise ChildExited if any child has exited, naming a worker before the scheduler:
-        when a worker fails, the scheduler notices and exits too, and the worker is the cause."""
-        exited = [(child, child.process.poll()) for child in self.children]
-        exited = [(child, code) for child, code in exited if code is not None]
+        """Raise ChildExited if any child has exited (unless on_exit dealt with it)."""
+        exited = self.exited()
         if exited and self.on_exit is not None and not self.stop_requested:
-            child, code = min(exited, key=lambda item: item[0].name == "scheduler")
-            if self.on_exit(child, code):
+            if self.on_exit(*exited[0]):
                 return
         if exited:
-            exited.sort(key=lambda item: item[0].name == "scheduler")
             raise ChildExited(*exited[0])
+
+    def culprit(self, grace_s: float = 3.0) -> tuple[Child, int] | None:
+        """The child whose exit ends the job, and its code: one that said why (its error line;
+        it may still be on its way out), else one other than the scheduler, else the scheduler.
+        A scheduler that exits on its own usually follows a worker that failed and is about
+        to say so: wait up to grace_s for that."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            exited = self.exited()
+            for child, _ in exited:
+                child.reason()          # its stderr read to the end (within a second)
+            told = sorted((c for c in self.children if c.error), key=lambda c: c.name == "scheduler")
+            if told:
+                try:
+                    code = told[0].process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    code = told[0].process.poll()
+                return told[0], code if code is not None else 1
+            if not exited:
+                return None
+            if any(child.name != "scheduler" for child, _ in exited):
+                return exited[0]
+            if time.monotonic() > deadline or len(exited) == len(self.children):
+                return exited[0]
+            time.sleep(0.05)
 
     def wait(self, until: Callable[[], bool] | None = None, interval_s: float = 0.2) -> None:
         """Supervise until `until()` is true or a stop is requested; raise if a child dies."""
@@ -94,3 +176,6 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
+        for child in self.children:     # the last of their output, before ours
+            if child.relay is not None:
+                child.relay.join(1.0)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import re
+import typing
 from typing import Annotated, Literal
 
 import msgspec
@@ -9,6 +11,52 @@ from msgspec import Meta
 
 THERMAL_SENSORS = ("auto", "nvml", "psutil", "none")
 LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+
+
+# The --help section of every field, in the order the sections are shown.
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "device", "quantization", "dummy_seed"),
+    "parallelism & launcher": (
+        "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "worker_address",
+        "dist_backend", "dist_timeout_s", "row_parallel_chunks", "row_parallel_chunk_threshold"),
+    "scheduling & batching": (
+        "scheduler", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+        "async_scheduling", "overlap_steps"),
+    "KV cache & memory": (
+        "block_size", "num_kv_blocks", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
+        "kv_admission_watermark", "enable_prefix_caching"),
+    "graphs & compilation": (
+        "attention_backend", "bucketing", "prompt_bs_bucket", "prompt_seq_bucket",
+        "decode_bs_bucket", "decode_seq_bucket", "skip_warmup", "compile", "enforce_eager",
+        "graph_reserved_mem", "graph_prompt_ratio", "graph_prompt_strategy",
+        "graph_decode_strategy"),
+    "thermal": (
+        "thermal_sensor", "thermal_interval_steps", "thermal_target_c", "thermal_hysteresis_c",
+        "thermal_kp", "thermal_policy", "thermal_victims"),
+    "fault tolerance": ("step_timeout_s", "heartbeat_timeout_s", "max_restarts"),
+    "serving & network": (
+        "served_model_name", "rpc_address", "http_host", "http_port", "max_message_bytes"),
+    "security": ("allow_remote", "auth_token", "enable_admin", "admin_token"),
+    "logging": ("log_level",),
+}
+
+
+# Unit suffixes of a size, lower case: K/M/G/T alone and KiB... are binary, KB... decimal.
+SIZE_UNITS = {"": 1, "b": 1, **{f"{prefix}{suffix}": base ** (index + 1)
+                                for index, prefix in enumerate("kmgt")
+                                for suffix, base in (("", 1024), ("ib", 1024), ("b", 1000))}}
+SIZE_FORMS = ("bytes (1073741824), or a number with a unit: K, M, G, T or KiB, MiB, GiB, TiB "
+              "(powers of 1024), KB, MB, GB, TB (powers of 1000), e.g. 512MiB, 4GiB, 2G, 1.5GB")
+
+
+def parse_byte_size(text: str, option: str) -> int:
+    """Bytes of a size such as "4GiB", "1.5GB", "2g" or "1073741824" (case-insensitive)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", text.lower())
+    if match is None or match.group(2) not in SIZE_UNITS:
+        raise ValueError(f"invalid {option} {text!r}: give {SIZE_FORMS}")
+    number, unit = match.groups()
+    scale = SIZE_UNITS[unit]
+    return int(number) * scale if number.isdigit() else int(float(number) * scale)
 
 
 def is_local_address(address: str) -> bool:
@@ -30,10 +78,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[str, Meta(description=(
         "model to serve: 'smollm2' (embedded), a .gguf file, a Hugging Face directory, "
         "or dummy:<one of those> for random weights"))] = "smollm2"
-    dtype: Annotated[str, Meta(description=(
+    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], Meta(description=(
         "weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
         "float16 or bfloat16"))] = "auto"
-    device: Annotated[str, Meta(description="auto, cpu or cuda")] = "auto"
+    device: Annotated[Literal["auto", "cpu", "cuda"], Meta(description=(
+        "auto: cuda where available, else cpu"))] = "auto"
     dummy_seed: Annotated[int, Meta(description="seed of the random weights of dummy: models")] = 0
     block_size: Annotated[int, Meta(ge=1, description="tokens per KV-cache block")] = 16
     num_kv_blocks: Annotated[int, Meta(ge=0, description=(
@@ -41,9 +90,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description=(
         "share of the memory left free after loading the weights and a profiling forward pass "
         "that the worker may use for activations and KV cache (on CPU: of available RAM)"))] = 0.9
-    kv_cache_memory: Annotated[int, Meta(ge=0, description=(
-        "bytes of KV cache per worker, set outright (overrides --gpu-memory-utilization); "
-        "0 sizes it from free memory"))] = 0
+    # A size with a unit ("4GiB") on the command line or in JSON; an int of bytes once built.
+    kv_cache_memory: Annotated[Annotated[int, Meta(ge=0)] | str, Meta(description=(
+        "KV cache per worker, set outright (overrides --gpu-memory-utilization): bytes, or a "
+        "size such as 512MiB, 4GiB, 2G or 1.5GB; 0: on CUDA sized from free memory, on CPU "
+        "2GiB, or a quarter of the available RAM shared by the node's workers if smaller"))] = 0
     swap_space: Annotated[float, Meta(ge=0, description=(
         "GiB of CPU memory per worker that preempted requests' KV blocks are offloaded to "
         "(pinned on CUDA); 0 preempts by soft reset (recompute) only"))] = 0.0
@@ -193,9 +244,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_message_bytes: Annotated[int, Meta(ge=1024, description=(
         "largest client frame the scheduler reads; larger ones get an error reply (and past "
         "4x this, the connection is dropped)"))] = 8 * 2**20
-    log_level: Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Meta(description=(
+        "least severe log records shown; debug also shows the traceback of a user error"))] = (
+        "info")
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_byte_size(self.kv_cache_memory, "--kv-cache-memory")
         sensor = self.thermal_sensor
         if sensor not in THERMAL_SENSORS and not (sensor.startswith("file:") and len(sensor) > 5):
             raise ValueError(f"thermal_sensor must be one of {', '.join(THERMAL_SENSORS)} or "
@@ -249,8 +304,8 @@ def engine_config_fields() -> list[tuple[str, type, object, str]]:
         if isinstance(kind, msgspec.inspect.Metadata):
             description = (kind.extra_json_schema or {}).get("description", "") or ""
             kind = kind.type
-        if isinstance(kind, msgspec.inspect.LiteralType):
-            rows.append((field.name, str, field.default, description))
+        if isinstance(kind, (msgspec.inspect.LiteralType, msgspec.inspect.UnionType)):
+            rows.append((field.name, str, field.default, description))   # parsed by the struct
             continue
         py_type = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float,
                    msgspec.inspect.StrType: str, msgspec.inspect.BoolType: bool}[type(kind)]
@@ -259,13 +314,10 @@ def engine_config_fields() -> list[tuple[str, type, object, str]]:
 
 
 def engine_config_choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each field that takes one of a fixed set of strings."""
-    info = msgspec.inspect.type_info(EngineConfig)
+    """The allowed values of each field that takes one of a fixed set of strings, in the
+    order the field's type lists them."""
     choices = {}
-    for field in info.fields:
-        kind = field.type
-        if isinstance(kind, msgspec.inspect.Metadata):
-            kind = kind.type
-        if isinstance(kind, msgspec.inspect.LiteralType):
-            choices[field.name] = tuple(kind.values)
+    for name, hint in typing.get_type_hints(EngineConfig).items():
+        if typing.get_origin(hint) is Literal:
+            choices[name] = typing.get_args(hint)
     return choices

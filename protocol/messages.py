@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from spmd_runtime.protocol.engine_stats import EngineStats
+from spmd_runtime.protocol.engine_stats import ThermalEvent as ThermalEvent  # re-exported
 from spmd_runtime.protocol.sampling import SamplingParams
 
 
@@ -18,17 +20,34 @@ class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=T
 
 # ---------------------------------------------------------------- client -> scheduler
 
+class ChatMessage(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    """One turn of a conversation, as the model's chat template takes it."""
+
+    role: str
+    content: str
+
+
 class AddRequest(_Wire, tag="add"):
-    """Submit a prompt. `tag` is the client's own correlation number for the reply."""
+    """Submit a prompt. `tag` is the client's own correlation number for the reply.
+
+    The prompt is one of: token ids; `prompt`, a text the scheduler tokenizes with the model's
+    tokenizer (special tokens added as the tokenizer does by default); or `messages`, a
+    conversation the scheduler renders with the model's chat template, ready for the reply.
+    """
 
     tag: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] = []
     params: SamplingParams = SamplingParams()
     request_id: int | None = None
     # Larger is more important; thermal eviction with lowest_priority victims uses it.
     priority: int = 0
     # Seconds the request may take from acceptance; then it ends with finish_reason "timeout".
     timeout_s: float | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Whether the deltas carry text (when the scheduler has a tokenizer); a client that
+    # detokenizes by itself saves the scheduler the work.
+    detokenize: bool = True
 
 
 class AbortRequest(_Wire, tag="abort"):
@@ -88,14 +107,22 @@ ClientMessage = (AddRequest | AbortRequest | StatsRequest | ModelInfoRequest
 class RequestAccepted(_Wire, tag="accepted"):
     tag: int
     request_id: int
+    # The prompt as the scheduler tokenized it (text and chat prompts only).
+    prompt_token_ids: list[int] = []
 
 
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """New tokens of one request since the last delta; finish_reason set on the last one."""
+    """New tokens of one request since the last delta; finish_reason set on the last one.
+
+    text is the new text of the output (special tokens skipped), decoded incrementally by the
+    scheduler when it has the model's tokenizer: the texts of a request's deltas add up to its
+    whole output's text. Text that may be an incomplete character waits for the next delta.
+    """
 
     request_id: int
     token_ids: list[int]
     finish_reason: str | None = None
+    text: str = ""
 
 
 class Outputs(_Wire, tag="outputs"):
@@ -128,71 +155,6 @@ class AdminBatchReply(_Wire, tag="admin_batch_reply"):
     # Measured group power per running request times the evictions; None without a power reading.
     estimated_watts_saved: float | None
     dry_run: bool = False
-
-
-class ThermalEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A throttle start or stop, or an eviction, as the scheduler saw it (newest last in stats)."""
-
-    step: int                   # the step planned next when it happened
-    kind: str                   # throttle_start, throttle_stop, thermal_evict or admin_evict
-    max_temp_c: float | None
-    cap: int                    # the cap on running requests (after an eviction: the new one)
-    running: int                # running requests after the event
-    request_ids: list[int] = []
-
-
-class EngineStats(_Wire, tag="stats_reply"):
-    tag: int
-    num_waiting: int
-    num_running: int
-    num_preempted: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_in_use: int
-    num_steps: int
-    num_finished: int
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    num_preemptions: int               # swaps out + soft resets
-    num_swapped: int                   # requests whose KV blocks wait in the CPU pool now
-    num_swaps_out: int
-    num_swaps_in: int
-    num_soft_resets: int               # preemptions that dropped the KV cache (recompute)
-    cpu_kv_blocks_total: int
-    cpu_kv_blocks_free: int
-    scheduler: str
-    bucketing: bool
-    batches_outside_buckets: int       # bucketed engines: batches larger than every bucket
-    padding_waste: float               # padded tokens / computed tokens of bucketed steps
-    runtime_graph_compilations: int    # compilations or captures after warmup
-    prefix_caching: bool
-    prefix_cache_queries: int          # prompt tokens looked up at admission
-    prefix_cache_hits: int             # of those, tokens served from the cache
-    prefix_cache_hit_rate: float
-    kv_blocks_cached: int              # blocks holding a hashed, reusable prefix
-    maintenance_ms: float              # scheduler bookkeeping done during steps, in total
-    maintenance_hidden_ms: float       # of that, overlapped with the workers' forward passes
-    step_wall_ms: float                # back-to-back steps: wall time from result to result
-    step_forward_ms: float             # of that, rank 0's step times (CUDA: events; CPU: forward + sampling)
-    device_idle_fraction: float        # idle / (busy + idle) of rank 0's device over those steps
-    max_num_seqs: int                  # as configured, or as last set by an admin call
-    running_cap: int                   # most requests allowed to run now (thermal cap included)
-    thermal_sensor: str                # rank 0's sensor kind: nvml, psutil, file, none
-    max_temp_c: float | None           # hottest device of the group at the last reading
-    hottest_rank: int | None
-    rank_temps_c: list[float | None]   # every rank's last reading (None: no reading)
-    power_w: float | None              # the group's power draw, where the sensors report it
-    thermal_throttling: bool
-    thermal_target_c: float
-    thermal_evictions: int             # requests taken off the batch by the thermal policy
-    admin_evictions: int               # requests taken off the batch by admin calls
-    thermal_events: list[ThermalEvent]
-    num_worker_restarts: int           # times the worker group was replaced after a death
-    rejected_frames: int               # frames refused before decoding: undecodable or too large
-    invalid_requests: int              # decoded requests refused: bad values, unknown ids, admin
-    device_busy_ms: float = 0.0        # back-to-back steps: rank 0's device time on them
-    device_idle_ms: float = 0.0        # and its idle time between them (CUDA: event-timed)
-    num_overlapped_steps: int = 0      # steps workers launched behind an unfinished one
 
 
 class ModelInfo(_Wire, tag="model_info_reply"):

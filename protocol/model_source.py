@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from spmd_runtime.protocol.model_config import MODEL_PRESETS
@@ -16,6 +17,8 @@ EMBEDDED_MODEL = "smollm2"
 DUMMY_PREFIX = "dummy:"
 # ModelSource.path of a dummy model whose shape is a built-in preset (runtime.model_config).
 PRESET_PREFIX = "preset:"
+# "org/name", what a Hugging Face hub id looks like (when no such local path exists).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _ACCEPTED = (
     "pass 'smollm2', a .gguf file, a Hugging Face directory with config.json, "
     f"or dummy:<one of those, a config.json file, or a preset: {', '.join(MODEL_PRESETS)}>"
@@ -50,7 +53,7 @@ def resolve_model(name: str) -> ModelSource:
     p = Path(name).expanduser()
     if name.lower().endswith(".gguf"):
         if not p.is_file():
-            raise ValueError(f"GGUF file not found: {str(p)!r}")
+            raise ValueError(f"GGUF file not found: {str(p)!r}: check the path of --model")
         return ModelSource(kind="gguf", path=str(p.resolve()), name=name)
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -58,9 +61,13 @@ def resolve_model(name: str) -> ModelSource:
         return ModelSource(kind="hf", path=str(p.resolve()), name=name)
     if p.is_file() and p.name.endswith(".json"):
         raise ValueError(f"{name!r} is a config file without weights: use 'dummy:{name}' for random weights")
+    if _HUB_ID.fullmatch(name):
+        raise ValueError(f"model {name!r} is not a local path and looks like a Hugging Face hub id; "
+                         "nothing is downloaded: pass a local .gguf file or directory (one that "
+                         f"`huggingface-cli download {name} --local-dir DIR` made, say)")
     if os.sep in name or name.startswith(("~", ".")):
-        # Hub ids look like paths too; they are never downloaded.
-        raise ValueError(f"model path not found: {str(p)!r} (only local files are loaded; {_ACCEPTED})")
+        raise ValueError(f"model path not found: {str(p)!r}: check the path of --model "
+                         f"(only local files are loaded; {_ACCEPTED})")
     raise ValueError(f"unknown model {name!r}: {_ACCEPTED}")
 
 

@@ -13,6 +13,16 @@ import zmq
 DEFAULT_HWM = 10_000
 
 
+class BindError(zmq.ZMQError):
+    """A socket could not listen on `address` (in use, or not an address of this host)."""
+
+    def __init__(self, address: str, error: zmq.ZMQError) -> None:
+        # zmq appends " (addr='...')" to the reason; the message names the address itself.
+        self.address = address
+        self.reason = str(error.strerror).split(" (addr=")[0]
+        super().__init__(error.errno, f"cannot listen on {address}: {self.reason}")
+
+
 def make_socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool,
                 identity: bytes | None = None, hwm: int = DEFAULT_HWM) -> zmq.Socket:
     """A socket with linger 0 (close never blocks) bound or connected to `address`."""
@@ -26,7 +36,11 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool,
         # Sending to a peer that is gone raises instead of silently dropping.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if bind:
-        sock.bind(address)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as error:
+            sock.close()        # left open, it would keep its context's term() waiting forever
+            raise BindError(address, error) from error
     else:
         sock.connect(address)
     return sock

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from spmd_runtime.runtime.client import Client, StreamDelta
     from spmd_runtime.runtime.llm import LLM
     from spmd_runtime.runtime.outputs import RequestOutput
+    from spmd_runtime.runtime.rpc import EngineError
 
 _LAZY = {
     "SamplingParams": "spmd_runtime.protocol.sampling",
@@ -16,9 +17,10 @@ _LAZY = {
     "StreamDelta": "spmd_runtime.runtime.client",
     "LLM": "spmd_runtime.runtime.llm",
     "RequestOutput": "spmd_runtime.runtime.outputs",
+    "EngineError": "spmd_runtime.runtime.rpc",
 }
 
-__all__ = ["LLM", "Client", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = ["LLM", "Client", "EngineError", "RequestOutput", "SamplingParams", "StreamDelta"]
 
 
 def __getattr__(name: str):

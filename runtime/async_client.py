@@ -16,7 +16,6 @@ import zmq
 import zmq.asyncio
 from spmd_runtime.protocol.messages import (
     AbortRequest,
-    AddRequest,
     AdminBatchReply,
     AdminBatchRequest,
     EngineStats,
@@ -31,9 +30,9 @@ from spmd_runtime.protocol.messages import (
     server_decoder,
 )
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.protocol.transport import Encoder, make_socket
-from spmd_runtime.runtime.client import EngineError
+from spmd_runtime.protocol.transport import Encoder
 from spmd_runtime.runtime.outputs import RequestOutput
+from spmd_runtime.runtime.rpc import EngineError, Prompt, add_request, connect
 
 log = logging.getLogger("spmd.async_client")
 
@@ -46,8 +45,11 @@ class RequestStream:
     whoever still waits on the stream.
     """
 
-    def __init__(self, client: AsyncClient, request_id: int) -> None:
+    def __init__(self, client: AsyncClient, request_id: int,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.request_id = request_id
+        # The prompt as the engine tokenized it (texts and conversations; None for token ids).
+        self.prompt_token_ids = prompt_token_ids
         self.finished = False
         self._client = client
         # None: closed by its owner; an exception: the request failed.
@@ -82,7 +84,8 @@ class AsyncClient:
 
     A call waits as long as the engine answers anything; when the engine has been silent for
     timeout_s while calls or requests are outstanding (it is pinged in between), or `alive()`
-    says its process is gone, they fail with EngineError.
+    says its process is gone, they fail with EngineError. Texts are tokenized by the engine and
+    deltas carry its text: the client needs no tokenizer.
     """
 
     def __init__(self, address: str, *, timeout_s: float = 600.0, ping_after_s: float = 5.0,
@@ -96,7 +99,11 @@ class AsyncClient:
         self.ping_after_s = ping_after_s
         self.admin_token = admin_token
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False)
+        try:
+            self._sock = connect(self._ctx, address)
+        except ValueError:
+            self._ctx.term()
+            raise
         self._encoder = Encoder()
         self._decoder = server_decoder()
         self._tags = itertools.count(1)
@@ -108,9 +115,16 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ public API
 
-    async def wait_ready(self) -> ModelInfo:
-        """Wait until the engine answers (every worker loaded); EngineError after timeout_s."""
-        self._model_info = await self._call(ModelInfoRequest(tag=next(self._tags)))
+    async def wait_ready(self, timeout_s: float | None = None) -> ModelInfo:
+        """Wait until the engine answers (every worker loaded). EngineError when it answers
+        nothing for the client's timeout_s, or is not ready within timeout_s (None: as long as
+        it answers pings)."""
+        call = self._call(ModelInfoRequest(tag=next(self._tags)))
+        try:
+            self._model_info = await asyncio.wait_for(call, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(f"the engine at {self.address} was not ready within {timeout_s:g}s",
+                              kind="not_ready", address=self.address) from None
         return self._model_info
 
     async def model_info(self) -> ModelInfo:
@@ -126,34 +140,40 @@ class AsyncClient:
         except (asyncio.TimeoutError, EngineError, PermissionError):
             return False
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+    async def submit(self, prompt: Prompt, params: SamplingParams,
                      request_id: int | None = None, priority: int = 0,
-                     timeout_s: float | None = None) -> RequestStream:
-        """Add a request; raises ValueError with the engine's reason when it is refused. One
-        still running timeout_s after acceptance ends with finish_reason "timeout"."""
-        return await self._send_add(prompt_token_ids, params, request_id, priority, timeout_s)
+                     timeout_s: float | None = None, *, chat: bool = False,
+                     detokenize: bool = True) -> RequestStream:
+        """Add a request (token ids, a text, or with chat a text or conversation the engine
+        renders with its chat template); raises ValueError with the engine's reason when it is
+        refused. One still running timeout_s after acceptance ends with finish_reason
+        "timeout". detokenize=False: the deltas carry no text (for callers that decode
+        themselves)."""
+        return await self._send_add(prompt, params, request_id, priority, timeout_s, chat=chat,
+                                    detokenize=detokenize)
 
-    def _send_add(self, prompt_token_ids: list[int], params: SamplingParams,
-                  request_id: int | None = None, priority: int = 0,
-                  timeout_s: float | None = None) -> asyncio.Future:
+    def _send_add(self, prompt: Prompt, params: SamplingParams, request_id: int | None = None,
+                  priority: int = 0, timeout_s: float | None = None, *, chat: bool = False,
+                  detokenize: bool = True) -> asyncio.Future:
         """Send an AddRequest; the future resolves to its stream once the engine accepts it."""
-        tag = next(self._tags)
-        future = self._expect(self._adds, tag)
-        self._send(AddRequest(tag=tag, prompt_token_ids=prompt_token_ids, params=params,
-                              request_id=request_id, priority=priority, timeout_s=timeout_s))
+        request = add_request(next(self._tags), prompt, params, chat=chat, request_id=request_id,
+                              priority=priority, timeout_s=timeout_s, detokenize=detokenize)
+        future = self._expect(self._adds, request.tag)
+        self._send(request)
         return future
 
-    async def generate(self, token_lists: list[list[int]], params: list[SamplingParams],
-                       on_finished: Callable[[RequestOutput], None] | None = None,
-                       ) -> list[RequestOutput]:
-        """Run every prompt to completion (batched by the engine); outputs keep the input order.
-        on_finished is called as each one finishes, in whatever order they finish."""
+    async def generate(self, prompts: list[Prompt], params: list[SamplingParams],
+                       on_finished: Callable[[RequestOutput], None] | None = None, *,
+                       chat: bool = False) -> list[RequestOutput]:
+        """Run every prompt (token ids or a text; with chat a text or conversation) to
+        completion, batched by the engine; outputs keep the input order and carry the engine's
+        text. on_finished is called as each one finishes, in whatever order they finish."""
         streams: list[RequestStream] = []
         try:
             # Every request is sent before any acceptance is awaited: the engine accepts what
             # has arrived between two steps, so awaiting each in turn would admit one per step.
-            accepted = [self._send_add(ids, p)
-                        for ids, p in zip(token_lists, params, strict=True)]
+            accepted = [self._send_add(prompt, p, chat=chat)
+                        for prompt, p in zip(prompts, params, strict=True)]
             refused = None
             for index, future in enumerate(accepted):
                 try:
@@ -163,17 +183,18 @@ class AsyncClient:
             if refused is not None:
                 raise refused       # the accepted ones are aborted below
 
-            async def collect(ids: list[int], stream: RequestStream) -> RequestOutput:
-                output = RequestOutput(stream.request_id, ids)
+            async def collect(prompt: Prompt, stream: RequestStream) -> RequestOutput:
+                output = RequestOutput(stream.request_id, stream.prompt_token_ids or list(prompt))
                 async for delta in stream:
                     output.token_ids.extend(delta.token_ids)
+                    output.text += delta.text
                     output.finish_reason = delta.finish_reason
                 if on_finished is not None:
                     on_finished(output)
                 return output
 
-            return list(await asyncio.gather(*(collect(ids, stream) for ids, stream
-                                               in zip(token_lists, streams, strict=False))))
+            return list(await asyncio.gather(*(collect(prompt, stream) for prompt, stream
+                                               in zip(prompts, streams, strict=False))))
         finally:
             for stream in streams:
                 stream.close()
@@ -203,7 +224,7 @@ class AsyncClient:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        self._fail_all(EngineError("the client was closed"))
+        self._fail_all(EngineError("the client was closed", kind="closed", address=self.address))
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -255,6 +276,8 @@ class AsyncClient:
     async def _read_forever(self) -> None:
         loop = asyncio.get_running_loop()
         last_heard = pinged = loop.time()
+        # Ping early enough that a busy engine answers before a short timeout runs out.
+        ping_after_s = min(self.ping_after_s, self.timeout_s / 3)
         while True:
             if await self._sock.poll(200, zmq.POLLIN):
                 self._dispatch(await self._sock.recv())
@@ -265,13 +288,16 @@ class AsyncClient:
                 last_heard = now
                 continue
             if self._alive is not None and not self._alive():
-                self._fail_all(EngineError("the engine process exited; see its log above"))
+                self._fail_all(EngineError("the engine process exited; see its log above",
+                                           kind="exited", address=self.address))
                 last_heard = now
             elif now - last_heard > self.timeout_s:
-                self._fail_all(EngineError(f"no answer from the engine at {self.address} "
-                                           f"for {self.timeout_s:.0f}s"))
+                self._fail_all(EngineError(
+                    f"the engine at {self.address} answered nothing (not even a ping) within "
+                    f"{self.timeout_s:g}s: it is down, unreachable, or not at this address",
+                    kind="unreachable", address=self.address))
                 last_heard = now
-            elif now - last_heard > self.ping_after_s and now - pinged > self.ping_after_s:
+            elif now - last_heard > ping_after_s and now - pinged > ping_after_s:
                 # Any answer proves the engine alive; the Pong itself is dropped (unknown tag).
                 self._send(Ping(tag=0))
                 pinged = now
@@ -297,7 +323,7 @@ class AsyncClient:
                 return
             stream = self._streams.pop(message.request_id, None)
             if stream is not None:
-                stream._queue.put_nowait(EngineError(message.message))
+                stream._queue.put_nowait(EngineError(message.message, address=self.address))
             else:
                 log.warning("engine error: %s", message.message)
             return
@@ -312,7 +338,7 @@ class AsyncClient:
     def _resolve_add(self, future: asyncio.Future, message: msgspec.Struct) -> None:
         if isinstance(message, RequestAccepted):
             # Registered before the caller resumes: the next frame may already carry its tokens.
-            stream = RequestStream(self, message.request_id)
+            stream = RequestStream(self, message.request_id, message.prompt_token_ids or None)
             self._streams[message.request_id] = stream
             if future.done():   # the caller gave up (cancelled) while the add was in flight
                 stream.close()

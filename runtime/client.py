@@ -27,15 +27,18 @@ from spmd_runtime.protocol.messages import (
     server_decoder,
 )
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.protocol.transport import Encoder, make_socket
+from spmd_runtime.protocol.transport import Encoder
 from spmd_runtime.runtime.outputs import RequestOutput
-from spmd_runtime.scheduler_proc.detokenizer import IncrementalDetokenizer
+from spmd_runtime.runtime.rpc import (
+    EngineError,
+    Prompt,
+    add_request,
+    as_param_list,
+    as_prompt_list,
+    connect,
+)
 
-Prompt = str | Sequence[int]
-
-
-class EngineError(RuntimeError):
-    """The engine failed or stopped answering."""
+__all__ = ["Client", "EngineError", "Prompt", "StreamDelta"]
 
 
 @dataclass
@@ -49,7 +52,9 @@ class StreamDelta:
 class Client:
     """Talks to an engine over its RPC address. Not thread-safe: use one Client per thread.
 
-    Prompts may be strings (tokenized here with the served model's tokenizer) or token-id lists.
+    Prompts may be texts (tokenized by the engine with the served model's tokenizer) or
+    token-id lists; outputs carry the engine's text, so the client needs no tokenizer. Every
+    call fails with EngineError when the engine answers nothing, pings included, for timeout_s.
     """
 
     # Silence after which the client pings the engine (answered even mid-step).
@@ -65,7 +70,11 @@ class Client:
         self.timeout_s = timeout_s
         self._alive = alive
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False)
+        try:
+            self._sock = connect(self._ctx, address)
+        except ValueError:
+            self._ctx.term()
+            raise
         self._encoder = Encoder()
         self._decoder = server_decoder()
         self._tags = itertools.count(1)
@@ -83,24 +92,28 @@ class Client:
     # ------------------------------------------------------------------ public API
 
     def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
-        """Block until the engine answers (every worker loaded), or raise EngineError."""
+        """Block until the engine answers (every worker loaded), or raise EngineError: when it
+        is not ready within timeout_s, or answers nothing at all for the client's timeout_s."""
         self._model_info = self._call(ModelInfoRequest(tag=next(self._tags)), timeout_s)
         return self._model_info
 
     def model_info(self) -> ModelInfo:
         if self._model_info is None:
-            self.wait_ready()
+            self.wait_ready(self.timeout_s)
         return self._model_info
 
     @property
     def tokenizer(self):
+        """The served model's tokenizer, loaded here (needs transformers and the model files).
+        Generation needs none: the engine tokenizes texts and sends text with its outputs."""
         if self._tokenizer is None:
             from spmd_runtime.protocol.model_source import resolve_model
             from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
             self._tokenizer = load_tokenizer(resolve_model(self.model_info().model))
         return self._tokenizer
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text with the local tokenizer (see `tokenizer`); ids pass through."""
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
         return [int(t) for t in prompt]
@@ -108,48 +121,50 @@ class Client:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: int | Sequence[int] = 0,
-                 request_timeout_s: float | None = None) -> list[RequestOutput]:
+                 request_timeout_s: float | None = None, *, chat: bool = False,
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion (batched by the engine) and return outputs in order.
 
-        priority (one for all, or one per prompt; larger is more important) decides who leaves
-        the batch first under --thermal-victims lowest_priority. A request still running
-        request_timeout_s after the engine accepted it ends with finish_reason "timeout"."""
-        prompt_list = _as_prompt_list(prompts)
-        param_list = _as_param_list(params, len(prompt_list))
+        With chat, each prompt (a text, taken as one user message, or a conversation) is
+        rendered with the model's chat template by the engine. priority (one for all, or one
+        per prompt; larger is more important) decides who leaves the batch first under
+        --thermal-victims lowest_priority. A request still running request_timeout_s after the
+        engine accepted it ends with finish_reason "timeout"."""
+        prompt_list = as_prompt_list(prompts)
+        param_list = as_param_list(params, len(prompt_list))
         priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
-        token_lists = [self.encode(p) for p in prompt_list]
-        request_ids = self._submit_all(token_lists, param_list, priorities, request_timeout_s)
-        outputs = {rid: RequestOutput(rid, ids)
-                   for rid, ids in zip(request_ids, token_lists, strict=True)}
-        pending = set(request_ids)
+        requests = [add_request(next(self._tags), prompt, p, chat=chat, priority=rank,
+                                timeout_s=request_timeout_s)
+                    for prompt, p, rank in zip(prompt_list, param_list, priorities, strict=True)]
+        outputs = {output.request_id: output for output in self._submit_all(requests)}
+        pending = set(outputs)
         while pending:
             self._pump_until(lambda: any(self._deltas.get(r) or r in self._failures for r in pending))
             for request_id in list(pending):
                 if request_id in self._failures:
                     self._abort_quietly(pending - {request_id})
-                    raise EngineError(self._failures.pop(request_id))
+                    raise EngineError(self._failures.pop(request_id), address=self.address)
                 for delta in self._deltas.pop(request_id, []):
-                    outputs[request_id].token_ids.extend(delta.token_ids)
+                    output = outputs[request_id]
+                    output.token_ids.extend(delta.token_ids)
+                    output.text += delta.text
                     if delta.finish_reason is not None:
-                        outputs[request_id].finish_reason = delta.finish_reason
+                        output.finish_reason = delta.finish_reason
                         pending.discard(request_id)
-        results = [outputs[r] for r in request_ids]
-        if self._tokenizer is not None or any(isinstance(p, str) for p in prompt_list):
-            for output in results:
-                output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        return results
+        return list(outputs.values())
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                request_id: int | None = None, priority: int = 0,
-               request_timeout_s: float | None = None) -> Iterator[StreamDelta]:
-        """Yield new tokens (and their text, when a tokenizer is available) as they are generated."""
-        token_ids = self.encode(prompt)
-        request_id = self._submit(token_ids, params or SamplingParams(), request_id, priority,
-                                  request_timeout_s)
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if (
-            self._tokenizer is not None or isinstance(prompt, str)) else None
+               request_timeout_s: float | None = None, *, chat: bool = False,
+               ) -> Iterator[StreamDelta]:
+        """Yield new tokens, and the text they add (when the engine has a tokenizer), as they
+        are generated."""
+        request = add_request(next(self._tags), prompt, params or SamplingParams(), chat=chat,
+                              request_id=request_id, priority=priority,
+                              timeout_s=request_timeout_s)
+        request_id = self._call(request).request_id
         finished = False
         try:
             while not finished:
@@ -157,11 +172,10 @@ class Client:
                                  or request_id in self._failures)
                 if request_id in self._failures:
                     finished = True
-                    raise EngineError(self._failures.pop(request_id))
+                    raise EngineError(self._failures.pop(request_id), address=self.address)
                 for delta in self._deltas.pop(request_id, []):
                     finished = delta.finish_reason is not None
-                    text = detokenizer.add(delta.token_ids, finished) if detokenizer else ""
-                    yield StreamDelta(request_id, delta.token_ids, text, delta.finish_reason)
+                    yield StreamDelta(request_id, delta.token_ids, delta.text, delta.finish_reason)
         finally:
             if not finished:
                 self._abort_quietly({request_id})
@@ -209,35 +223,27 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _submit(self, token_ids: list[int], params: SamplingParams, request_id: int | None,
-                priority: int = 0, timeout_s: float | None = None) -> int:
-        reply = self._call(AddRequest(tag=next(self._tags), prompt_token_ids=token_ids,
-                                      params=params, request_id=request_id, priority=priority,
-                                      timeout_s=timeout_s))
-        return reply.request_id
-
-    def _submit_all(self, token_lists: list[list[int]], params: list[SamplingParams],
-                    priorities: list[int], timeout_s: float | None = None) -> list[int]:
-        tags = []
-        for ids, p, priority in zip(token_lists, params, priorities, strict=True):
-            tag = next(self._tags)
-            tags.append(tag)
-            self._send(AddRequest(tag=tag, prompt_token_ids=ids, params=p, priority=priority,
-                                  timeout_s=timeout_s))
+    def _submit_all(self, requests: list[AddRequest]) -> list[RequestOutput]:
+        """Send every request before awaiting any acceptance: the engine admits what arrived
+        between two steps together. Their outputs to fill, in order; ValueError naming the
+        first refused prompt (the accepted ones are aborted)."""
+        for request in requests:
+            self._send(request)
+        tags = [request.tag for request in requests]
         self._pump_until(lambda: all(t in self._replies for t in tags))
         replies = [self._replies.pop(t) for t in tags]
-        accepted = [r.request_id for r in replies if isinstance(r, RequestAccepted)]
         errors = [r for r in replies if isinstance(r, ErrorReply)]
         if errors:
-            self._abort_quietly(set(accepted))
+            self._abort_quietly({r.request_id for r in replies if isinstance(r, RequestAccepted)})
             index = replies.index(errors[0])
             raise ValueError(f"prompt {index}: {errors[0].message}")
-        return accepted
+        return [RequestOutput(reply.request_id, reply.prompt_token_ids or request.prompt_token_ids)
+                for request, reply in zip(requests, replies, strict=True)]
 
-    def _call(self, message: msgspec.Struct, timeout_s: float | None = None):
+    def _call(self, message: msgspec.Struct, within_s: float | None = None):
         self._send(message)
         tag = message.tag
-        self._pump_until(lambda: tag in self._replies, timeout_s)
+        self._pump_until(lambda: tag in self._replies, within_s)
         reply = self._replies.pop(tag)
         if isinstance(reply, ErrorReply):
             if reply.code in ("forbidden", "disabled"):
@@ -256,27 +262,38 @@ class Client:
     def _send(self, message: msgspec.Struct) -> None:
         self._sock.send_multipart([*self._auth_frames, self._encoder.encode(message)])
 
-    def _pump_until(self, done: Callable[[], bool], timeout_s: float | None = None) -> None:
-        """Receive and file messages until `done()`; raise if the engine is gone: its process
-        exited, or it answered nothing, pings included, for timeout_s."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        last_heard = last_ping = time.monotonic()
+    def _pump_until(self, done: Callable[[], bool], within_s: float | None = None) -> None:
+        """Receive and file messages until `done()`. EngineError when the engine is gone (its
+        process exited, or it answered nothing, pings included, for timeout_s) or `done()` is
+        still false after within_s."""
+        started = last_heard = last_ping = time.monotonic()
+        heard = False
         while not done():
             if self._refused is not None:
                 raise PermissionError(self._refused)
+            if within_s is not None and time.monotonic() - started > within_s:
+                raise self._timed_out(within_s, heard)
             if self._sock.poll(200, zmq.POLLIN):
                 self._dispatch(self._sock.recv())
-                last_heard = time.monotonic()
+                last_heard, heard = time.monotonic(), True
                 continue
             if self._alive is not None and not self._alive():
-                raise EngineError("the engine process exited; see its log above")
+                raise EngineError("the engine process exited; see its log above", kind="exited",
+                                  address=self.address)
             now = time.monotonic()
-            if now - last_heard > timeout_s:
-                raise EngineError(f"the engine at {self.address} answered nothing (not even a "
-                                  f"ping) for {timeout_s:.0f}s: it is down or unreachable")
+            if now - last_heard > self.timeout_s:
+                raise self._timed_out(self.timeout_s, heard=False)
             if now - max(last_heard, last_ping) > self.PING_INTERVAL_S:
                 self._send(Ping(tag=0))
                 last_ping = now
+
+    def _timed_out(self, waited_s: float, heard: bool) -> EngineError:
+        if heard:
+            return EngineError(f"the engine at {self.address} answers, but was not ready within "
+                               f"{waited_s:g}s", kind="not_ready", address=self.address)
+        return EngineError(f"the engine at {self.address} answered nothing (not even a ping) "
+                           f"within {waited_s:g}s: it is down, unreachable, or not at this "
+                           "address", kind="unreachable", address=self.address)
 
     def _dispatch(self, payload: bytes) -> None:
         message = self._decoder.decode(payload)
@@ -298,28 +315,3 @@ class Client:
             self._ignored_tags.discard(message.tag)
         else:
             self._replies[message.tag] = message
-
-
-def _is_token_list(value) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) \
-        and all(isinstance(t, int) for t in value)
-
-
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str) or _is_token_list(prompts):
-        return [prompts]
-    prompt_list = list(prompts)
-    if not prompt_list:
-        raise ValueError("no prompts given")
-    return prompt_list
-
-
-def _as_param_list(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    param_list = list(params)
-    if len(param_list) != count:
-        raise ValueError(f"got {len(param_list)} SamplingParams for {count} prompts")
-    return param_list

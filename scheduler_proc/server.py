@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import os
 import signal
 import time
@@ -12,19 +11,15 @@ import msgspec
 import zmq
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import (
-    DECODE_ERRORS,
     AbortDone,
     AbortRequest,
     AddRequest,
     AdminBatchRequest,
-    ClientMessage,
     Done,
     ErrorReply,
     ModelInfo,
     ModelInfoRequest,
     Outputs,
-    Ping,
-    Pong,
     RequestAccepted,
     RequestDelta,
     ResetPrefixCacheRequest,
@@ -32,14 +27,16 @@ from spmd_runtime.protocol.messages import (
     StepResult,
     WorkerReady,
     WorkersLost,
-    client_decoder,
 )
-from spmd_runtime.protocol.transport import Encoder, bound_address, make_socket
+from spmd_runtime.protocol.transport import Encoder
 from spmd_runtime.runtime.bucketing import bucketing_enabled, engine_buckets
 from spmd_runtime.scheduler_proc.admin import admin_batch
+from spmd_runtime.scheduler_proc.admission import refusal
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.request import FinishReason, Request
+from spmd_runtime.scheduler_proc.rpc_front import RpcFront
 from spmd_runtime.scheduler_proc.scheduler import ScheduledStep, Scheduler, StepUpdate
+from spmd_runtime.scheduler_proc.served_tokenizer import ServedTokenizer
 from spmd_runtime.scheduler_proc.stats import StepTimes, engine_stats
 from spmd_runtime.scheduler_proc.thermal import ThermalControl, load_policy_class
 from spmd_runtime.scheduler_proc.worker_group import (
@@ -47,33 +44,32 @@ from spmd_runtime.scheduler_proc.worker_group import (
     Stopping,
     WorkerGroup,
     WorkersFailed,
-    authentic,
 )
 
 log = logging.getLogger("spmd.scheduler")
 
-CLIENT_MESSAGE_TAGS = frozenset(
-    msgspec.inspect.type_info(kind).tag for kind in ClientMessage.__args__)
-MAX_CLIENT_MESSAGES_PER_STEP = 1024
-
 
 class SchedulerServer:
     def __init__(self, config: EngineConfig) -> None:
+        """Binds the RPC socket first: zmq.ZMQError naming the address when it cannot be had
+        (another engine serves there), before any worker is waited for. Clients are answered
+        pings from then on; everything else waits for the workers to be ready."""
         self.config = config
         self.ctx = zmq.Context()
         self.encoder = Encoder()
-        self.client_decoder = client_decoder()
+        try:
+            self.front = RpcFront(config, self.ctx, self.encoder)
+        except zmq.ZMQError:
+            self.ctx.term()
+            raise
         # The group's waits on workers end when a stop is requested (see stop()).
         self.group = WorkerGroup(config, self.ctx, self.encoder, lambda: self._stopping)
-        self.rpc: zmq.Socket | None = None
+        self.tokenizer = ServedTokenizer(config.model)
         self.scheduler: Scheduler | None = None
         self.model_info: ModelInfo | None = None
         self._next_request_id = 0
         self._arrivals = 0
         self._stopping = False
-        # Decoded client messages waiting for the loop (pings are answered on arrival).
-        self._pending: list[tuple[bytes, msgspec.Struct]] = []
-        self.rejected_frames = 0
         self.invalid_requests = 0
         # (deadline, request id, arrival) of requests with a timeout, soonest first.
         self._deadlines: list[tuple[float, int, int]] = []
@@ -97,7 +93,9 @@ class SchedulerServer:
 
     def wait_for_workers(self) -> None:
         world = self.config.world_size
-        ready = self.group.gather_ready()
+        ready = self.group.gather_ready(while_waiting=self.front.receive)
+        # Text prompts can be served once the tokenizer, loaded meanwhile, is there.
+        self.tokenizer.wait(while_waiting=self.front.receive)
         first = ready[0]
         kv, num_cpu_blocks = self._kv_cache_manager(ready)
         num_blocks = kv.num_blocks
@@ -119,17 +117,14 @@ class SchedulerServer:
                                     vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
                                     block_size=block_size, world_size=world,
                                     served_model_name=self.config.served_name())
-        self.rpc = make_socket(self.ctx, zmq.ROUTER, self.config.rpc_address, bind=True)
-        # Past this, zmq drops the connection without reading the frame into memory.
-        self.rpc.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_message_bytes)
         log.info("serving on %s (KV cache: %d blocks of %d tokens, swap space: %d blocks, "
-                 "max_model_len %d, scheduler %s)", bound_address(self.rpc), num_blocks,
+                 "max_model_len %d, scheduler %s)", self.front.address, num_blocks,
                  block_size, num_cpu_blocks, max_model_len, self.config.scheduler)
 
     # ------------------------------------------------------------------ the step loop
 
     def run(self) -> None:
-        assert self.scheduler is not None and self.rpc is not None
+        assert self.scheduler is not None
         scheduler = self.scheduler
         try:
             stalled = False
@@ -196,7 +191,7 @@ class SchedulerServer:
     def _recover(self, message: WorkersLost) -> None:
         """Wait for the restarted worker group, then recompute everything that was in flight."""
         self.group.lost(message)
-        ready = self.group.gather_ready(while_waiting=self._queue_client_messages)
+        ready = self.group.gather_ready(while_waiting=self.front.receive)
         kv, num_cpu_blocks = self._kv_cache_manager(ready)
         requeued = self.scheduler.restart(kv, num_cpu_blocks)
         log.warning("worker group generation %d ready: %d requests recomputed from their "
@@ -217,7 +212,7 @@ class SchedulerServer:
                 raise WorkersFailed(f"no result for step {step.plan.step_id} within "
                                     f"{self.config.step_timeout_s:.0f}s")
             # Keep accepting clients while the workers compute; their messages wait for the loop.
-            self._queue_client_messages()
+            self.front.receive()
             self.group.heartbeat_if_due()
             self.group.check_awaiting_launcher()
             message = self.group.poll(min(remaining, 0.05))
@@ -229,49 +224,8 @@ class SchedulerServer:
 
     # ------------------------------------------------------------------ clients
 
-    def _queue_client_messages(self) -> None:
-        """Read what clients sent: refuse bad frames, answer pings, queue the rest."""
-        while len(self._pending) < MAX_CLIENT_MESSAGES_PER_STEP:
-            try:
-                frames = self.rpc.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) < 2:
-                continue
-            client, payload = frames[0], frames[-1]
-            if not authentic(frames, self.config.auth_token):
-                self.rejected_frames += 1
-                self._reply(client, ErrorReply(tag=None, code="forbidden", message=(
-                    "this server requires its auth token on every message: "
-                    "Client(address, auth_token=...)")))
-                continue
-            limit = self.config.max_message_bytes
-            if len(payload) > limit:
-                self._reject(client, payload, (
-                    f"message of {len(payload)} bytes is larger than the server's "
-                    f"--max-message-bytes {limit}; send a shorter prompt"))
-                continue
-            try:
-                message = self.client_decoder.decode(payload)
-            except DECODE_ERRORS as error:
-                self._reject(client, payload, f"invalid request: {error}")
-                continue
-            if isinstance(message, Ping):
-                self._reply(client, Pong(tag=message.tag))
-            else:
-                self._pending.append((client, message))
-
-    def _reject(self, client: bytes, payload: bytes, reason: str) -> None:
-        self.rejected_frames += 1
-        self._reply(client, ErrorReply(tag=_tag_of(payload), message=reason))
-
     def _handle_client_messages(self, block: bool) -> None:
-        if block and not self._pending:
-            if not self.rpc.poll(100, zmq.POLLIN):
-                return
-        self._queue_client_messages()
-        pending, self._pending = self._pending, []
-        for client, message in pending:
+        for client, message in self.front.take(block):
             self._handle_client_message(client, message)
 
     def _handle_client_message(self, client: bytes, message: msgspec.Struct) -> None:
@@ -282,7 +236,8 @@ class SchedulerServer:
         elif isinstance(message, StatsRequest):
             self._reply(client, engine_stats(
                 message.tag, self.scheduler, self.step_times, thermal_sensor=self.thermal_sensor,
-                rejected_frames=self.rejected_frames, invalid_requests=self.invalid_requests))
+                rejected_frames=self.front.rejected_frames,
+                invalid_requests=self.invalid_requests))
         elif isinstance(message, ModelInfoRequest):
             self._reply(client, msgspec.structs.replace(self.model_info, tag=message.tag))
         elif isinstance(message, AdminBatchRequest):
@@ -302,7 +257,11 @@ class SchedulerServer:
 
     def _add_request(self, client: bytes, message: AddRequest) -> None:
         scheduler = self.scheduler
-        error = self._validate(message)
+        try:
+            prompt = self.tokenizer.prompt_token_ids(message)
+            error = refusal(message, prompt, self.model_info, self.scheduler)
+        except ValueError as refused:
+            error = str(refused)
         if error is not None:
             self._refuse(client, ErrorReply(tag=message.tag, message=error,
                                             request_id=message.request_id))
@@ -314,40 +273,16 @@ class SchedulerServer:
             request_id = self._next_request_id
             self._next_request_id += 1
         self._arrivals += 1
-        scheduler.add(Request(request_id, message.prompt_token_ids, message.params, client,
-                              self._arrivals, message.priority))
+        scheduler.add(Request(request_id, prompt, message.params, client, self._arrivals,
+                              message.priority))
+        if message.detokenize:
+            self.tokenizer.start(request_id)
         if message.timeout_s is not None:
             heapq.heappush(self._deadlines, (time.monotonic() + message.timeout_s, request_id,
                                              self._arrivals))
-        self._reply(client, RequestAccepted(tag=message.tag, request_id=request_id))
-
-    def _validate(self, message: AddRequest) -> str | None:
-        info = self.model_info
-        prompt = message.prompt_token_ids
-        if not prompt:
-            return "prompt is empty: send at least one token"
-        cache_tokens = self.scheduler.kv.num_blocks * info.block_size
-        if len(prompt) >= cache_tokens:
-            return (f"prompt has {len(prompt)} tokens but the whole KV cache holds only "
-                    f"{cache_tokens} tokens ({self.scheduler.kv.num_blocks} blocks of "
-                    f"{info.block_size}), so it could never run; shorten the prompt or give the "
-                    "cache more memory (--gpu-memory-utilization, --kv-cache-memory or "
-                    "--num-kv-blocks)")
-        if len(prompt) >= info.max_model_len:
-            return (f"prompt has {len(prompt)} tokens but this engine's context is "
-                    f"{info.max_model_len} tokens (prompt + output); shorten the prompt")
-        if message.timeout_s is not None and not (
-                math.isfinite(message.timeout_s) and message.timeout_s > 0):
-            return f"timeout_s must be a number of seconds > 0, got {message.timeout_s}"
-        bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
-        if bad is not None:
-            return f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})"
-        if message.request_id is not None:
-            if message.request_id < 0:
-                return f"request_id must be >= 0, got {message.request_id}"
-            if message.request_id in self.scheduler.requests:
-                return f"request_id {message.request_id} is already in use; pick another or omit it"
-        return None
+        tokenized = prompt if prompt is not message.prompt_token_ids else []
+        self._reply(client, RequestAccepted(tag=message.tag, request_id=request_id,
+                                            prompt_token_ids=tokenized))
 
     def _expire_deadlines(self) -> None:
         """Requests past their timeout end now, with finish_reason "timeout"."""
@@ -384,8 +319,9 @@ class SchedulerServer:
             new_tokens = request.output_token_ids[request.num_tokens_streamed:]
             request.num_tokens_streamed = len(request.output_token_ids)
             reason = request.finish_reason.value if request.finish_reason else None
+            text = self.tokenizer.text(request.request_id, new_tokens, reason is not None)
             by_client.setdefault(request.client, []).append(
-                RequestDelta(request.request_id, new_tokens, reason))
+                RequestDelta(request.request_id, new_tokens, reason, text))
         for client, deltas in by_client.items():
             if not self._reply(client, Outputs(deltas=deltas)):
                 self._abort_client(client)
@@ -395,6 +331,7 @@ class SchedulerServer:
         for request in list(self.scheduler.requests.values()):
             if request.client == client:
                 self.scheduler.abort(request.request_id)
+                self.tokenizer.forget(request.request_id)
                 log.info("aborted request %d: its client disconnected", request.request_id)
 
     def _refuse(self, client: bytes, error: ErrorReply) -> None:
@@ -403,17 +340,14 @@ class SchedulerServer:
         self._reply(client, error)
 
     def _reply(self, client: bytes, message: msgspec.Struct) -> bool:
-        try:
-            self.rpc.send_multipart([client, self.encoder.encode(message)], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
+        return self.front.reply(client, message)
 
     def _fail_everything(self, reason: str) -> None:
-        if self.scheduler is None or self.rpc is None:
+        if self.scheduler is None:
             return
         failed = self.scheduler.abort_all(FinishReason.ERROR)
         for request in failed:
+            self.tokenizer.forget(request.request_id)
             self._reply(request.client, ErrorReply(tag=None, request_id=request.request_id,
                                                    message=f"engine failed: {reason}"))
 
@@ -423,24 +357,9 @@ class SchedulerServer:
         self._stopping = True
 
     def close(self) -> None:
-        if self.rpc is not None:
-            self.rpc.close(linger=0)
+        self.front.close()
         self.group.close()
         self.ctx.term()
-
-
-def _tag_of(payload: bytes) -> int | None:
-    """The client's tag of a frame that is msgpack but not a valid request, so the client can
-    tell which of its requests was refused. Plain msgpack decoding: no objects are built."""
-    try:
-        fields = msgspec.msgpack.decode(payload)
-    except DECODE_ERRORS:
-        return None
-    if isinstance(fields, list) and len(fields) > 1 and isinstance(fields[0], str) \
-            and fields[0] in CLIENT_MESSAGE_TAGS \
-            and isinstance(fields[1], int) and not isinstance(fields[1], bool):
-        return fields[1]
-    return None
 
 
 def serve(config: EngineConfig) -> int:

@@ -78,7 +78,7 @@ def engine_stats(tag: int, scheduler: Scheduler, times: StepTimes, *, thermal_se
         prefix_cache_hit_rate=kv.counters.hit_rate, kv_blocks_cached=kv.pool.num_cached_blocks,
         maintenance_ms=times.maintenance_ms, maintenance_hidden_ms=times.maintenance_hidden_ms,
         step_wall_ms=times.step_wall_ms, step_forward_ms=times.step_forward_ms,
-        device_idle_fraction=times.device_idle_fraction, device_busy_ms=times.device_busy_ms,
+        device_idle_fraction=times.device_idle_fraction,
         device_idle_ms=times.device_idle_ms, num_overlapped_steps=times.num_overlapped_steps,
         max_num_seqs=scheduler.max_num_seqs,
         running_cap=scheduler.running_cap if thermal.throttling else scheduler.max_num_seqs,

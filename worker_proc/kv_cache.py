@@ -12,6 +12,9 @@ from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
+# The KV cache a CPU worker takes when not told: a laptop-sized bound (see size_kv_cache).
+CPU_DEFAULT_KV_BYTES = 2 * 2**30
+
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
                     tp_size: int = 1) -> int:
@@ -24,12 +27,12 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
 class CacheSizing:
     """How one worker's KV cache was sized, for the start-up log."""
 
-    how: str                        # "num_kv_blocks", "kv_cache_memory" or "profiled"
+    how: str                        # "num_kv_blocks", "kv_cache_memory", "cpu_default", "profiled"
     weights_bytes: int
     bytes_per_block: int
     num_blocks: int
     profile_peak_bytes: int = 0     # activations of the profiling forward pass
-    free_bytes: int = 0             # free memory after the weights and the profile run
+    free_bytes: int = 0             # free memory after the weights (and the profile run)
     usable_bytes: int = 0           # gpu_memory_utilization x free_bytes
     capped_at: int = 0              # blocks max_num_seqs x max_model_len can use, if that bit
     graph_reserved_bytes: int = 0   # set aside for captured graphs before sizing the cache
@@ -38,7 +41,7 @@ class CacheSizing:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def describe(self, block_size: int, utilization: float) -> str:
+    def describe(self, block_size: int, utilization: float, max_model_len: int = 0) -> str:
         parts = [f"weights {_gib(self.weights_bytes)}"]
         if self.how == "profiled":
             parts += [f"profile-run peak {_gib(self.profile_peak_bytes)}",
@@ -48,12 +51,20 @@ class CacheSizing:
                 parts.append(f"{_gib(self.graph_reserved_bytes)} reserved for graphs")
         elif self.how == "kv_cache_memory":
             parts.append("KV cache memory set by --kv-cache-memory")
+        elif self.how == "cpu_default":
+            parts.append(f"CPU default: {_gib(CPU_DEFAULT_KV_BYTES)}, or a quarter of this "
+                         f"worker's share of the available RAM ({_gib(self.free_bytes)}) if "
+                         "smaller; --kv-cache-memory sets it")
         else:
             parts.append("KV blocks set by --num-kv-blocks")
         line = (", ".join(parts) + f"; KV cache {_gib(self.kv_cache_bytes)} = {self.num_blocks} "
                 f"blocks of {block_size} tokens ({self.bytes_per_block / 1024:.1f} KiB each)")
         if self.capped_at:
             line += " (capped at what max_num_seqs x max_model_len can use)"
+        tokens = self.num_blocks * block_size
+        line += f"; holds {tokens} tokens"
+        if max_model_len:
+            line += f", {tokens // max_model_len} requests of max_model_len {max_model_len} at once"
         return line
 
 
@@ -64,31 +75,36 @@ def _gib(num_bytes: int) -> str:
 def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype,
                   device: torch.device, *, max_useful_blocks: int, tp_size: int = 1,
                   local_world_size: int = 1, graphs: bool = False) -> CacheSizing:
-    """Blocks for this worker: --num-kv-blocks, else --kv-cache-memory bytes, else what is left
-    of gpu_memory_utilization x the memory free after the weights and a profiling forward pass
-    of a full token budget, once that pass's activations (and on CPU the swap space) are set
-    aside, and with `graphs` the --graph-reserved-mem share of the usable memory."""
+    """Blocks for this worker: --num-kv-blocks, else --kv-cache-memory bytes, else on CPU
+    CPU_DEFAULT_KV_BYTES or a quarter of this worker's share of the available RAM if smaller (a
+    server must not claim most of a machine it shares), else on CUDA what is left of
+    gpu_memory_utilization x the memory free after the weights and a profiling forward pass of
+    a full token budget, once that pass's activations are set aside, and with `graphs` the
+    --graph-reserved-mem share of the usable memory."""
     per_block = bytes_per_block(model.config, config.block_size, dtype, tp_size)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def from_bytes(how: str, budget: int, **details) -> CacheSizing:
+        wanted = max(0, budget) // per_block
+        return CacheSizing(how, weights, per_block, min(wanted, max_useful_blocks),
+                           capped_at=max_useful_blocks if wanted > max_useful_blocks else 0,
+                           **details)
+
     if config.num_kv_blocks:
         return CacheSizing("num_kv_blocks", weights, per_block, config.num_kv_blocks)
     if config.kv_cache_memory:
-        wanted = config.kv_cache_memory // per_block
-        return CacheSizing("kv_cache_memory", weights, per_block, min(wanted, max_useful_blocks),
-                           capped_at=max_useful_blocks if wanted > max_useful_blocks else 0)
+        return from_bytes("kv_cache_memory", config.kv_cache_memory)
+    if device.type == "cpu":
+        free = free_memory(device, local_world_size)
+        return from_bytes("cpu_default", min(CPU_DEFAULT_KV_BYTES, free // 4), free_bytes=free)
     peak = profile_forward_peak(model, config.max_num_batched_tokens,
                                 min(config.max_num_seqs, config.max_num_batched_tokens),
                                 config.block_size, dtype, device, tp_size)
     free = free_memory(device, local_world_size)
     usable = int(free * config.gpu_memory_utilization)
-    # On CPU the swap space is the same RAM: leave it room.
-    swap = int(config.swap_space * 2**30) if device.type == "cpu" else 0
     graph_reserve = int(usable * config.graph_reserved_mem) if graphs else 0
-    wanted = max(0, usable - peak - swap - graph_reserve) // per_block
-    return CacheSizing("profiled", weights, per_block, min(wanted, max_useful_blocks),
-                       profile_peak_bytes=peak, free_bytes=free, usable_bytes=usable,
-                       graph_reserved_bytes=graph_reserve,
-                       capped_at=max_useful_blocks if wanted > max_useful_blocks else 0)
+    return from_bytes("profiled", usable - peak - graph_reserve, profile_peak_bytes=peak,
+                      free_bytes=free, usable_bytes=usable, graph_reserved_bytes=graph_reserve)
 
 
 def free_memory(device: torch.device, local_world_size: int) -> int:
@@ -108,10 +124,8 @@ def profile_forward_peak(model: LlamaForCausalLM, num_tokens: int, num_logit_row
     """Peak activation bytes of one forward pass over `num_tokens` prompt tokens (the largest
     step the scheduler can plan), with logits and sampling for `num_logit_rows` of them."""
     num_blocks = -(-num_tokens // block_size)
+    # Zeroed, so touched now: not counted as activations.
     kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device, tp_size)
-    for cache in kv_caches:
-        for tensor in cache:
-            tensor.zero_()          # touched now, so it is not counted as activations
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device) % model.config.max_position_embeddings
     batch = AttentionBatch(block_size=block_size,
@@ -172,8 +186,10 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     """Per layer, (key, value) slot tensors of shape [num_blocks * block_size, kv_heads, head_dim]."""
     kv_heads = max(1, config.num_key_value_heads // tp_size)
     shape = (num_blocks * block_size, kv_heads, config.head_dim)
-    # empty, not zeros: untouched pages cost no RAM until a block is first used. The model
-    # runner clears each block when a request gets it (attention must never see NaN).
-    return [(torch.empty(shape, dtype=dtype, device=device),
-             torch.empty(shape, dtype=dtype, device=device))
+    # Zeroed, like vLLM's: attention reads whole blocks and masks the slots not written yet,
+    # and a masked slot still multiplies its value by zero, so no slot may ever hold NaN or
+    # inf (what uninitialised memory can). Every page is also touched now: the resident memory
+    # is the whole pool from the start, rather than creeping up as blocks are first used.
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)]

@@ -143,23 +143,6 @@ class ModelRunner:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-        # Masked or not, the scratch block must hold finite values (see _zero_blocks).
-        self._zero_blocks([self.scratch_block])
-
-    def _zero_blocks(self, block_ids: list[int]) -> None:
-        """Clear blocks as they are handed to a request.
-
-        The cache is allocated uninitialised (so untouched memory costs nothing), and attention
-        reads whole blocks, relying on the mask for slots not written yet. A masked slot still
-        multiplies its value by zero, so it must not hold NaN or inf.
-        """
-        if not block_ids:
-            return
-        index = torch.tensor(block_ids).to(self.device, non_blocking=True)
-        for cache in self.kv_caches:
-            for tensor in cache:
-                tensor.view(-1, self.block_size * tensor.shape[1] * tensor.shape[2]).index_fill_(
-                    0, index, 0.0)
 
     def apply_plan_state(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Update per-request state from the plan; returns (request id, tokens) in plan order."""
@@ -167,13 +150,10 @@ class ModelRunner:
             self.requests.pop(request_id, None)
             self.block_tables.remove(request_id)
         scheduled = []
-        fresh_blocks: list[int] = []
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params)
             self.block_tables.add(new.request_id, new.block_ids)
-            # Blocks past the computed prefix are new to this request (the rest are cache hits).
-            fresh_blocks.extend(new.block_ids[new.num_computed_tokens // self.block_size:])
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for request_id, num_tokens, new_blocks in zip(
                 plan.cached_request_ids, plan.cached_num_scheduled_tokens,
@@ -181,9 +161,7 @@ class ModelRunner:
             if new_blocks:
                 self.requests[request_id].block_ids.extend(new_blocks)
                 self.block_tables.append(request_id, new_blocks)
-                fresh_blocks.extend(new_blocks)
             scheduled.append((request_id, num_tokens))
-        self._zero_blocks(fresh_blocks)
         return scheduled
 
     @torch.inference_mode()
@@ -202,9 +180,8 @@ class ModelRunner:
         the device, so it can run while the step before is in flight: a token that step samples
         is an UNREAD_TOKEN here, recorded for launch() to fill in on the device."""
         started = time.perf_counter()
-        # Offload before fresh blocks are cleared (a block swapped out may be handed to another
-        # request in the same step), and swap in after (a swapped-in request's partly filled
-        # last block counts as fresh).
+        # Offload before the plan's state changes (a block swapped out may be handed to another
+        # request in the same step), swap in after.
         self.swap_space.swap_out(plan.swap_out)
         scheduled = self.apply_plan_state(plan)
         self.swap_space.swap_in(plan.swap_in)

@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from spmd_runtime.protocol.messages import (
     WorkerReady,
     worker_inbound_decoder,
 )
+from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 from spmd_runtime.runtime.bucketing import (
     bucketing_enabled,
@@ -81,13 +81,13 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     sizing = size_kv_cache(config, model, dtype, ctx.device, max_useful_blocks=max_useful,
                            tp_size=tp.size, local_world_size=local_world_size, graphs=graphs)
     log.info("rank %d memory: %s", ctx.rank,
-             sizing.describe(config.block_size, config.gpu_memory_utilization))
+             sizing.describe(config.block_size, config.gpu_memory_utilization, max_model_len))
     num_blocks = sizing.num_blocks
     if num_blocks < 1:
         raise RuntimeError(
-            "no memory left for the KV cache: raise --gpu-memory-utilization, set "
-            "--kv-cache-memory or --num-kv-blocks, lower --max-num-batched-tokens, or use a "
-            "smaller model")
+            "no memory left for the KV cache: set --kv-cache-memory or --num-kv-blocks, raise "
+            "--gpu-memory-utilization (CUDA), lower --max-num-batched-tokens, or use a smaller "
+            "model")
     # One block more than the scheduler knows of: the scratch block padding writes to.
     kv_caches = allocate_kv_cache(model_config, num_blocks + 1, config.block_size, dtype,
                                   ctx.device, tp.size)
@@ -226,9 +226,12 @@ def send(sock: zmq.Socket, config: EngineConfig, payload: bytes, flags: int = 0)
 
 
 class WorkerExit(Exception):
-    def __init__(self, code: int) -> None:
+    """Leave the step loop with an exit code and, when it is a failure, the reason."""
+
+    def __init__(self, code: int, reason: str = "") -> None:
         super().__init__(code)
         self.code = code
+        self.reason = reason
 
 
 @dataclass
@@ -281,12 +284,11 @@ class StepLoop:
                 frames = poll_recv(self.sock, 1.0)
             if frames is None:
                 if os.getppid() != self.parent:
-                    log.error("rank %d: launcher is gone, exiting", self.rank)
-                    raise WorkerExit(1)
+                    raise WorkerExit(1, f"rank {self.rank}: the launcher is gone, exiting")
                 if time.monotonic() - last_heard > silence_limit:
-                    log.error("rank %d: no plan or heartbeat from the scheduler for %.0fs: it "
-                              "is gone, exiting", self.rank, silence_limit)
-                    raise WorkerExit(1)
+                    raise WorkerExit(1, f"rank {self.rank}: no plan or heartbeat from the "
+                                        f"scheduler for {silence_limit:.0f}s: it is gone, "
+                                        "exiting")
                 continue
             last_heard = time.monotonic()
             silence_limit = self.config.heartbeat_timeout_s
@@ -347,12 +349,16 @@ def run_worker(config: EngineConfig) -> int:
     encoder = Encoder()
     decoder = worker_inbound_decoder()
     parent = os.getppid()
-    # A stop from the launcher ends the loop through the finally block below. Ctrl-C in a
-    # terminal signals the whole process group: it is a stop too, not a KeyboardInterrupt.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    # Until the process group is formed, this rank may be blocked in C++ waiting for its peers,
+    # where no Python handler runs: a stop (or Ctrl-C) then ends it at once, silently.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         ctx = init_distributed(config.device, config.dist_backend, config.dist_timeout_s)
+        # From here a stop from the launcher ends the loop through the finally block below.
+        # Ctrl-C in a terminal signals the whole process group: a stop too, not an interrupt.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
         if ctx.device.type == "cpu":
             set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         runner, ready = build_runner(config, ctx)
@@ -362,17 +368,19 @@ def run_worker(config: EngineConfig) -> int:
         StepLoop(sock, config, encoder, decoder, runner, monitor, ctx.rank, parent).run()
         return 0
     except WorkerExit as stop:
+        if stop.reason:
+            report_error(stop.reason)
         return stop.code
-    except Exception:
-        message = traceback.format_exc()
-        log.error("rank %d failed:\n%s", rank, message)
+    except Exception as error:
+        # The line goes first (report_failure): the scheduler exits as soon as it hears.
+        code, detail = report_failure(error, f"rank {rank}", log)
         try:
-            send(sock, config, encoder.encode(WorkerError(rank=rank, message=message)),
+            send(sock, config, encoder.encode(WorkerError(rank=rank, message=detail)),
                  zmq.NOBLOCK)
             time.sleep(0.2)  # let the error frame leave before the socket closes
         except zmq.ZMQError:
             pass
-        return 1
+        return code
     finally:
         # Exiting anyway: a late SIGTERM from the launcher must not interrupt the clean-up.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

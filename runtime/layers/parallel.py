@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.linear import linear
+from spmd_runtime.runtime.preflight import tensor_parallel_problem
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,9 @@ class ShardLayout:
     def of(cls, config: ModelConfig, tp: TensorParallel) -> ShardLayout:
         size, rank = tp.size, tp.rank
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if heads % size:
-            raise ValueError(f"tensor-parallel size {size} must divide the {heads} attention heads")
-        if kv_heads % size and size % kv_heads:
-            raise ValueError(f"tensor-parallel size {size} must divide the {kv_heads} key/value "
-                             "heads or be a multiple of them (then they are replicated)")
-        if config.intermediate_size % size:
-            raise ValueError(f"tensor-parallel size {size} must divide the MLP's "
-                             f"{config.intermediate_size} features")
+        problem = tensor_parallel_problem(config, size)
+        if problem:
+            raise ValueError(problem)
         if kv_heads >= size:
             num_kv, kv_start = kv_heads // size, rank * (kv_heads // size)
         else:

@@ -248,7 +248,9 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     runs: list[ChoiceRun] = []
     try:
         for index, (prompt, params) in enumerate(plans):
-            stream = await state.client.submit(prompt, params, timeout_s=body.timeout)
+            # The front cuts stop strings in its own text stream, so the engine sends ids only.
+            stream = await state.client.submit(prompt, params, timeout_s=body.timeout,
+                                               detokenize=False)
             runs.append(ChoiceRun(index, stream, TextStream(state.tokenizer, stops),
                                   state.metrics, started))
     except ValueError as error:
@@ -415,9 +417,9 @@ async def _stream_events(runs: list[ChoiceRun], shape: _ResponseShape,
         _close_all(runs)
 
 
-def serve_forever(config: EngineConfig) -> None:
-    """Run the front on config.http_host:http_port until SIGTERM or SIGINT."""
+def serve_forever(config: EngineConfig, listener) -> None:
+    """Run the front on `listener`, a socket bound to http_host:http_port, until stopped."""
     import uvicorn
-    uvicorn.run(build_app(config), host=config.http_host, port=config.http_port,
-                log_config=None, log_level=config.log_level.lower(),
-                access_log=config.log_level.lower() == "debug", timeout_graceful_shutdown=2)
+    uvicorn.Server(uvicorn.Config(build_app(config), log_config=None, log_level=config.log_level.lower(),
+                   access_log=config.log_level.lower() == "debug", timeout_graceful_shutdown=2)
+                   ).run(sockets=[listener])

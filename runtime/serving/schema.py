@@ -8,13 +8,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.serving.errors import APIError
 
-# Fields of the OpenAI API this server does not implement, with the values that mean "off":
-# a request may carry them (SDKs send some by default) as long as it asks for nothing else.
+# Fields of the OpenAI API (and of vLLM's extensions) this server does not implement, with the
+# values that mean "off": a request may carry them (SDKs and tools send some by default) as long
+# as it asks for nothing else. Any other field the server does not know is refused too, so no
+# request is silently served differently from what it asked.
 UNSUPPORTED_FIELDS = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
+    "store": (None, False), "metadata": (None, {}),
+    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
 }
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 64
@@ -85,8 +90,12 @@ class AdminBatchBody(BaseModel):
 
 
 def check_supported(body: GenerationBody) -> None:
+    """Refuse, naming it, every field this server would otherwise ignore."""
     for name, value in (body.model_extra or {}).items():
-        if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+        if name not in UNSUPPORTED_FIELDS:
+            raise APIError(f"{name} is not a field this server knows; remove it from the request",
+                           param=name, code="unsupported_parameter")
+        if value not in UNSUPPORTED_FIELDS[name]:
             raise APIError(f"{name} is not supported by this server; remove it from the request",
                            param=name, code="unsupported_parameter")
 

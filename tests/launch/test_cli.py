@@ -1,8 +1,10 @@
 """`spmdrun` (python -m launch) as a user runs it: generate, supervision, signals, bad input."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +12,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from spmd_runtime.launch.cli import build_parser, parse_command_line, subcommand_parsers
+from spmd_runtime.launch.commands import answer_line
+from spmd_runtime.launch.options import config_from_args, prompts_from_args, token_warnings
+from spmd_runtime.protocol.config import OPTION_GROUPS
+from spmd_runtime.runtime.outputs import RequestOutput
+from spmd_runtime.runtime.preflight import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DUMMY = ("--model", "dummy:smollm2", "--num-kv-blocks", "16", "--max-model-len", "128")
@@ -151,13 +159,16 @@ def test_ctrl_c_stops_a_serving_launcher_quietly(free_port) -> None:
 def test_worker_that_fails_to_load_ends_the_job_with_its_error(tmp_path) -> None:
     bad = tmp_path / "broken"
     bad.mkdir()
-    (bad / "config.json").write_text('{"hidden_size": 64}')      # no weights, incomplete
+    # A config the launcher reads fine, but no weights: only the worker finds out.
+    (bad / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256}))
     result = spmdrun("generate", "--model", str(bad), "--prompt", "hi", timeout_s=180)
     assert result.returncode != 0
     assert result.stdout == ""
-    # The worker's own traceback is shown, then the launcher's one-line verdict.
-    assert "rank 0 failed" in result.stderr and "num_attention_heads" in result.stderr, \
-        result.stderr
+    # The worker's error ends the job, in the launcher's one-line verdict.
+    assert "rank 0" in result.stderr and "safetensors" in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("spmdrun: ") and "stopped the whole job" in last, last
 
@@ -191,22 +202,74 @@ def _watch_children(args: list[str]) -> tuple[subprocess.CompletedProcess, int, 
             time.monotonic() - started)
 
 
+def assert_one_line_error(result: subprocess.CompletedProcess, most_children: int,
+                          message: str) -> None:
+    """A user error: exit code 2, one line on stderr saying what to change, no traceback, and
+    no engine process ever started (so no weights were loaded)."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spmdrun: error: "), result.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert most_children == 0, "no engine process may start for bad input"
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["generate", "--model", "smollm2", "--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "--model", "smollm2", "--prompt", "hi", "--top-p", "0"], "top_p"),
     (["generate", "--model", "smollm2", "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
-    (["serve", "--max-num-seqs", "0"], "max_num_seqs"),
-    (["serve", "--block-size", "abc"], "block-size"),
-    (["generate", "--model", "smollm2"], "prompt"),
-], ids=["temperature", "top_p", "max_tokens", "max_num_seqs", "not-an-int", "no-prompt"])
-def test_bad_cli_input_exits_with_a_clear_message_and_starts_nothing(args, message) -> None:
-    result, most_children, seconds = _watch_children(args)
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.stdout == ""
-    assert most_children == 0, "no engine process may start for bad input"
-    assert seconds < 30
+    (["serve", "--max-num-seqs", "0"], "invalid --max-num-seqs: expected int >= 1, got 0"),
+    (["serve", "--block-size", "abc"], "argument --block-size: invalid int value: 'abc'"),
+    (["generate", "--model", "smollm2"], 'give a prompt: spmdrun generate "PROMPT"'),
+    # Issue 19's findings, each once found only after loading, or as a traceback:
+    (["generate", "hi", "--dtype", "fp16"],
+     "argument --dtype: invalid choice: 'fp16' (choose from 'auto', 'float32', 'float16', "
+     "'bfloat16')"),
+    (["serve", "--model", "/no/such/model-dir"], "model path not found: '/no/such/model-dir': "
+     "check the path of --model"),
+    (["serve", "--model", "/no/such/model.gguf"], "GGUF file not found: '/no/such/model.gguf'"),
+    (["generate", "--model", "meta-llama/Llama-3.2-1B", "hi"],
+     "nothing is downloaded: pass a local .gguf file or directory"),
+    (["serve", "--model", "dummy:tiny-llama", "--nproc-per-node", "3"],
+     "use a tensor-parallel size (-tp) of 1, 2, 4"),
+    (["serve", "--model", "dummy:tiny-llama", "-tp", "3"], "tensor-parallel size 3 must divide"),
+    (["generate", "--prompt-file", "/no/such/prompts.txt"],
+     "--prompt-file /no/such/prompts.txt: No such file or directory"),
+    (["serve", "--log-level", "verbose"], "argument --log-level: invalid choice: 'verbose'"),
+    (["serve", "--max-num-seq", "4"], "unrecognized option --max-num-seq: did you mean "
+     "--max-num-seqs?"),
+    (["generate", "hi", "--http-port", "8000"], "`spmdrun generate` has no option --http-port "
+     "(it is one of `spmdrun serve`, `spmdrun bench serving`)"),
+    (["generate", "--model", "dummy:tiny-llama", "hi"], "no tokenizer"),
+], ids=["temperature", "top_p", "max_tokens", "max_num_seqs", "not-an-int", "no-prompt",
+        "dtype", "model-path", "gguf-path", "hub-id", "tp-size", "tp-alias", "prompt-file",
+        "log-level", "abbreviation", "server-flag-in-generate", "no-tokenizer"])
+def test_bad_cli_input_exits_with_one_line_and_starts_nothing(args, message) -> None:
+    result, most_children, _ = _watch_children(args)
+    assert_one_line_error(result, most_children, message)
+
+
+@pytest.mark.parametrize("flag", ["--rpc-address", "--port"])
+def test_a_port_in_use_is_refused_before_loading(flag) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        value = f"tcp://127.0.0.1:{port}" if flag == "--rpc-address" else str(port)
+        result, most_children, _ = _watch_children(["serve", "--model", "dummy:tiny-llama",
+                                                    flag, value])
+    option = "--rpc-address" if flag == "--rpc-address" else "--http-port"
+    assert_one_line_error(result, most_children, f"{option} {value}: port {port} is already in "
+                          "use on this machine")
+
+
+def test_log_level_debug_shows_the_traceback_of_a_user_error() -> None:
+    result, most_children, _ = _watch_children(["serve", "--log-level", "debug", "--model",
+                                                "/no/such/model.gguf"])
+    assert result.returncode == 2 and most_children == 0
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("spmdrun: error: GGUF file")
 
 
 # ---------------------------------------------------------------------------- bench throughput
@@ -250,3 +313,100 @@ def test_bad_bench_input_exits_with_a_clear_message_and_starts_nothing(args, mes
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     assert most_children == 0, "no engine process may start for bad input"
+
+
+# ---------------------------------------------------------------------------- the options
+
+def _config(*argv: str):
+    return config_from_args(parse_command_line(build_parser(), list(argv)))
+
+
+def test_serve_help_is_grouped_and_generate_has_no_server_options() -> None:
+    result = spmdrun("serve", "--help", timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    for title in OPTION_GROUPS:
+        assert f"\n{title}:\n" in result.stdout, title
+    assert "--tensor-parallel-size" in result.stdout and "--api-key" in result.stdout
+    generate = subcommand_parsers(build_parser())["generate"].format_help()
+    for flag in ("--http-port", "--port", "--rpc-address", "--enable-admin", "--admin-token",
+                 "--served-model-name", "--max-message-bytes", "\nserving & network:"):
+        assert flag not in generate, flag
+    for flag in ("--max-tokens MAX_TOKENS", "--top-p TOP_P", "--top-k TOP_K"):
+        entry = generate[generate.index(flag):]
+        assert "(default: " in entry[:entry.index("\n  --")], flag
+
+
+def test_no_parser_accepts_abbreviations() -> None:
+    parser = build_parser()
+    parsers = [parser, *subcommand_parsers(parser).values()]
+    assert len(parsers) == 8 and not any(p.allow_abbrev for p in parsers)
+
+
+def test_vllm_spellings_set_the_engine_fields() -> None:
+    config = _config("serve", "--host", "127.0.0.2", "--port", "8001", "--api-key", "k",
+                     "--served-model-name", "m", "-tp", "2")
+    assert (config.http_host, config.http_port, config.auth_token, config.served_model_name,
+            config.nproc_per_node) == ("127.0.0.2", 8001, "k", "m", 2)
+    # -tp is the total over all nodes.
+    config = _config("--nnodes", "2", "--master-port", "29500", "serve",
+                     "--tensor-parallel-size", "4")
+    assert (config.nproc_per_node, config.nnodes, config.world_size) == (2, 2, 4)
+    for argv, message in [(("--nnodes", "2", "serve", "-tp", "3"), "multiple of --nnodes 2"),
+                          (("serve", "-tp", "4", "--nproc-per-node", "2"), "disagree")]:
+        with pytest.raises(ConfigError, match=message):
+            _config(*argv)
+
+
+def test_launcher_options_before_or_after_the_command() -> None:
+    before = _config("--nproc-per-node", "2", "--master-port", "29501", "serve")
+    after = _config("serve", "--nproc-per-node", "2", "--master-port", "29501")
+    assert before == after and before.nproc_per_node == 2 and before.master_port == 29501
+    assert _config("generate", "hi", "--nnodes", "1", "--node-rank", "0").world_size == 1
+
+
+def test_prompts_positional_and_as_options(tmp_path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("from a file\n\n")
+    args = parse_command_line(build_parser(), ["generate", "What is 2+2?", "--max-tokens", "8",
+                                               "Name a prime.", "--prompt", "third",
+                                               "--prompt-file", str(prompts)])
+    assert prompts_from_args(args, "smollm2") == ["What is 2+2?", "Name a prime.", "third",
+                                                  "from a file"]
+
+
+def test_tokens_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("SPMD_API_KEY", "from-env")
+    monkeypatch.setenv("SPMD_ADMIN_TOKEN", "admin-from-env")
+    args = parse_command_line(build_parser(), ["serve"])
+    config = config_from_args(args)
+    assert (config.auth_token, config.admin_token) == ("from-env", "admin-from-env")
+    assert token_warnings(args) == []
+    args = parse_command_line(build_parser(), ["serve", "--api-key", "s3cret-on-argv"])
+    assert config_from_args(args).auth_token == "s3cret-on-argv"
+    [warning] = token_warnings(args)
+    assert "visible to other users" in warning and "SPMD_API_KEY" in warning
+    assert "s3cret" not in warning
+
+
+def test_answer_lines() -> None:
+    output = RequestOutput(7, [1, 2], token_ids=[5, 6], text=" Four. ", finish_reason="stop")
+    assert answer_line("text", 0, ["2+2?"], output) == "Four."
+    assert answer_line("text", 1, ["a", "2+2?"], output) == "[1] Four."
+    assert json.loads(answer_line("jsonl", 1, ["a", "2+2?"], output)) == {
+        "index": 1, "prompt": "2+2?", "text": " Four. ", "token_ids": [5, 6],
+        "finish_reason": "stop"}
+
+
+@pytest.mark.timeout(360)
+def test_generate_prints_json_lines_for_scripts() -> None:
+    prompts = ["What is the capital of France?", "Name a prime number."]
+    result = spmdrun("generate", "--model", "smollm2", *prompts, "--max-tokens", "12",
+                     "--output", "jsonl")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.startswith("spmdrun: loading model smollm2 …\n"), result.stderr[:500]
+    answers = sorted((json.loads(line) for line in result.stdout.splitlines()),
+                     key=lambda answer: answer["index"])
+    assert [(a["index"], a["prompt"]) for a in answers] == list(enumerate(prompts))
+    assert all(a["finish_reason"] in ("stop", "length") and 0 < len(a["token_ids"]) <= 12
+               for a in answers)
+    assert "Paris" in answers[0]["text"]

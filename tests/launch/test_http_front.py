@@ -237,6 +237,16 @@ def test_errors_say_what_to_change(http, oai) -> None:
                  "max_tokens")
     assert_error(post("/v1/completions", prompt="x", logprobs=3), 400, "logprobs is not supported",
                  "logprobs")
+    # Everything this server does not implement is refused by name, never silently ignored.
+    for field, value in (("repetition_penalty", 1.2), ("min_tokens", 4), ("presence_penalty", 0.5),
+                         ("frequency_penalty", 0.5), ("min_p", 0.1)):
+        assert_error(post("/v1/completions", prompt="x", **{field: value}), 400,
+                     f"{field} is not supported", field)
+    assert_error(post("/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                      temprature=0.5), 400, "temprature is not a field this server knows",
+                 "temprature")
+    assert_error(post("/v1/completions", prompt="x", max_completion_tokens=4), 400,
+                 "max_completion_tokens is not a field", "max_completion_tokens")
     assert_error(post("/v1/completions", prompt="x", stop=[""]), 400, "stop strings", "stop")
     assert_error(post("/v1/completions"), 400, "prompt is required", "prompt")
     assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404,
@@ -438,10 +448,16 @@ def front_process(server) -> psutil.Process:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_stops_the_front_with_the_engine(spmd_serve, free_port) -> None:
-    srv = spmd_serve("--model", "smollm2", "--max-model-len", "128", "--http-port", str(free_port()))
+def test_sigterm_stops_the_front_with_the_engine(spmd_serve, free_port, smollm2_gguf) -> None:
+    """Also: a GGUF path is served under its file name, not its absolute path."""
+    port = free_port()
+    directory, name = smollm2_gguf
+    srv = spmd_serve("--model", str(directory / name), "--max-model-len", "128", "--http-port",
+                     str(port))
     try:
         srv.wait_serving()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            assert [card["id"] for card in http.get("/v1/models").json()["data"]] == [name]
         front = front_process(srv)
         assert srv.terminate() == 0, srv.stderr[-3000:]
         front.wait(30)
@@ -452,9 +468,20 @@ def test_sigterm_stops_the_front_with_the_engine(spmd_serve, free_port) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_dead_front_stops_the_whole_job(spmd_serve, free_port) -> None:
-    srv = spmd_serve("--model", "smollm2", "--max-model-len", "128", "--http-port", str(free_port()))
+    """Also: --served-model-name is the name clients address the model by."""
+    port = free_port()
+    srv = spmd_serve("--model", "smollm2", "--max-model-len", "128", "--http-port", str(port),
+                     "--served-model-name", "team/chat-model")
     try:
         srv.wait_serving()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            assert [card["id"] for card in http.get("/v1/models").json()["data"]] == [
+                "team/chat-model"]
+            reply = http.post("/v1/completions", json={"model": "team/chat-model",
+                                                       "prompt": [1000], "max_tokens": 1})
+            assert reply.status_code == 200 and reply.json()["model"] == "team/chat-model"
+            assert http.post("/v1/completions", json={"model": "smollm2", "prompt": [1000]}
+                             ).status_code == 404
         front_process(srv).kill()
         assert srv.proc.wait(60) == 1
         assert "http front" in srv.stderr and "stopped the whole job" in srv.stderr

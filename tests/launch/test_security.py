@@ -4,8 +4,13 @@ calls need the admin token besides."""
 from __future__ import annotations
 
 import pickle
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 from raw_socket import RawSocket
 from sharp_llama import sharp_llama
@@ -61,3 +66,67 @@ def test_pickled_frames_are_refused_not_unpickled(server) -> None:
         assert isinstance(raw.recv(), EngineStats)
     finally:
         raw.close()
+
+
+# ---------------------------------------------------------------------------- secrets in argv
+
+ENV_TOKEN, ENV_ADMIN = "env-auth-7f3a9c", "env-admin-51bd2e"
+
+
+def cmdlines(procs) -> dict[int, str]:
+    """Each process's /proc/<pid>/cmdline: what every user of the machine can read (ps)."""
+    return {proc.pid: Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
+            for proc in procs}
+
+
+@pytest.mark.timeout(240)
+def test_tokens_from_the_environment_are_in_no_command_line(spmd_serve, free_port,
+                                                             monkeypatch) -> None:
+    """Launcher, scheduler, worker and HTTP front: the tokens reach every one (they are
+    enforced) without appearing in any argv or in the logs."""
+    monkeypatch.setenv("SPMD_API_KEY", ENV_TOKEN)
+    monkeypatch.setenv("SPMD_ADMIN_TOKEN", ENV_ADMIN)
+    port = free_port()
+    server = spmd_serve("--model", "dummy:tiny-llama", "--http-port", str(port))
+    with server.serving():
+        deadline = time.monotonic() + 60
+        while "HTTP front" not in server.stdout:
+            assert time.monotonic() < deadline, server.stderr[-3000:]
+            time.sleep(0.1)
+        procs = server.processes()
+        lines = cmdlines(procs)
+        assert len(lines) == 4, lines          # launcher, scheduler, worker, HTTP front
+        for pid, line in lines.items():
+            assert ENV_TOKEN not in line and ENV_ADMIN not in line, (pid, line)
+            assert "{" not in line, f"a config in the command line of {pid}: {line}"
+        with Client(server.address, auth_token="", timeout_s=20) as client:
+            with pytest.raises(PermissionError, match="auth token"):
+                client.stats()
+        with Client(server.address, auth_token=ENV_TOKEN, admin_token=ENV_ADMIN,
+                    timeout_s=60) as client:
+            assert client.stats().kv_blocks_total > 0
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(request, timeout=20)
+        request.add_header("Authorization", f"Bearer {ENV_TOKEN}")
+        with urllib.request.urlopen(request, timeout=20) as reply:
+            assert reply.status == 200
+    logs = server.stdout + server.stderr
+    assert ENV_TOKEN not in logs and ENV_ADMIN not in logs
+
+
+@pytest.mark.timeout(240)
+def test_the_launcher_started_by_llm_gets_its_config_outside_its_command_line() -> None:
+    from spmd_runtime.runtime import LLM
+
+    with LLM("dummy:tiny-llama", auth_token=ENV_TOKEN, admin_token=ENV_ADMIN,
+             kv_cache_memory="16MiB") as llm:
+        launcher = psutil.Process(llm._process.pid)
+        procs = [launcher, *launcher.children(recursive=True)]
+        lines = cmdlines(procs)
+        assert len(lines) == 3, lines          # launcher, scheduler, worker
+        for pid, line in lines.items():
+            assert ENV_TOKEN not in line and ENV_ADMIN not in line, (pid, line)
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0,
+                                                          ignore_eos=True))
+        assert len(out.token_ids) == 2

@@ -281,12 +281,13 @@ def test_stream_deltas_add_up_to_generate(client) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_stream_of_token_ids_without_text(client) -> None:
+def test_stream_of_token_ids_carries_the_engine_text(client) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     with Client(client.address, timeout_s=60) as bare:
-        deltas = list(bare.stream([1000, 1001], SamplingParams(max_tokens=3, temperature=0.0,
-                                                               ignore_eos=True)))
+        deltas = list(bare.stream([1000, 1001], params))
+        (full,) = bare.generate([[1000, 1001]], params)
     assert sum(len(d.token_ids) for d in deltas) == 3
-    assert all(d.text == "" for d in deltas)
+    assert "".join(d.text for d in deltas) == full.text
 
 
 def test_stop_token_ids_end_a_request(client) -> None:

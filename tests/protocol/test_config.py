@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from spmd_runtime.launch.cli import LAUNCHER_FIELDS, build_parser, config_from_args
-from spmd_runtime.protocol.config import EngineConfig, engine_config_fields, is_local_address
+from spmd_runtime.launch.cli import LAUNCHER_FIELDS, SERVER_FIELDS, build_parser, config_from_args
+from spmd_runtime.protocol.config import (
+    OPTION_GROUPS,
+    EngineConfig,
+    engine_config_choices,
+    engine_config_fields,
+    is_local_address,
+)
+from spmd_runtime.runtime.preflight import ConfigError
 
 PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dummy_seed": 3,
              "block_size": 8, "num_kv_blocks": 24, "gpu_memory_utilization": 0.5,
@@ -21,7 +28,7 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "thermal_policy": "my_policies:Gentle", "admin_token": "secret", "auth_token": "tok",
              "http_host": "127.0.0.2", "graph_prompt_strategy": "max_bs",
              "graph_decode_strategy": "min_tokens", "attention_backend": "torch",
-             "overlap_steps": "on", "quantization": "int8"}
+             "overlap_steps": "on", "quantization": "int8", "served_model_name": "my-model"}
 
 
 def _non_default(name: str, kind: type, default):
@@ -95,12 +102,17 @@ def _full_command(subcommand: list[str], names) -> list[str]:
     return launcher + subcommand + engine
 
 
-@pytest.mark.parametrize("subcommand", [["serve"], ["generate", "--prompt", "hi"],
-                                        ["bench", "throughput"]])
-def test_cli_has_a_flag_for_every_field(subcommand) -> None:
-    names = [name for name, *_ in engine_config_fields()]
+@pytest.mark.parametrize(("subcommand", "absent"), [
+    (["serve"], ()), (["generate", "--prompt", "hi"], SERVER_FIELDS),
+    (["bench", "throughput"], SERVER_FIELDS),
+    (["bench", "serving"], ("rpc_address", "enable_admin", "admin_token"))])
+def test_cli_has_a_flag_for_every_field_the_command_uses(subcommand, absent) -> None:
+    names = [name for name, *_ in engine_config_fields() if name not in absent]
     args = build_parser().parse_args(_full_command(subcommand, names))
-    assert config_from_args(args) == EngineConfig(**NON_DEFAULT)
+    assert config_from_args(args) == EngineConfig(**{n: NON_DEFAULT[n] for n in names})
+    for name in absent:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*subcommand, *_cli_args(name)])
 
 
 def test_max_num_batched_tokens_flag_lands_in_config() -> None:
@@ -113,7 +125,7 @@ def test_max_num_batched_tokens_flag_lands_in_config() -> None:
 
 def test_invalid_flag_value_is_a_clear_exit() -> None:
     args = build_parser().parse_args(["serve", "--max-num-seqs", "0"])
-    with pytest.raises(SystemExit, match="max_num_seqs"):
+    with pytest.raises(ConfigError, match="invalid --max-num-seqs: expected int >= 1, got 0"):
         config_from_args(args)
 
 
@@ -147,3 +159,20 @@ def test_listening_beyond_loopback_needs_allow_remote_and_a_token(options) -> No
                                      "tcp://127.3.4.5:1", "tcp://localhost:1", "tcp://[::1]:1"])
 def test_local_addresses(address) -> None:
     assert is_local_address(address)
+
+
+# ---------------------------------------------------------------------------- --help sections
+
+def test_every_field_has_exactly_one_help_section() -> None:
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(name for name, *_ in engine_config_fields())
+    assert len(grouped) == len(set(grouped))
+
+
+def test_fixed_sets_of_values_are_choices_in_the_order_written() -> None:
+    choices = engine_config_choices()
+    assert choices["dtype"] == ("auto", "float32", "float16", "bfloat16")
+    assert choices["device"] == ("auto", "cpu", "cuda")
+    assert choices["log_level"] == ("debug", "info", "warning", "error")
+    with pytest.raises(msgspec.ValidationError, match="dtype"):
+        EngineConfig.from_json('{"dtype": "fp16"}')

@@ -9,7 +9,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from spmd_runtime.protocol.messages import DECODE_ERRORS
-from spmd_runtime.scheduler_proc.server import _tag_of
+from spmd_runtime.scheduler_proc.rpc_front import _tag_of
 from test_messages import UNIONS, auto_sample
 
 FUZZ = settings(max_examples=1000, deadline=None, database=None,

@@ -1,7 +1,9 @@
 """The RPC client's liveness check against stand-in servers: a live server that is slow to
-answer is waited for (it answers pings), a silent one is declared down within the timeout."""
+answer is waited for (it answers pings), a silent one is declared down within the timeout, and
+so is an address nobody serves; addresses that are not RPC addresses are refused at once."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -9,7 +11,8 @@ import pytest
 import zmq
 from spmd_runtime.protocol.messages import Ping, Pong, RequestAccepted, client_decoder
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.protocol.transport import Encoder, private_ipc_address
+from spmd_runtime.protocol.transport import Encoder, free_tcp_port, private_ipc_address
+from spmd_runtime.runtime.async_client import AsyncClient
 from spmd_runtime.runtime.client import Client, EngineError
 
 
@@ -82,7 +85,7 @@ def test_a_silent_server_is_declared_down_within_the_timeout() -> None:
     client = Client(server.address, timeout_s=2.0)
     started = time.monotonic()
     try:
-        with pytest.raises(EngineError, match="answered nothing .* for 2s: it is down"):
+        with pytest.raises(EngineError, match="answered nothing .* within 2s: it is down"):
             client.stats()
         assert time.monotonic() - started < 10
         assert server.pings >= 1
@@ -90,3 +93,47 @@ def test_a_silent_server_is_declared_down_within_the_timeout() -> None:
         client.close()
         server.close()
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["generate", "wait_ready", "model_info", "stream"])
+def test_a_client_of_an_address_nobody_serves_fails_within_its_timeout(call) -> None:
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    started = time.monotonic()
+    with Client(address, timeout_s=2) as client:
+        with pytest.raises(EngineError) as raised:
+            if call == "generate":
+                client.generate(["a text prompt"])
+            elif call == "stream":
+                next(client.stream([1, 2, 3]))
+            else:
+                getattr(client, call)()
+    assert time.monotonic() - started < 15
+    assert raised.value.kind == "unreachable" and raised.value.address == address
+    assert f"the engine at {address} answered nothing (not even a ping) within 2s" \
+        in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_an_async_client_of_an_address_nobody_serves_fails_within_its_timeout() -> None:
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+
+    async def run(call):
+        async with AsyncClient(address, timeout_s=2) as client:
+            return await call(client)
+    for call in (lambda c: c.wait_ready(),
+                 lambda c: c.generate(["a text prompt"], [SamplingParams()])):
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=f"{address} answered nothing .* within 2s") as raised:
+            asyncio.run(run(call))
+        assert time.monotonic() - started < 15
+        assert raised.value.kind == "unreachable"
+
+
+@pytest.mark.parametrize("cls", [Client, AsyncClient])
+def test_an_address_that_is_not_an_rpc_address_is_refused_at_once(cls) -> None:
+    with pytest.raises(ValueError, match="HTTP front takes OpenAI clients.* need the engine's "
+                                         "RPC address, tcp://host:port"):
+        cls("http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match="not an RPC address"):
+        cls("127.0.0.1:5555")

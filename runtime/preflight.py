@@ -1,0 +1,165 @@
+"""Checks of an EngineConfig that need no weights, run before any process loads a model, so that
+a mistake costs a second and one line saying what to change (torch-free)."""
+from __future__ import annotations
+
+import errno
+import re
+import socket
+
+import msgspec
+from spmd_runtime.protocol.config import EngineConfig, engine_config_choices
+from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.protocol.model_source import ModelSource, config_source_kind, resolve_model
+
+
+class ConfigError(ValueError):
+    """A configuration the engine cannot start with; the message (one line) says what to change."""
+
+
+def check_config(config: EngineConfig, *, serves_rpc: bool = True) -> None:
+    """Raise ConfigError for the first problem found: a value out of range or not one of its
+    choices, a model that cannot be found or read, a tensor-parallel size the model's heads do
+    not split into, a port on this node that is taken. `serves_rpc`: whether config.rpc_address
+    is bound (a launcher that talks to its engine privately does not bind it). Node 0 checks
+    everything; other nodes what runs on them (the model, not node 0's ports)."""
+    check_values(config)
+    source = model_source(config.model)
+    check_tensor_parallel(config, source)
+    if config.node_rank == 0:
+        check_ports(config, serves_rpc=serves_rpc)
+
+
+def validation_message(error: msgspec.ValidationError, values: dict | None = None) -> str:
+    """msgspec's "Expected `int` >= 1 - at `$.max_num_seqs`" as the option to change, with the
+    value given when `values` (field name -> value) has it."""
+    text = str(error)
+    match = re.fullmatch(r"(.*) - at `\$\.(\w+)`", text)
+    if match is None:
+        return text
+    problem, name = match.groups()
+    problem = problem.replace("`", "")
+    choices = engine_config_choices().get(name)
+    if values and name in values and repr(values[name]) not in problem:
+        problem += f", got {values[name]!r}"
+    if choices:
+        problem += f" (choose from {', '.join(choices)})"
+    return f"invalid --{name.replace('_', '-')}: {problem[:1].lower()}{problem[1:]}"
+
+
+def check_values(config: EngineConfig) -> None:
+    """Types, ranges and choices: EngineConfig(...) itself checks none of them (decoding does)."""
+    try:
+        values = msgspec.structs.asdict(config)
+        msgspec.convert(values, EngineConfig)
+    except msgspec.ValidationError as error:
+        raise ConfigError(validation_message(error, values)) from None
+
+
+def model_source(name: str) -> ModelSource:
+    try:
+        return resolve_model(name)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def tensor_parallel_problem(model: ModelConfig, size: int) -> str | None:
+    """Why `size` ranks cannot split this model's layers, or None if they can."""
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    if heads % size:
+        return f"tensor-parallel size {size} must divide the {heads} attention heads"
+    if kv_heads % size and size % kv_heads:
+        return (f"tensor-parallel size {size} must divide the {kv_heads} key/value heads or be a "
+                "multiple of them (then they are replicated)")
+    if model.intermediate_size % size:
+        return (f"tensor-parallel size {size} must divide the MLP's {model.intermediate_size} "
+                "features")
+    return None
+
+
+def check_tensor_parallel(config: EngineConfig, source: ModelSource) -> None:
+    """The model's config against the world size. One GGUF rank needs no check, and its
+    metadata takes seconds to read, so it is then left to the worker."""
+    size = config.world_size
+    if size == 1 and config_source_kind(source) == "gguf":
+        return
+    from spmd_runtime.runtime.loaders import load_model_config
+
+    try:
+        model = load_model_config(source)
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        detail = f"missing {error}" if isinstance(error, KeyError) else str(error)
+        raise ConfigError(f"cannot read the model config of {config.model} ({detail}): fix it "
+                          "or pass another --model") from None
+    problem = tensor_parallel_problem(model, size)
+    if problem is None:
+        return
+    fits = [n for n in range(1, model.num_attention_heads + 1)
+            if tensor_parallel_problem(model, n) is None]
+    raise ConfigError(f"{problem} of {config.model} (world size {size} = --nproc-per-node "
+                      f"{config.nproc_per_node} x --nnodes {config.nnodes}): use a "
+                      f"tensor-parallel size (-tp) of {', '.join(map(str, fits))}")
+
+
+def _tcp_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a tcp:// address with a fixed port; None for ipc:// or a port picked at
+    bind time (0 or *)."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not port.isdigit() or int(port) == 0:
+        return None
+    return ("" if host == "*" else host.strip("[]")), int(port)
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why binding host:port fails now, for the reasons a user can act on (in use, privileged);
+    None if it binds, or for anything else, which the real bind reports."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        return None
+    with socket.socket(family, kind, proto) as probe:
+        # As the servers do, so that a port left in TIME_WAIT by a stopped server counts as free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            return error if error.errno in (errno.EADDRINUSE, errno.EACCES) else None
+    return None
+
+
+def node0_ports(config: EngineConfig, *, serves_rpc: bool) -> list[tuple[str, str, int]]:
+    """(option, host, port) of every fixed TCP port node 0 binds."""
+    ports = []
+    rpc = _tcp_port(config.rpc_address) if serves_rpc else None
+    if rpc:
+        ports.append((f"--rpc-address {config.rpc_address}", *rpc))
+    if config.http_port:
+        ports.append((f"--http-port {config.http_port}", config.http_host, config.http_port))
+    if config.master_port:
+        # torch.distributed's store listens on every interface.
+        ports.append((f"--master-port {config.master_port}", "", config.master_port))
+    workers = _tcp_port(config.worker_address)
+    if workers:
+        ports.append((f"--worker-address {config.worker_address}", *workers))
+    elif not config.worker_address and config.nnodes > 1 and config.master_port:
+        ports.append((f"--master-port {config.master_port} (+ 1, the scheduler's worker socket)",
+                      config.master_addr, config.master_port + 1))
+    return ports
+
+
+def check_ports(config: EngineConfig, *, serves_rpc: bool = True) -> None:
+    seen: dict[int, str] = {}
+    for option, host, port in node0_ports(config, serves_rpc=serves_rpc):
+        if port in seen:
+            raise ConfigError(f"{option} and {seen[port]} both use port {port}: give them "
+                              "different ports")
+        seen[port] = option
+        error = _bind_error(host, port)
+        if error is None:
+            continue
+        if error.errno == errno.EACCES:
+            raise ConfigError(f"{option}: port {port} needs privileges this user lacks: use a "
+                              "port above 1023")
+        raise ConfigError(f"{option}: port {port} is already in use on this machine (another "
+                          "server?): pick a free port, or stop what holds it")

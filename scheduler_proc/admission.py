@@ -1,0 +1,36 @@
+"""What the scheduler refuses at admission: prompts that could never run, bad ids and values."""
+from __future__ import annotations
+
+import math
+
+from spmd_runtime.protocol.messages import AddRequest, ModelInfo
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
+
+
+def refusal(message: AddRequest, prompt: list[int], info: ModelInfo,
+            scheduler: Scheduler) -> str | None:
+    """Why this request (with its prompt as token ids) cannot be served, or None."""
+    if not prompt:
+        return "prompt is empty: send at least one token"
+    cache_tokens = scheduler.kv.num_blocks * info.block_size
+    if len(prompt) >= cache_tokens:
+        return (f"prompt has {len(prompt)} tokens but the whole KV cache holds only "
+                f"{cache_tokens} tokens ({scheduler.kv.num_blocks} blocks of "
+                f"{info.block_size}), so it could never run; shorten the prompt or give the "
+                "cache more memory (--gpu-memory-utilization, --kv-cache-memory or "
+                "--num-kv-blocks)")
+    if len(prompt) >= info.max_model_len:
+        return (f"prompt has {len(prompt)} tokens but this engine's context is "
+                f"{info.max_model_len} tokens (prompt + output); shorten the prompt")
+    if message.timeout_s is not None and not (
+            math.isfinite(message.timeout_s) and message.timeout_s > 0):
+        return f"timeout_s must be a number of seconds > 0, got {message.timeout_s}"
+    bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
+    if bad is not None:
+        return f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})"
+    if message.request_id is not None:
+        if message.request_id < 0:
+            return f"request_id must be >= 0, got {message.request_id}"
+        if message.request_id in scheduler.requests:
+            return f"request_id {message.request_id} is already in use; pick another or omit it"
+    return None

@@ -1,0 +1,111 @@
+"""runtime.preflight: what is checked before any process loads weights, torch-free, each
+problem one line saying what to change."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime.preflight import ConfigError, check_config
+
+TINY = "dummy:tiny-llama"          # 4 attention heads, 2 key/value heads, 128 MLP features
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that a listening socket holds for the test."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def _problem(**options) -> str:
+    with pytest.raises(ConfigError) as raised:
+        check_config(EngineConfig(**options))
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_valid_config_passes() -> None:
+    check_config(EngineConfig(model=TINY, nproc_per_node=2, rpc_address="ipc:///tmp/x"))
+    check_config(EngineConfig(model=TINY, nproc_per_node=4, rpc_address="ipc:///tmp/x"))
+
+
+def test_values_the_constructor_does_not_check() -> None:
+    """EngineConfig(...) (what LLM(...) builds) checks no types, ranges or choices."""
+    assert _problem(model=TINY, dtype="fp16") == (
+        "invalid --dtype: invalid enum value 'fp16' (choose from auto, float32, float16, "
+        "bfloat16)")
+    assert "invalid --max-num-seqs: expected int >= 1, got 0" in _problem(model=TINY,
+                                                                          max_num_seqs=0)
+
+
+def test_models_that_are_not_there(tmp_path) -> None:
+    assert "GGUF file not found" in _problem(model=str(tmp_path / "model.gguf"))
+    assert "model path not found" in _problem(model=str(tmp_path / "no-such-dir"))
+    hub = _problem(model="meta-llama/Llama-3.2-1B")
+    assert "nothing is downloaded: pass a local .gguf file or directory" in hub
+    assert "unknown model 'llama'" in _problem(model="llama")
+
+
+def test_a_config_json_that_cannot_be_read(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    assert _problem(model=str(tmp_path)) == (
+        f"cannot read the model config of {tmp_path} (missing 'num_attention_heads'): fix it or "
+        "pass another --model")
+
+
+def test_tensor_parallel_sizes_the_heads_do_not_split_into() -> None:
+    message = _problem(model=TINY, nproc_per_node=3)
+    assert message.startswith("tensor-parallel size 3 must divide the 4 attention heads of "
+                              "dummy:tiny-llama (world size 3 = --nproc-per-node 3 x --nnodes 1)")
+    assert message.endswith("use a tensor-parallel size (-tp) of 1, 2, 4")
+    # Across nodes the world size counts: 3 x 2 does not divide 4 either.
+    assert "world size 6" in _problem(model=TINY, nproc_per_node=3, nnodes=2, master_port=1,
+                                      node_rank=1)
+
+
+def test_model_configs_are_read_without_torch() -> None:
+    code = ("import sys\n"
+            "from spmd_runtime.protocol.config import EngineConfig\n"
+            "from spmd_runtime.runtime.preflight import check_config\n"
+            "check_config(EngineConfig(model='dummy:llama-3.2-1b', nproc_per_node=2))\n"
+            "print('torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_ports_in_use_on_node_0(taken_port, free_port) -> None:
+    address = f"tcp://127.0.0.1:{taken_port}"
+    assert _problem(model=TINY, rpc_address=address) == (
+        f"--rpc-address {address}: port {taken_port} is already in use on this machine "
+        "(another server?): pick a free port, or stop what holds it")
+    private = {"model": TINY, "rpc_address": "ipc:///tmp/spmd-preflight-test"}
+    assert _problem(**private, http_port=taken_port).startswith(f"--http-port {taken_port}: ")
+    assert _problem(**private, master_port=taken_port).startswith(
+        f"--master-port {taken_port}: ")
+    # Across nodes the scheduler's worker socket is master port + 1.
+    assert "the scheduler's worker socket" in _problem(**private, nnodes=2,
+                                                        master_port=taken_port - 1)
+    port = free_port()
+    assert _problem(model=TINY, rpc_address=f"tcp://127.0.0.1:{port}", http_port=port) == (
+        f"--http-port {port} and --rpc-address tcp://127.0.0.1:{port} both use port {port}: "
+        "give them different ports")
+
+
+def test_ports_that_are_not_bound_are_not_checked(taken_port) -> None:
+    address = f"tcp://127.0.0.1:{taken_port}"
+    # A launcher that talks to its engine privately does not bind --rpc-address ...
+    check_config(EngineConfig(model=TINY, rpc_address=address), serves_rpc=False)
+    # ... and node 0's ports are node 0's business.
+    check_config(EngineConfig(model=TINY, nnodes=2, node_rank=1, master_port=taken_port))
+    # 0 or * picks a free port when binding.
+    check_config(EngineConfig(model=TINY, rpc_address="tcp://127.0.0.1:*"))

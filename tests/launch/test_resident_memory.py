@@ -1,0 +1,45 @@
+"""A CPU server's resident memory is flat under a long stream of distinct prompts: its KV pool is
+allocated (and zeroed) whole at start, and nothing else grows per request."""
+from __future__ import annotations
+
+import random
+
+import psutil
+import pytest
+from spmd_runtime.runtime import Client, SamplingParams
+
+PROMPT_LEN, BATCH, BATCHES = 256, 128, 16        # 2,048 distinct prompts of 256 tokens
+# Room for 2,048 of them: a pool filled as it is first used would still be growing at the end
+# (a quarter of it used after 512 prompts). One step prefills 32 prompts: every step is alike.
+POOL_BLOCKS = BATCH * BATCHES * PROMPT_LEN // 16
+SERVER = ("--model", "dummy:tiny-llama", "--kv-cache-memory", "256MiB", "--max-num-seqs", "128",
+          "--max-num-batched-tokens", str(32 * PROMPT_LEN))
+
+
+def resident_bytes(server) -> int:
+    """RSS summed over the launcher and every process of its engine."""
+    total = 0
+    for proc in server.processes():
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+@pytest.mark.timeout(600)
+def test_resident_memory_plateaus_over_2000_distinct_prompts(spmd_serve) -> None:
+    server = spmd_serve(*SERVER)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    levels = []
+    with server.serving(), Client(server.address, timeout_s=300) as client:
+        assert client.stats().kv_blocks_total == POOL_BLOCKS   # 8 KiB blocks of 16 tokens
+        for _ in range(BATCHES):
+            prompts = [[rng.randrange(3, 2048) for _ in range(PROMPT_LEN)] for _ in range(BATCH)]
+            outputs = client.generate(prompts, params)
+            assert [len(out.token_ids) for out in outputs] == [1] * BATCH
+            levels.append(resident_bytes(server))
+    after_512 = levels[512 // BATCH - 1]
+    mib = [round(level / 2**20) for level in levels]
+    assert max(levels) <= 1.10 * after_512, f"RSS (MiB) after each {BATCH} prompts: {mib}"
