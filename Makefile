@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/spmdrun generate --model smollm2 --prompt "What is the capital of France?"
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

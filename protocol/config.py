@@ -89,7 +89,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "KV-cache blocks per worker; 0 sizes the pool from profiled free memory"))] = 0
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description=(
         "share of the memory left free after loading the weights and a profiling forward pass "
-        "that the worker may use for activations and KV cache (on CPU: of available RAM)"))] = 0.9
+        "that a CUDA worker may use for activations and KV cache (a CPU worker's cache is "
+        "sized by --kv-cache-memory)"))] = 0.9
     # A size with a unit ("4GiB") on the command line or in JSON; an int of bytes once built.
     kv_cache_memory: Annotated[Annotated[int, Meta(ge=0)] | str, Meta(description=(
         "KV cache per worker, set outright (overrides --gpu-memory-utilization): bytes, or a "

@@ -22,6 +22,24 @@ def _onednn_linear_op():
 
 
 _onednn_linear = _onednn_linear_op()
+# oneDNN builds and caches a primitive for every input shape it meets (about 0.7 MB each, up to
+# 1024 per cache), so a server whose steps carry ever new token counts grows by hundreds of MB.
+# Inputs up to ONEDNN_EXACT_ROWS rows (decode batches) run as they are; longer ones are padded to
+# a multiple of ONEDNN_ROW_MULTIPLE rows, so a worker meets a few dozen shapes per weight.
+ONEDNN_EXACT_ROWS = 64
+ONEDNN_ROW_MULTIPLE = 64
+
+
+def _onednn_bounded_shapes(x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = -(-rows // ONEDNN_ROW_MULTIPLE) * ONEDNN_ROW_MULTIPLE
+    if rows <= ONEDNN_EXACT_ROWS or padded == rows or x.dim() != 2:
+        return _onednn_linear(x, weight, bias, "none", [], "")
+    staged = x.new_empty((padded, x.shape[1]))
+    staged[:rows].copy_(x)
+    staged[rows:].zero_()
+    return _onednn_linear(staged, weight, bias, "none", [], "")[:rows]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | RescoredInt8Head,
@@ -33,5 +51,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | RescoredInt8Head
     # Under torch.compile the compiler picks its own GEMM (it cannot lower this op as called).
     if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
             and not torch.compiler.is_compiling()):
-        return _onednn_linear(x, weight, bias, "none", [], "")
+        return _onednn_bounded_shapes(x, weight, bias)
     return F.linear(x, weight, bias)
