@@ -16,15 +16,15 @@ SERVER = ("--model", "dummy:tiny-llama", "--kv-cache-memory", "256MiB", "--max-n
           "--max-num-batched-tokens", str(32 * PROMPT_LEN))
 
 
-def resident_bytes(server) -> int:
-    """RSS summed over the launcher and every process of its engine."""
-    total = 0
+def resident_bytes(server) -> dict[str, int]:
+    """RSS of the launcher and of every process of its engine, by command."""
+    sizes = {}
     for proc in server.processes():
         try:
-            total += proc.memory_info().rss
+            sizes[f"{proc.pid} {' '.join(proc.cmdline()[1:3])}"] = proc.memory_info().rss
         except psutil.Error:
             pass
-    return total
+    return sizes
 
 
 @pytest.mark.timeout(600)
@@ -40,6 +40,7 @@ def test_resident_memory_plateaus_over_2000_distinct_prompts(spmd_serve) -> None
             outputs = client.generate(prompts, params)
             assert [len(out.token_ids) for out in outputs] == [1] * BATCH
             levels.append(resident_bytes(server))
-    after_512 = levels[512 // BATCH - 1]
-    mib = [round(level / 2**20) for level in levels]
-    assert max(levels) <= 1.10 * after_512, f"RSS (MiB) after each {BATCH} prompts: {mib}"
+    totals = [sum(level.values()) for level in levels]
+    after_512 = totals[512 // BATCH - 1]
+    mib = [{name: round(rss / 2**20) for name, rss in level.items()} for level in levels]
+    assert max(totals) <= 1.10 * after_512, f"RSS (MiB) after each {BATCH} prompts: {mib}"
