@@ -36,11 +36,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
-
-import llamacpp_peer  # noqa: E402
-from peer_common import (  # noqa: E402
+import llamacpp_peer
+from peer_common import (
     LATENCY_REPEATS,
     Generate,
     latency_spec,
@@ -50,7 +47,7 @@ from peer_common import (  # noqa: E402
     throughput_spec,
     write_json,
 )
-from spmd_runtime.launch.bench import (  # noqa: E402
+from spmd_runtime.launch.bench import (
     TABLE_HEADER,
     ThroughputReport,
     ThroughputWorkload,
@@ -58,8 +55,9 @@ from spmd_runtime.launch.bench import (  # noqa: E402
     run_throughput,
     throughput_workload_from_args,
 )
-from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
+from spmd_runtime.protocol.config import EngineConfig
 
+BENCH = Path(__file__).resolve().parent
 MODEL = "smollm2"
 CACHE = Path.home() / ".cache" / "spmd-bench"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")

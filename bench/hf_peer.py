@@ -16,19 +16,16 @@ submission to the last result: the manager's setup (KV cache allocation, CUDA-gr
 and a warm-up request are not timed, as our engine's startup and warm-up are not. Flash
 attention is never switched in (auto_switch_to_flash=False): sdpa, as loaded.
 
-`spmdrun bench throughput --with-peer` calls run_transformers() of this file after its own run.
+The peer itself is spmd_runtime.launch.hf_peer, which `spmdrun bench throughput --with-peer`
+runs after its own run; this script runs both engines in one process.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spmd_runtime.launch.bench import (  # noqa: E402
+from spmd_runtime.launch.bench import (
     TABLE_HEADER,
     ThroughputReport,
     add_peer_options,
@@ -36,164 +33,10 @@ from spmd_runtime.launch.bench import (  # noqa: E402
     run_throughput,
     throughput_workload_from_args,
 )
-from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
-from spmd_runtime.protocol.model_config import MODEL_PRESETS  # noqa: E402
-from spmd_runtime.runtime.loaders import load_model, load_model_config, resolve_model  # noqa: E402
-
-# The row's label (the table's engine column is 24 characters wide).
-ENGINE = "transformers (sdpa)"
-# A prompt no benchmark prompt starts with (as our warm-up's), and too short to share a block.
-WARMUP_PROMPT = [3] * 8
-
-
-def resolve_dtype_device(dtype: str = "auto", device: str = "auto"):
-    """Our engine's rules: auto device is cuda when there is one; auto dtype is bfloat16 on
-    cuda and float32 elsewhere."""
-    import torch
-    torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto"
-                                else device)
-    if dtype == "auto":
-        return (torch.bfloat16 if torch_device.type == "cuda" else torch.float32), torch_device
-    return getattr(torch, dtype), torch_device
-
-
-def transformers_model(model: str, dtype: str = "auto", device: str = "auto", seed: int = 0):
-    """transformers' LlamaForCausalLM (sdpa, eval mode) on `device` in `dtype`, holding exactly
-    the weights our workers load for `model` (dummy models: the random weights of `seed`)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers < 5
-        from transformers.modeling_utils import no_init_weights
-
-    torch_dtype, torch_device = resolve_dtype_device(dtype, device)
-    config, weights = load_model(resolve_model(model), torch_dtype, seed)
-    hf_config = LlamaConfig.from_dict({**config.to_hf_dict(), "attention_bias": any(
-        name.endswith(".bias") for name in weights)})
-    # Built on the device with uninitialised parameters: every one is loaded just below.
-    with torch.device(torch_device), no_init_weights():
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype,
-                                                    attn_implementation="sdpa")
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    hf_model.load_state_dict(weights, strict=True)
-    return hf_model.eval()
-
-
-def batching_config(max_batch_tokens: int | None = None, kv_tokens: int | None = None):
-    """transformers' ContinuousBatchingConfig: sdpa kept, and where given, the step token budget
-    and a KV cache of at least kv_tokens tokens (else sized from free memory, as generate_batch
-    does; on CPU that takes ~15 s to set up, for a cache of gigabytes)."""
-    from transformers import ContinuousBatchingConfig
-    config = ContinuousBatchingConfig(auto_switch_to_flash=False, max_batch_tokens=max_batch_tokens)
-    if kv_tokens:
-        config.num_blocks = -(-kv_tokens // config.page_size)
-    return config
-
-
-def same_sizes(config: EngineConfig) -> dict:
-    """run_transformers() options giving transformers our engine's step token budget and, where
-    --num-kv-blocks sets it, our KV cache capacity in tokens."""
-    return {"max_batch_tokens": config.max_num_batched_tokens,
-            "kv_tokens": config.num_kv_blocks * config.block_size or None}
-
-
-def generate_per_request(hf_model, prompts: list[list[int]], output_lens: list[int],
-                         batching=None) -> tuple[list[list[int]], float]:
-    """Greedy continuations (EOS ignored) of each prompt, output_lens[i] tokens for prompt i,
-    through transformers' continuous batching (`batching`: a batching_config(), by default
-    transformers' own sizes); and the seconds they took (see the module doc)."""
-    from transformers import GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    # An id no token has, so generation never stops early (our ignore_eos).
-    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1,
-                              pad_token_id=0)
-    # What generate_batch hints for the same requests; it sizes the batch and the cache.
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
-                          max_generated_length=max(output_lens), num_requests=len(prompts))
-    with hf_model.continuous_batching_context_manager(
-            generation_config=config, block=True, timeout=5, workload_hints=hints,
-            continuous_batching_config=batching or batching_config(),
-    ) as manager:
-        _finish(manager, [manager.add_request(WARMUP_PROMPT, max_new_tokens=2)])
-        started = time.perf_counter()
-        request_ids = [manager.add_request(prompt, max_new_tokens=n)
-                       for prompt, n in zip(prompts, output_lens, strict=True)]
-        results = _finish(manager, request_ids)
-        elapsed = time.perf_counter() - started
-    return [list(results[r].generated_tokens) for r in request_ids], elapsed
-
-
-def generate_batch_call(hf_model, prompts: list[list[int]], output_len: int
-                        ) -> tuple[list[list[int]], float]:
-    """The prompts through one `generate_batch` call, timed whole, as a user calls it (its
-    manager's set-up included; one output length for all), after a 2-token warm-up call.
-    Returns the outputs in no particular order, and the seconds."""
-    from transformers import GenerationConfig
-
-    def config(n: int) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
-
-    # No inference_mode here: generate_batch runs its loop on a thread of its own.
-    hf_model.generate_batch(inputs=[WARMUP_PROMPT], generation_config=config(2))
-    started = time.perf_counter()
-    results = hf_model.generate_batch(inputs=prompts, generation_config=config(output_len))
-    elapsed = time.perf_counter() - started
-    errors = [r.error for r in results.values() if r.error]
-    if errors or len(results) != len(prompts):
-        raise RuntimeError(f"transformers generate_batch failed: {errors[:1]}")
-    # Keyed by request id, not in prompt order: only their lengths are used.
-    return [list(r.generated_tokens) for r in results.values()], elapsed
-
-
-def _finish(manager, request_ids: list) -> dict:
-    """Wait for every request's final result; RuntimeError if one fails or the loop stops."""
-    if None in request_ids:
-        raise RuntimeError("transformers' continuous batching manager refused a request")
-    pending, results = set(request_ids), {}
-    while pending:
-        result = manager.get_result(timeout=1)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError("transformers' generation thread stopped with requests pending")
-            continue
-        if not result.is_finished():
-            continue
-        if result.error:
-            raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
-        results[result.request_id] = result
-        pending.discard(result.request_id)
-    return results
-
-
-def run_transformers(model: str, prompts: list[list[int]], output_lens: list[int],
-                     dtype: str = "auto", device: str = "auto", seed: int = 0,
-                     threads: int | None = None, max_batch_tokens: int | None = None,
-                     kv_tokens: int | None = None, api: str = "manager") -> ThroughputReport:
-    """The throughput row of transformers on `model` (our model name, e.g. dummy:llama-3.2-1b);
-    max_batch_tokens and kv_tokens as in batching_config(). api "generate_batch": one timed
-    generate_batch call instead (a fixed output length only)."""
-    import torch
-    if threads:
-        torch.set_num_threads(threads)
-    hf_model = transformers_model(model, dtype, device, seed)
-    try:
-        if api == "generate_batch":
-            if len(set(output_lens)) != 1:
-                raise ValueError("--peer-api generate_batch takes one output length for every "
-                                 "request: use --output-len")
-            outputs, elapsed = generate_batch_call(hf_model, prompts, output_lens[0])
-        else:
-            outputs, elapsed = generate_per_request(hf_model, prompts, output_lens,
-                                                    batching_config(max_batch_tokens, kv_tokens))
-    finally:
-        del hf_model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return ThroughputReport(ENGINE, len(prompts), sum(map(len, prompts)), sum(map(len, outputs)),
-                            elapsed)
+from spmd_runtime.launch.hf_peer import run_transformers, same_sizes
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.model_config import MODEL_PRESETS
+from spmd_runtime.runtime.loaders import load_model_config, resolve_model
 
 
 def run_ours(model: str, prompts: list[list[int]], output_lens: list[int], dtype: str, device: str,

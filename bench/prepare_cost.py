@@ -1,7 +1,7 @@
 """Host time a worker spends building one decode step's inputs, per attention path.
 
 Builds a runner on a dummy model (its weights are never used), gives it `--batch` requests
-with random contexts in [--context-min, --context-max], and times ModelRunner._prepare of a
+with random contexts in [--context-min, --context-max], and times ModelRunner.prepare of a
 decode step of all of them, padded to one decode bucket, as on a GPU with graphs:
 
     python bench/prepare_cost.py --batch 256 --context-min 100 --context-max 1024
@@ -13,17 +13,13 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
-from spmd_runtime.protocol.messages import NewRequestData, StepPlan  # noqa: E402
-from spmd_runtime.protocol.sampling import SamplingParams  # noqa: E402
-from spmd_runtime.worker_proc.distributed import DistributedContext  # noqa: E402
-from spmd_runtime.worker_proc.model_runner import HOST  # noqa: E402
-from spmd_runtime.worker_proc.worker import build_runner  # noqa: E402
+import torch
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.worker_proc.distributed import DistributedContext
+from spmd_runtime.worker_proc.worker import build_runner
 
 
 def main() -> int:
@@ -51,14 +47,16 @@ def main() -> int:
                                   list(range(rid * blocks, (rid + 1) * blocks)), length, 0, params))
     # Hand the requests over as if their prompts were computed (no forward pass needed).
     runner.apply_plan_state(StepPlan(0, new, [], [], []))
-    scheduled = [(rid, 1) for rid in range(args.batch)]
     bucket = ("decode", args.batch, blocks * block_size)
+    # One token for each of them: a plan that changes no state, so every call prepares alike.
+    decode = StepPlan(1, [], list(range(args.batch)), [1] * args.batch, [[]] * args.batch,
+                      bucket=bucket)
     for kernel in ("", "triton"):
         runner.decode_kernel = kernel
         times = []
         for _ in range(args.calls):
             started = time.perf_counter()
-            runner._prepare(scheduled, bucket, HOST)
+            runner.prepare(decode)
             times.append((time.perf_counter() - started) * 1e3)
         name = "triton kernel (context lengths)" if kernel else "torch attention (masks)"
         print(f"decode step of {args.batch} requests, contexts {args.context_min}-"

@@ -17,13 +17,11 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-from spmd_runtime.runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights  # noqa: E402
-from spmd_runtime.runtime.loaders import load_model, resolve_model  # noqa: E402
-from spmd_runtime.runtime.models.llama import LlamaForCausalLM  # noqa: E402
-from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer  # noqa: E402
+import torch
+from spmd_runtime.runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights
+from spmd_runtime.runtime.loaders import load_model, resolve_model
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 

@@ -11,14 +11,11 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from spmd_runtime.runtime.layers.parallel import TensorParallel, row_parallel_linear  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from spmd_runtime.runtime.layers.parallel import TensorParallel, row_parallel_linear
 
 
 def best_of(repeats: int, x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> float:

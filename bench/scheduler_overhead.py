@@ -12,16 +12,13 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spmd_runtime.protocol.messages import StepResult, scheduler_inbound_decoder  # noqa: E402
-from spmd_runtime.protocol.sampling import SamplingParams  # noqa: E402
-from spmd_runtime.protocol.transport import Encoder  # noqa: E402
-from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager  # noqa: E402
-from spmd_runtime.scheduler_proc.request import Request  # noqa: E402
-from spmd_runtime.scheduler_proc.scheduler import Scheduler  # noqa: E402
+from spmd_runtime.protocol.messages import StepResult, scheduler_inbound_decoder
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.transport import Encoder
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
 
 def fake_result(step, rng: random.Random) -> StepResult:

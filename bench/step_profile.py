@@ -10,16 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
-from spmd_runtime.protocol.messages import NewRequestData, StepPlan  # noqa: E402
-from spmd_runtime.protocol.sampling import SamplingParams  # noqa: E402
-from spmd_runtime.worker_proc.distributed import DistributedContext  # noqa: E402
-from spmd_runtime.worker_proc.worker import build_runner  # noqa: E402
+import torch
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.worker_proc.distributed import DistributedContext
+from spmd_runtime.worker_proc.worker import build_runner
 
 
 def main() -> int:

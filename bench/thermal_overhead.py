@@ -23,12 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from spmd_runtime.worker_proc.thermal import ThermalMonitor  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from spmd_runtime.worker_proc.thermal import ThermalMonitor
 
 
 def busy(ms: float) -> None:

@@ -106,7 +106,7 @@ def add_throughput_workload_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_peer_options(parser: argparse.ArgumentParser) -> None:
-    """Options of the transformers peer run (bench/hf_peer.py)."""
+    """Options of the transformers peer run (launch/hf_peer.py)."""
     parser.add_argument("--peer-cache", choices=("auto", "same"), default="auto",
                         help="auto: transformers sizes its batch and KV cache from free memory, as "
                         "generate_batch does; same: our --max-num-batched-tokens as its step "

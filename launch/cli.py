@@ -186,7 +186,7 @@ def _add_bench_throughput(kinds) -> None:
     throughput.add_argument("--with-peer", action="store_true",
                             help="after our run (its engine stopped), run the same prompts and "
                             "output lengths through transformers' continuous batching "
-                            "(bench/hf_peer.py) on the same model, weights, dtype and device, "
+                            "(launch/hf_peer.py) on the same model, weights, dtype and device, "
                             "and print both rows and the ratio")
     add_peer_options(throughput)
     throughput.add_argument("--json", action="store_true", help="print one JSON line per row too")

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
+from spmd_runtime.launch import hf_peer
 from spmd_runtime.launch.bench import (
     TABLE_HEADER,
     ThroughputReport,
@@ -119,7 +118,6 @@ def bench_model(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
 def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         workload = throughput_workload_from_args(args)
-        peer = load_hf_peer() if args.with_peer else None
     except ValueError as error:
         raise ConfigError(str(error)) from None
     output_lens = workload.output_lens()
@@ -135,11 +133,11 @@ def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
     reports, failure = [report], None
-    if peer is not None:
+    if args.with_peer:
         # Our engine's processes have exited: the peer has the device to itself.
-        sizes = peer.same_sizes(config) if args.peer_cache == "same" else {}
+        sizes = hf_peer.same_sizes(config) if args.peer_cache == "same" else {}
         try:
-            reports.append(peer.run_transformers(config.model, prompts, output_lens,
+            reports.append(hf_peer.run_transformers(config.model, prompts, output_lens,
                                                  dtype=config.dtype, device=config.device,
                                                  seed=config.dummy_seed, **sizes))
         except (RuntimeError, ImportError, ValueError) as error:  # CUDA OOM is a RuntimeError
@@ -167,17 +165,6 @@ def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
         print(failure, file=sys.stderr)
         return 1
     return 0
-
-
-def load_hf_peer():
-    """bench/hf_peer.py of this checkout, imported from its file (bench/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "hf_peer.py"
-    if not path.is_file():
-        raise ValueError(f"--with-peer runs {path}, which only a source checkout has")
-    spec = importlib.util.spec_from_file_location("spmd_bench_hf_peer", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 Workload = Callable[[int], list[list[int]]]   # vocabulary size -> prompts

@@ -7,7 +7,6 @@ deltas go to the queue of their request's RequestStream. Used by the HTTP front 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable
 
@@ -17,22 +16,18 @@ import zmq.asyncio
 from spmd_runtime.protocol.messages import (
     AbortRequest,
     AdminBatchReply,
-    AdminBatchRequest,
     EngineStats,
     ErrorReply,
     ModelInfo,
     ModelInfoRequest,
-    Outputs,
     Ping,
     RequestAccepted,
     RequestDelta,
     StatsRequest,
-    server_decoder,
 )
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.protocol.transport import Encoder
 from spmd_runtime.runtime.outputs import RequestOutput
-from spmd_runtime.runtime.rpc import EngineError, Prompt, add_request, connect
+from spmd_runtime.runtime.rpc import EngineError, Prompt, RpcCore, add_request, reply_or_raise
 
 log = logging.getLogger("spmd.async_client")
 
@@ -79,7 +74,7 @@ class RequestStream:
             self._queue.put_nowait(None)
 
 
-class AsyncClient:
+class AsyncClient(RpcCore):
     """Talks to an engine over its RPC address from one asyncio event loop.
 
     A call waits as long as the engine answers anything; when the engine has been silent for
@@ -91,22 +86,11 @@ class AsyncClient:
     def __init__(self, address: str, *, timeout_s: float = 600.0, ping_after_s: float = 5.0,
                  admin_token: str = "", auth_token: str = "",
                  alive: Callable[[], bool] | None = None) -> None:
-        self.address = address
-        # With the server's --auth-token, every frame is [token, payload].
-        self._auth_frames = [auth_token.encode()] if auth_token else []
-        self._alive = alive
-        self.timeout_s = timeout_s
-        self.ping_after_s = ping_after_s
-        self.admin_token = admin_token
-        self._ctx = zmq.asyncio.Context()
-        try:
-            self._sock = connect(self._ctx, address)
-        except ValueError:
-            self._ctx.term()
-            raise
-        self._encoder = Encoder()
-        self._decoder = server_decoder()
-        self._tags = itertools.count(1)
+        # Ping early enough that a busy engine answers before a short timeout runs out. Sends
+        # queue locally (bounded by the high-water mark) and never block the event loop.
+        super().__init__(zmq.asyncio.Context(), address, timeout_s=timeout_s,
+                         ping_after_s=min(ping_after_s, timeout_s / 3), alive=alive,
+                         admin_token=admin_token, auth_token=auth_token, send_flags=zmq.NOBLOCK)
         self._calls: dict[int, asyncio.Future] = {}
         self._adds: dict[int, asyncio.Future] = {}
         self._streams: dict[int, RequestStream] = {}
@@ -216,17 +200,15 @@ class AsyncClient:
                           policy: str | None = None, dry_run: bool = False) -> AdminBatchReply:
         """Operator control of the running batch (see AdminBatchRequest). Raises PermissionError
         when the engine refuses the token or has admin calls off, ValueError for bad values."""
-        return await self._call(AdminBatchRequest(
-            tag=next(self._tags), token=self.admin_token if token is None else token,
-            max_num_seqs=max_num_seqs, force_evict=force_evict, target_temp_c=target_temp_c,
-            policy=policy, dry_run=dry_run))
+        return await self._call(self._admin_batch_request(
+            token, max_num_seqs=max_num_seqs, force_evict=force_evict,
+            target_temp_c=target_temp_c, policy=policy, dry_run=dry_run))
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
         self._fail_all(EngineError("the client was closed", kind="closed", address=self.address))
-        self._sock.close(linger=0)
-        self._ctx.term()
+        super().close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -250,15 +232,7 @@ class AsyncClient:
             reply = await future
         finally:
             self._calls.pop(message.tag, None)
-        if isinstance(reply, ErrorReply):
-            if reply.code in ("forbidden", "disabled"):
-                raise PermissionError(reply.message)
-            raise ValueError(reply.message)
-        return reply
-
-    def _send(self, message: msgspec.Struct) -> None:
-        # DEALER sends queue locally (bounded by the high-water mark) and never block here.
-        self._sock.send_multipart([*self._auth_frames, self._encoder.encode(message)], zmq.NOBLOCK)
+        return reply_or_raise(reply)
 
     def _outstanding(self) -> bool:
         return bool(self._calls or self._adds or self._streams)
@@ -274,59 +248,42 @@ class AsyncClient:
             self._fail_all(EngineError(f"the RPC reader failed: {error!r}"))
 
     async def _read_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        last_heard = pinged = loop.time()
-        # Ping early enough that a busy engine answers before a short timeout runs out.
-        ping_after_s = min(self.ping_after_s, self.timeout_s / 3)
+        self._heard()
         while True:
             if await self._sock.poll(200, zmq.POLLIN):
-                self._dispatch(await self._sock.recv())
-                last_heard = loop.time()
+                payload = await self._sock.recv()
+                try:
+                    self._file(payload)
+                except msgspec.DecodeError as error:
+                    log.warning("undecodable frame from the engine: %s", error)
                 continue
-            now = loop.time()
             if not self._outstanding():
-                last_heard = now
+                self._heard()
                 continue
-            if self._alive is not None and not self._alive():
-                self._fail_all(EngineError("the engine process exited; see its log above",
-                                           kind="exited", address=self.address))
-                last_heard = now
-            elif now - last_heard > self.timeout_s:
-                self._fail_all(EngineError(
-                    f"the engine at {self.address} answered nothing (not even a ping) within "
-                    f"{self.timeout_s:g}s: it is down, unreachable, or not at this address",
-                    kind="unreachable", address=self.address))
-                last_heard = now
-            elif now - last_heard > ping_after_s and now - pinged > ping_after_s:
-                # Any answer proves the engine alive; the Pong itself is dropped (unknown tag).
-                self._send(Ping(tag=0))
-                pinged = now
+            gone = self._watch()
+            if gone is not None:
+                self._fail_all(gone)
+                self._heard()
 
-    def _dispatch(self, payload: bytes) -> None:
-        try:
-            message = self._decoder.decode(payload)
-        except msgspec.DecodeError as error:
-            log.warning("undecodable frame from the engine: %s", error)
-            return
-        if isinstance(message, Outputs):
-            for delta in message.deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is None:
-                    continue    # aborted by us: its last deltas are of no interest
-                if delta.finish_reason is not None:
-                    del self._streams[delta.request_id]
-                stream._queue.put_nowait(delta)
-            return
-        if isinstance(message, ErrorReply) and message.tag is None:
-            if message.code == "forbidden":   # a frame without the server's auth token
-                self._fail_all(PermissionError(message.message))
-                return
-            stream = self._streams.pop(message.request_id, None)
-            if stream is not None:
-                stream._queue.put_nowait(EngineError(message.message, address=self.address))
-            else:
-                log.warning("engine error: %s", message.message)
-            return
+    def _on_delta(self, delta: RequestDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None:
+            return      # aborted by us: its last deltas are of no interest
+        if delta.finish_reason is not None:
+            del self._streams[delta.request_id]
+        stream._queue.put_nowait(delta)
+
+    def _on_refused(self, reason: str) -> None:
+        self._fail_all(PermissionError(reason))
+
+    def _on_request_failed(self, request_id: int | None, reason: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._queue.put_nowait(EngineError(reason, address=self.address))
+        else:
+            log.warning("engine error: %s", reason)
+
+    def _on_reply(self, message: msgspec.Struct) -> None:
         add = self._adds.pop(message.tag, None)
         if add is not None:
             self._resolve_add(add, message)

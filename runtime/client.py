@@ -1,7 +1,6 @@
 """Programmatic RPC client of a running engine (`spmdrun serve`, or the one an LLM starts)."""
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -12,30 +11,25 @@ from spmd_runtime.protocol.messages import (
     AbortRequest,
     AddRequest,
     AdminBatchReply,
-    AdminBatchRequest,
     EngineStats,
     ErrorReply,
     ModelInfo,
     ModelInfoRequest,
-    Outputs,
-    Ping,
-    Pong,
     RequestAccepted,
     RequestDelta,
     ResetPrefixCacheRequest,
     StatsRequest,
-    server_decoder,
 )
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.protocol.transport import Encoder
 from spmd_runtime.runtime.outputs import RequestOutput
 from spmd_runtime.runtime.rpc import (
     EngineError,
     Prompt,
+    RpcCore,
     add_request,
     as_param_list,
     as_prompt_list,
-    connect,
+    reply_or_raise,
 )
 
 __all__ = ["Client", "EngineError", "Prompt", "StreamDelta"]
@@ -49,7 +43,7 @@ class StreamDelta:
     finish_reason: str | None
 
 
-class Client:
+class Client(RpcCore):
     """Talks to an engine over its RPC address. Not thread-safe: use one Client per thread.
 
     Prompts may be texts (tokenized by the engine with the served model's tokenizer) or
@@ -63,21 +57,9 @@ class Client:
     def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 30.0,
                  alive: Callable[[], bool] | None = None, admin_token: str = "",
                  auth_token: str = "") -> None:
-        self.address = address
-        self.admin_token = admin_token
-        # The server's --auth-token, sent with every message when set.
-        self._auth_frames = [auth_token.encode()] if auth_token else []
-        self.timeout_s = timeout_s
-        self._alive = alive
-        self._ctx = zmq.Context()
-        try:
-            self._sock = connect(self._ctx, address)
-        except ValueError:
-            self._ctx.term()
-            raise
-        self._encoder = Encoder()
-        self._decoder = server_decoder()
-        self._tags = itertools.count(1)
+        super().__init__(zmq.Context(), address, timeout_s=timeout_s,
+                         ping_after_s=self.PING_INTERVAL_S, alive=alive,
+                         admin_token=admin_token, auth_token=auth_token)
         self._replies: dict[int, msgspec.Struct] = {}
         self._deltas: dict[int, list[RequestDelta]] = {}
         self._failures: dict[int, str] = {}
@@ -202,18 +184,9 @@ class Client:
         complete later. max_num_seqs sets the cap on running requests; target_temp_c the
         thermal target. dry_run names the victims and changes nothing. Raises PermissionError
         when refused, ValueError for bad values."""
-        try:
-            request = AdminBatchRequest(tag=next(self._tags), token=self.admin_token,
-                                        max_num_seqs=max_num_seqs, force_evict=force_evict,
-                                        target_temp_c=target_temp_c, policy=policy,
-                                        dry_run=dry_run)
-        except TypeError as error:
-            raise ValueError(str(error)) from None
-        return self._call(request)
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
+        return self._call(self._admin_batch_request(
+            max_num_seqs=max_num_seqs, force_evict=force_evict, target_temp_c=target_temp_c,
+            policy=policy, dry_run=dry_run))
 
     def __enter__(self) -> "Client":
         return self
@@ -244,12 +217,7 @@ class Client:
         self._send(message)
         tag = message.tag
         self._pump_until(lambda: tag in self._replies, within_s)
-        reply = self._replies.pop(tag)
-        if isinstance(reply, ErrorReply):
-            if reply.code in ("forbidden", "disabled"):
-                raise PermissionError(reply.message)
-            raise ValueError(reply.message)
-        return reply
+        return reply_or_raise(self._replies.pop(tag))
 
     def _abort_quietly(self, request_ids: set[int]) -> None:
         for request_id in request_ids:
@@ -259,14 +227,12 @@ class Client:
             self._send(AbortRequest(tag=tag, request_id=request_id))
             self._deltas.pop(request_id, None)
 
-    def _send(self, message: msgspec.Struct) -> None:
-        self._sock.send_multipart([*self._auth_frames, self._encoder.encode(message)])
-
     def _pump_until(self, done: Callable[[], bool], within_s: float | None = None) -> None:
         """Receive and file messages until `done()`. EngineError when the engine is gone (its
         process exited, or it answered nothing, pings included, for timeout_s) or `done()` is
         still false after within_s."""
-        started = last_heard = last_ping = time.monotonic()
+        started = time.monotonic()
+        self._heard()
         heard = False
         while not done():
             if self._refused is not None:
@@ -274,44 +240,29 @@ class Client:
             if within_s is not None and time.monotonic() - started > within_s:
                 raise self._timed_out(within_s, heard)
             if self._sock.poll(200, zmq.POLLIN):
-                self._dispatch(self._sock.recv())
-                last_heard, heard = time.monotonic(), True
+                self._file(self._sock.recv())
+                heard = True
                 continue
-            if self._alive is not None and not self._alive():
-                raise EngineError("the engine process exited; see its log above", kind="exited",
-                                  address=self.address)
-            now = time.monotonic()
-            if now - last_heard > self.timeout_s:
-                raise self._timed_out(self.timeout_s, heard=False)
-            if now - max(last_heard, last_ping) > self.PING_INTERVAL_S:
-                self._send(Ping(tag=0))
-                last_ping = now
+            gone = self._watch()
+            if gone is not None:
+                raise gone
 
-    def _timed_out(self, waited_s: float, heard: bool) -> EngineError:
-        if heard:
-            return EngineError(f"the engine at {self.address} answers, but was not ready within "
-                               f"{waited_s:g}s", kind="not_ready", address=self.address)
-        return EngineError(f"the engine at {self.address} answered nothing (not even a ping) "
-                           f"within {waited_s:g}s: it is down, unreachable, or not at this "
-                           "address", kind="unreachable", address=self.address)
-
-    def _dispatch(self, payload: bytes) -> None:
-        message = self._decoder.decode(payload)
-        if isinstance(message, Pong):
+    def _on_delta(self, delta: RequestDelta) -> None:
+        if delta.request_id in self._ignored_requests:
+            if delta.finish_reason is not None:
+                self._ignored_requests.discard(delta.request_id)
             return
-        if isinstance(message, Outputs):
-            for delta in message.deltas:
-                if delta.request_id in self._ignored_requests:
-                    if delta.finish_reason is not None:
-                        self._ignored_requests.discard(delta.request_id)
-                    continue
-                self._deltas.setdefault(delta.request_id, []).append(delta)
-        elif isinstance(message, ErrorReply) and message.tag is None:
-            if message.code == "forbidden":
-                self._refused = message.message
-            elif message.request_id is not None and message.request_id not in self._ignored_requests:
-                self._failures[message.request_id] = message.message
-        elif message.tag in self._ignored_tags:
+        self._deltas.setdefault(delta.request_id, []).append(delta)
+
+    def _on_refused(self, reason: str) -> None:
+        self._refused = reason
+
+    def _on_request_failed(self, request_id: int | None, reason: str) -> None:
+        if request_id is not None and request_id not in self._ignored_requests:
+            self._failures[request_id] = reason
+
+    def _on_reply(self, message: msgspec.Struct) -> None:
+        if message.tag in self._ignored_tags:
             self._ignored_tags.discard(message.tag)
         else:
             self._replies[message.tag] = message

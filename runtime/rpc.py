@@ -1,13 +1,28 @@
-"""What both RPC clients share: the address check and connection, one AddRequest per prompt
-(texts and conversations are tokenized by the engine), and the EngineError they raise."""
+"""The core both RPC clients share: the connection, auth frames, tags, the filing of what the
+engine sends, error replies as exceptions, pings and liveness, one AddRequest per prompt (texts
+and conversations are tokenized by the engine), and the EngineError they raise. `Client` and
+`AsyncClient` add only their I/O loop."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence
 
+import msgspec
 import zmq
-from spmd_runtime.protocol.messages import AddRequest, ChatMessage
+from spmd_runtime.protocol.messages import (
+    AddRequest,
+    AdminBatchRequest,
+    ChatMessage,
+    ErrorReply,
+    Outputs,
+    Ping,
+    Pong,
+    RequestDelta,
+    server_decoder,
+)
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.protocol.transport import make_socket
+from spmd_runtime.protocol.transport import Encoder, make_socket
 
 # A text, token ids, or (chat prompts only) a conversation of {'role', 'content'} messages.
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -49,6 +64,124 @@ def connect(ctx: zmq.Context, address: str) -> zmq.Socket:
         return make_socket(ctx, zmq.DEALER, address, bind=False)
     except zmq.ZMQError as error:
         raise ValueError(f"cannot connect to {address}: {error}") from error
+
+
+class RpcCore:
+    """One DEALER connection to an engine, as both clients use it.
+
+    Frames carry the server's --auth-token when there is one; every call gets a fresh tag;
+    `_file` sorts each frame from the engine into the front's `_on_*` hooks; `_watch` pings a
+    silent engine and says when it is gone. A front adds its I/O loop and its request
+    bookkeeping."""
+
+    def __init__(self, ctx: zmq.Context, address: str, *, timeout_s: float,
+                 ping_after_s: float, alive: Callable[[], bool] | None, admin_token: str,
+                 auth_token: str, send_flags: int = 0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.ping_after_s = ping_after_s
+        self.admin_token = admin_token
+        self._alive = alive
+        # With the server's --auth-token, every frame is [token, payload].
+        self._auth_frames = [auth_token.encode()] if auth_token else []
+        self._send_flags = send_flags
+        self._ctx = ctx
+        try:
+            self._sock = connect(ctx, address)
+        except ValueError:
+            ctx.term()
+            raise
+        self._encoder = Encoder()
+        self._decoder = server_decoder()
+        self._tags = itertools.count(1)
+        self._last_heard = self._last_ping = time.monotonic()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ for the fronts
+
+    def _send(self, message: msgspec.Struct) -> None:
+        self._sock.send_multipart([*self._auth_frames, self._encoder.encode(message)],
+                                  self._send_flags)
+
+    def _admin_batch_request(self, token: str | None = None, **changes) -> AdminBatchRequest:
+        try:
+            return AdminBatchRequest(tag=next(self._tags),
+                                     token=self.admin_token if token is None else token,
+                                     **changes)
+        except TypeError as error:
+            raise ValueError(str(error)) from None
+
+    def _file(self, payload: bytes) -> None:
+        """Sort one frame from the engine into the hooks (msgspec.DecodeError when it is none)."""
+        self._heard()
+        message = self._decoder.decode(payload)
+        if isinstance(message, Pong) and message.tag == 0:
+            return      # the answer to a liveness ping: hearing it was the point
+        if isinstance(message, Outputs):
+            for delta in message.deltas:
+                self._on_delta(delta)
+        elif isinstance(message, ErrorReply) and message.tag is None:
+            if message.code == "forbidden":   # a frame without the server's auth token
+                self._on_refused(message.message)
+            else:
+                self._on_request_failed(message.request_id, message.message)
+        else:
+            self._on_reply(message)
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+
+    def _watch(self) -> EngineError | None:
+        """Called while something is awaited and nothing arrives: the EngineError when the
+        engine is gone (its process exited, or it answered nothing, pings included, for
+        timeout_s); otherwise pings it once it has been silent for ping_after_s."""
+        now = time.monotonic()
+        if self._alive is not None and not self._alive():
+            return EngineError("the engine process exited; see its log above", kind="exited",
+                               address=self.address)
+        if now - self._last_heard > self.timeout_s:
+            return self._timed_out(self.timeout_s, heard=False)
+        if now - max(self._last_heard, self._last_ping) > self.ping_after_s:
+            # Any answer proves the engine alive; the Pong itself is dropped.
+            self._send(Ping(tag=0))
+            self._last_ping = now
+        return None
+
+    def _timed_out(self, waited_s: float, heard: bool) -> EngineError:
+        if heard:
+            return EngineError(f"the engine at {self.address} answers, but was not ready within "
+                               f"{waited_s:g}s", kind="not_ready", address=self.address)
+        return EngineError(f"the engine at {self.address} answered nothing (not even a ping) "
+                           f"within {waited_s:g}s: it is down, unreachable, or not at this "
+                           "address", kind="unreachable", address=self.address)
+
+    # ------------------------------------------------------------------ the fronts' hooks
+
+    def _on_delta(self, delta: RequestDelta) -> None:
+        raise NotImplementedError
+
+    def _on_refused(self, reason: str) -> None:
+        """The server refuses this client outright (no or wrong --auth-token)."""
+        raise NotImplementedError
+
+    def _on_request_failed(self, request_id: int | None, reason: str) -> None:
+        raise NotImplementedError
+
+    def _on_reply(self, message: msgspec.Struct) -> None:
+        """A reply to the call with its tag (one with an unknown tag is dropped)."""
+        raise NotImplementedError
+
+
+def reply_or_raise(reply: msgspec.Struct):
+    """The reply of a call, or its ErrorReply as PermissionError (refused) or ValueError."""
+    if isinstance(reply, ErrorReply):
+        if reply.code in ("forbidden", "disabled"):
+            raise PermissionError(reply.message)
+        raise ValueError(reply.message)
+    return reply
 
 
 def add_request(tag: int, prompt: Prompt, params: SamplingParams, *, chat: bool = False,

@@ -1,14 +1,15 @@
 """`spmdrun bench throughput`'s workload and model options, and the transformers peer of
-bench/hf_peer.py (same model, same weights, same greedy tokens as ours)."""
+launch/hf_peer.py (same model, same weights, same greedy tokens as ours)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 
 import pytest
+from spmd_runtime.launch import hf_peer
 from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS, ThroughputWorkload, throughput_workload_from_args
 from spmd_runtime.launch.cli import build_parser, config_from_args
-from spmd_runtime.launch.commands import bench_model, load_hf_peer
+from spmd_runtime.launch.commands import bench_model
 
 
 def _bench_args(*flags: str):
@@ -64,14 +65,14 @@ def test_bench_model_spellings() -> None:
 
 @pytest.mark.timeout(300)
 def test_transformers_peer_runs_our_model_and_weights(tmp_path) -> None:
-    """transformers, loaded by bench/hf_peer.py with our dummy weights, produces our greedy
+    """transformers, loaded by launch/hf_peer.py with our dummy weights, produces our greedy
     tokens (float32, CPU), per-request output lengths included; for the tied preset and for an
     untied variant (whose outputs depend on every weight, not mostly on the tied embedding)."""
     from spmd_runtime.protocol.model_config import model_preset
     from spmd_runtime.protocol.sampling import SamplingParams
     from spmd_runtime.runtime import LLM
 
-    peer = load_hf_peer()
+    peer = hf_peer
     untied = tmp_path / "config.json"
     untied.write_text(json.dumps(dataclasses.replace(
         model_preset("tiny-llama"), tie_word_embeddings=False).to_hf_dict()))
