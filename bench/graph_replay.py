@@ -25,17 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-from spmd_runtime.protocol.config import EngineConfig  # noqa: E402
-from spmd_runtime.protocol.messages import NewRequestData, StepPlan  # noqa: E402
-from spmd_runtime.protocol.sampling import SamplingParams  # noqa: E402
-from spmd_runtime.runtime.bucketing import BucketRange, PhaseBuckets, format_bytes  # noqa: E402
-from spmd_runtime.worker_proc.distributed import DistributedContext  # noqa: E402
-from spmd_runtime.worker_proc.graphs import GraphCapturer  # noqa: E402
-from spmd_runtime.worker_proc.kv_cache import free_memory  # noqa: E402
-from spmd_runtime.worker_proc.worker import build_runner  # noqa: E402
+import torch
+from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets, format_bytes
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.worker_proc.distributed import DistributedContext
+from spmd_runtime.worker_proc.graphs import GraphCapturer
+from spmd_runtime.worker_proc.kv_cache import free_memory
+from spmd_runtime.worker_proc.worker import build_runner
 
 PARAMS = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 

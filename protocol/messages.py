@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from spmd_runtime.protocol.buckets import PhaseBuckets
 from spmd_runtime.protocol.engine_stats import EngineStats
 from spmd_runtime.protocol.engine_stats import ThermalEvent as ThermalEvent  # re-exported
 from spmd_runtime.protocol.sampling import SamplingParams
@@ -186,8 +187,25 @@ ServerMessage = (RequestAccepted | Outputs | AbortDone | Done | EngineStats | Mo
 
 # ---------------------------------------------------------------- scheduler <-> worker
 
+class WorkerLoaded(_Wire, tag="loaded"):
+    """Sent once by every rank after its model is loaded and its KV cache allocated; the
+    scheduler answers with the WarmupPlan, derived from the first rank to load."""
+
+    rank: int
+    max_model_len: int             # the model's context length, within --max-model-len
+    device: str
+    generation: int = 0
+
+
+class WarmupPlan(_Wire, tag="warmup"):
+    """The scheduler's buckets by phase ("prompt", "decode"), the same for every rank: what
+    it warms up (and captures) before reporting ready. None: bucketing is off."""
+
+    buckets: dict[str, PhaseBuckets] | None = None
+
+
 class WorkerReady(_Wire, tag="ready"):
-    """Sent once by every rank after its model is loaded and its KV cache allocated."""
+    """Sent once by every rank after warming up the WarmupPlan's buckets."""
 
     rank: int
     num_kv_blocks: int
@@ -287,8 +305,8 @@ class WorkersLost(_Wire, tag="workers_lost"):
     final: bool = False
 
 
-SchedulerToWorker = StepPlan | Shutdown | Heartbeat
-WorkerToScheduler = WorkerReady | StepResult | WorkerError | WorkersLost
+SchedulerToWorker = StepPlan | WarmupPlan | Shutdown | Heartbeat
+WorkerToScheduler = WorkerLoaded | WorkerReady | StepResult | WorkerError | WorkersLost
 
 
 # What decoding an untrusted frame can raise: msgpack strings with invalid UTF-8 surface as

@@ -7,6 +7,7 @@ import logging
 
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import AdminBatchReply, AdminBatchRequest, ErrorReply
+from spmd_runtime.scheduler_proc.preemption import checked_victims
 from spmd_runtime.scheduler_proc.scheduler import Scheduler
 from spmd_runtime.scheduler_proc.thermal import select_victims
 
@@ -33,7 +34,7 @@ def admin_batch(config: EngineConfig, scheduler: Scheduler,
     previous = len(scheduler.running)
     num_evict = message.force_evict or 0
     if message.policy is None:
-        victims = scheduler.thermal.policy.select_victims(list(scheduler.running), num_evict)
+        victims = checked_victims(scheduler.thermal.policy, scheduler.running, num_evict)
     else:
         victims = select_victims(scheduler.running, num_evict, message.policy)
     new_running = previous - len(victims)

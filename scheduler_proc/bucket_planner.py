@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spmd_runtime.runtime.bucketing import Bucket, PhaseBuckets, bucket_tokens
+from spmd_runtime.protocol.buckets import Bucket, PhaseBuckets, bucket_tokens
 from spmd_runtime.scheduler_proc.policy import Policy
 from spmd_runtime.scheduler_proc.request import Request
 

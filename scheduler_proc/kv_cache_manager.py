@@ -57,7 +57,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = (), reserve: int = 0) -> bool:
         """Room for `num_new_tokens` more tokens, after `computed_blocks` (prefix hits), leaving
-        at least `reserve` blocks free.
+        at least `reserve` blocks free. The hits' tokens count as computed once the caller
+        (the scheduler, which owns num_computed_tokens) adds them.
 
         Hit blocks sitting in the free queue count against the free blocks. A request that does
         not fit changes nothing, not even a reference count.
@@ -81,7 +82,6 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(needed)
         request.block_ids.extend(block.block_id for block in computed_blocks)
         request.block_ids.extend(block.block_id for block in new_blocks)
-        request.num_computed_tokens += len(computed_blocks) * self.block_size
         request.num_cached_blocks = len(computed_blocks)
         return True
 
@@ -110,7 +110,6 @@ class KVCacheManager:
         blocks = self.pool.blocks
         self.pool.free(blocks[block_id] for block_id in reversed(request.block_ids))
         request.block_ids = []
-        request.num_blocks_sent = 0
         request.num_cached_blocks = 0
 
     def reset_prefix_cache(self) -> bool:

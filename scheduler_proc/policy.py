@@ -19,7 +19,6 @@ from typing import Literal
 from spmd_runtime.scheduler_proc.request import Request
 
 Policy = Literal["fifo", "prefill_first"]
-POLICIES: tuple[Policy, ...] = ("fifo", "prefill_first")
 
 
 def running_order(running: list[Request], policy: Policy) -> list[Request]:

@@ -60,10 +60,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
                 f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

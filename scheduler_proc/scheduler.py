@@ -20,6 +20,9 @@ preemption (swap or soft reset), and swapped or waiting requests come back only 
 
 Hashing newly full blocks and freeing finished requests happen in `maintain`, which the step
 loop runs while the workers compute.
+
+Elsewhere: encoding plans and what the workers hold (plan_builder), swap-out, soft reset and
+victim checks (preemption), planning the next step before a result (schedule_ahead).
 """
 from __future__ import annotations
 
@@ -28,28 +31,24 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from spmd_runtime.protocol.messages import NewRequestData, StepPlan, StepResult
-from spmd_runtime.runtime.bucketing import PhaseBuckets
+from spmd_runtime.protocol.buckets import PhaseBuckets
+from spmd_runtime.protocol.messages import StepPlan, StepResult
 from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner, phase_of
 from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, ScheduledStep, StepDraft
 from spmd_runtime.scheduler_proc.policy import Policy, running_order
+from spmd_runtime.scheduler_proc.preemption import (
+    allocate_or_preempt,
+    checked_victims,
+    preempt,
+    restore_swapped,
+)
 from spmd_runtime.scheduler_proc.request import FinishReason, Request, RequestStatus
-from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl, select_victims
+from spmd_runtime.scheduler_proc.schedule_ahead import plan_ahead
+from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl
 
 log = logging.getLogger("spmd.scheduler")
-
-
-@dataclass
-class ScheduledStep:
-    """What the scheduler decided for one step, kept until the result comes back."""
-
-    plan: StepPlan
-    num_scheduled: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_scheduled.values())
 
 
 @dataclass
@@ -74,21 +73,6 @@ class SchedulerCounters:
     @property
     def num_preemptions(self) -> int:
         return self.num_swaps_out + self.num_soft_resets
-
-
-@dataclass
-class _Draft:
-    """The plan of the step being scheduled, filled in as requests are picked."""
-
-    num_scheduled: dict[int, int] = field(default_factory=dict)
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_ids: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    cached_blocks: list[list[int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: bool = False
-    phase: str | None = None        # with buckets: "prompt" or "decode"
-    longest: int = 0                # with buckets: the step's length dimension so far
 
 
 class Scheduler:
@@ -117,11 +101,8 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.requests: dict[int, Request] = {}
         self.counters = SchedulerCounters()
-        # Work for the workers that waits for the next plan that reaches them.
-        self._dropped: list[int] = []
-        self._swap_out: list[tuple[int, int]] = []
+        self.plans = PlanBuilder(self.planner)
         self._finished_unfreed: list[Request] = []
-        self._next_step_id = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -166,7 +147,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         self._apply_running_cap()
         if self.planner is None:
-            return self._finalize(self._schedule_pass(None))
+            return self.plans.finalize(self._schedule_pass(None))
         phase = self.planner.pick_phase(self.running, self.swapped[0] if self.swapped else None,
                                         bool(self.waiting))
         draft = self._schedule_pass(phase)
@@ -175,53 +156,17 @@ class Scheduler:
             # its blocks up): the other phase's requests must not wait on it.
             draft = self._schedule_pass("decode" if phase == "prompt" else "prompt",
                                         draft.preempted)
-        return self._finalize(draft)
+        return self.plans.finalize(draft)
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep | None:
-        """The step after `step`, planned while `step` still runs, before its result: the
-        workers then start it as soon as they finish `step`, without waiting for this process
-        to read the result, stream it and plan. None where that cannot be planned blind.
+        """The step after `step`, planned before its result where that can be done blind
+        (scheduler_proc.schedule_ahead); None where it cannot."""
+        return plan_ahead(self, step)
 
-        Only a plain continuation qualifies: every running request is in `step`, samples a
-        token at its end (a decode or a prompt's last chunk) and cannot end there by length;
-        nothing waits to be admitted or swapped in or out; the hottest device is not near the
-        thermal target (ThermalControl.near_target: so the batch reacts to a crossing within
-        two steps, as when planning step by step); the blocks
-        for one more token each are free without preempting. Each then computes the token
-        `step` samples, which the workers hold (the plan only says one token). A request that
-        `step` ends (EOS, a stop token) has computed one token for nothing; its result is
-        ignored (update skips requests no longer running) and the workers drop it with the
-        next plan, having finished writing its blocks before they read any later plan."""
-        if (self.waiting or self.swapped or self._swap_out or self.thermal.near_target()
-                or not step.num_scheduled or len(step.num_scheduled) != len(self.running)
-                or len(self.running) > min(self.max_num_seqs, self.max_num_batched_tokens)):
-            return None
-        continuing: list[tuple[Request, int]] = []
-        for request in running_order(self.running, self.policy):
-            num_tokens = step.num_scheduled.get(request.request_id)
-            if (num_tokens is None or request.num_computed_tokens + num_tokens != request.num_tokens
-                    or len(request.output_token_ids) + 1 >= request.params.max_tokens
-                    or request.num_tokens + 1 >= self.max_model_len):
-                return None
-            continuing.append((request, num_tokens))
-        # Context of each decode after `step`: what it has computed, plus `step`, plus one.
-        longest = max(r.num_computed_tokens + n + 1 for r, n in continuing)
-        if self.planner is not None and not self.planner.fits("decode", len(continuing), longest):
-            return None
-        for request, num_tokens in continuing:
-            # Blocks allocated before a refusal stay the request's: it needs them next anyway.
-            if not self._allocate(request, num_tokens + 1):
-                return None
-        draft = _Draft(phase="decode" if self.planner is not None else None)
-        for request, _ in continuing:
-            self._schedule_running(request, 1, draft)
-        draft.longest = longest
-        return self._finalize(draft)
-
-    def _schedule_pass(self, phase: str | None, preempted: bool = False) -> _Draft:
+    def _schedule_pass(self, phase: str | None, preempted: bool = False) -> StepDraft:
         """Fill a step; with buckets, only with requests of `phase` and only while the batch
         still fits a bucket."""
-        draft = _Draft(phase=phase, preempted=preempted)
+        draft = StepDraft(phase=phase, preempted=preempted)
         budget = self.max_num_batched_tokens
         for request in running_order(self.running, self.policy):
             if budget <= 0:
@@ -229,8 +174,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = self._tokens_to_schedule(request, budget, draft)
-            if num_new and self._allocate_running(request, num_new, draft):
-                self._schedule_running(request, num_new, draft)
+            if num_new and allocate_or_preempt(self, request, num_new, draft):
+                self._note_length(request, num_new, draft)
+                self.plans.add_running(request, num_new, draft)
                 budget -= num_new
 
         # Bringing requests in while preempting would only evict them again next step.
@@ -245,50 +191,24 @@ class Scheduler:
         return draft
 
     def _apply_running_cap(self) -> None:
-        """Ask the thermal policy for this step's cap; running requests over it leave."""
+        """Ask the thermal control for this step's cap; running requests over it leave."""
         demand = len(self.running) + len(self.swapped) + len(self.waiting)
-        if not demand:
-            # Idle: keep showing the cap in force until throttling stops.
-            self.running_cap = (min(self.running_cap, self.max_num_seqs)
-                                if self.thermal.throttling else self.max_num_seqs)
-            return
-        unlimited = min(self.max_num_seqs, demand)
-        cap = self.max_num_seqs
-        limited = self.thermal.policy.max_running(unlimited)
-        if limited < unlimited:
-            cap = max(1, limited)
-        self.running_cap = cap
-        excess = len(self.running) - cap
+        self.running_cap = self.thermal.running_cap(self.running_cap, self.max_num_seqs, demand)
+        excess = len(self.running) - self.running_cap
         if excess <= 0:
             return
-        victims = self._thermal_victims(excess)
+        victims = checked_victims(self.thermal.policy, self.running, excess)
         self.evict(victims)
-        self.thermal.thermal_evictions += len(victims)
-        ids = [r.request_id for r in victims]
-        self.thermal.record(self._next_step_id, "thermal_evict", cap, len(self.running), ids)
-        log.info("thermal cap %d (%.1f C): took requests %s off the batch, %d running",
-                 cap, self.thermal.max_temp_c or float("nan"), ids, len(self.running))
-
-    def _thermal_victims(self, excess: int) -> list[Request]:
-        """The policy's victims; a policy that returns anything but `excess` distinct running
-        requests is overruled (lru order), so a buggy plugin cannot stop the engine."""
-        policy = self.thermal.policy
-        victims = policy.select_victims(list(self.running), excess)
-        running = {id(r) for r in self.running}
-        if len(victims) == excess and len({id(r) for r in victims}) == excess \
-                and all(id(r) in running for r in victims):
-            return victims
-        log.error("%s.select_victims must return %d distinct running requests, got %r: "
-                  "evicting in lru order instead", type(policy).__name__, excess, victims)
-        return select_victims(self.running, excess, "lru")
+        self.thermal.record_evictions(self.plans.next_step_id, self.running_cap,
+                                      len(self.running), [r.request_id for r in victims])
 
     def evict(self, victims: list[Request]) -> None:
         """Take running requests off the batch through preemption (swap if the CPU pool has
         room, else soft reset); they come back when the cap allows."""
         for request in victims:
-            self._preempt(request)
+            preempt(self, request)
 
-    def _tokens_to_schedule(self, request: Request, budget: int, draft: _Draft,
+    def _tokens_to_schedule(self, request: Request, budget: int, draft: StepDraft,
                             num_hit_tokens: int = 0, admitting: bool = False) -> int:
         """Tokens the request computes in this step; 0 if it does not belong in it (another
         phase, or no bucket would fit it alongside the requests already in). A newcomer
@@ -305,119 +225,47 @@ class Scheduler:
         length = max(draft.longest, planner.length(phase, request, num_new))
         return num_new if planner.fits(phase, len(draft.num_scheduled) + 1, length) else 0
 
-    def _note_length(self, request: Request, num_new: int, draft: _Draft) -> None:
+    def _note_length(self, request: Request, num_new: int, draft: StepDraft) -> None:
         if self.planner is not None:
             draft.longest = max(draft.longest, self.planner.length(draft.phase, request, num_new))
-
-    def _allocate_running(self, request: Request, num_new: int, draft: _Draft) -> bool:
-        """Blocks for a running request's next tokens, preempting newer requests until they
-        fit; False if the request itself had to be preempted."""
-        while not self._allocate(request, num_new):
-            victim = next(r for r in reversed(self.running)
-                          if r.request_id not in draft.num_scheduled)
-            self._preempt(victim)
-            draft.preempted = True
-            if victim is request:
-                return False
-        return True
-
-    def _schedule_running(self, request: Request, num_new: int, draft: _Draft) -> None:
-        self._note_length(request, num_new, draft)
-        draft.num_scheduled[request.request_id] = num_new
-        draft.cached_ids.append(request.request_id)
-        draft.cached_tokens.append(num_new)
-        num_blocks = len(request.block_ids)
-        if num_blocks > request.num_blocks_sent:
-            draft.cached_blocks.append(request.block_ids[request.num_blocks_sent:])
-            request.num_blocks_sent = num_blocks
-        else:
-            draft.cached_blocks.append([])
 
     def _admission_reserve(self) -> int:
         """Spare blocks a newcomer must leave; none when nothing runs, so a request that fits
         the pool alone always gets in."""
         return self.watermark_blocks if self.running else 0
 
-    def _admit(self, request: Request, budget: int, draft: _Draft) -> bool:
+    def _admit(self, request: Request, budget: int, draft: StepDraft) -> bool:
         hits = self.kv.get_computed_blocks(request)
         num_hit_tokens = len(hits) * self.kv.block_size
         num_new = self._tokens_to_schedule(request, budget, draft, num_hit_tokens, admitting=True)
-        if not num_new or not self._allocate(request, num_new, hits, self._admission_reserve()):
+        if not num_new or not self.allocate(request, num_new, hits, self._admission_reserve()):
             return False
+        request.num_computed_tokens += num_hit_tokens
         self.kv.record_admission(request, num_hit_tokens)
         self._start(request, num_new, draft)
         return True
 
-    def _swap_in(self, request: Request, budget: int, draft: _Draft) -> bool:
+    def _swap_in(self, request: Request, budget: int, draft: StepDraft) -> bool:
         """Fresh device blocks for a swapped request; its computed blocks are copied back into
         the first ones before the forward pass."""
         num_new = self._tokens_to_schedule(request, budget, draft)
-        if not num_new or not self._allocate(request, num_new, reserve=self._admission_reserve()):
+        if not num_new or not self.allocate(request, num_new, reserve=self._admission_reserve()):
             return False
-        draft.swap_in.extend(zip(request.block_ids, request.cpu_block_ids, strict=False))
-        self.cpu_pool.free(request.cpu_block_ids)
-        request.cpu_block_ids = []
-        self.counters.num_swaps_in += 1
+        restore_swapped(self, request, draft)
         self._start(request, num_new, draft)
         return True
 
-    def _start(self, request: Request, num_new: int, draft: _Draft) -> None:
+    def _start(self, request: Request, num_new: int, draft: StepDraft) -> None:
         """A request joins the running batch; the workers get all they need to know about it."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._note_length(request, num_new, draft)
-        draft.num_scheduled[request.request_id] = num_new
-        draft.new_requests.append(NewRequestData(
-            request_id=request.request_id, token_ids=request.all_token_ids,
-            block_ids=list(request.block_ids), num_computed_tokens=request.num_computed_tokens,
-            num_scheduled_tokens=num_new, params=request.params))
-        request.num_blocks_sent = len(request.block_ids)
-        request.known_to_workers = True
-
-    def _finalize(self, draft: _Draft) -> ScheduledStep:
-        """The plan of this step. A step that computes nothing is never sent: the workers' work
-        it would carry (requests to forget, swap-outs) waits for take_housekeeping_plan."""
-        if not draft.num_scheduled:
-            return ScheduledStep(plan=StepPlan(step_id=-1, new_requests=[], cached_request_ids=[],
-                                               cached_num_scheduled_tokens=[],
-                                               cached_new_block_ids=[]))
-        plan = StepPlan(step_id=self._next_step_id, new_requests=draft.new_requests,
-                        cached_request_ids=draft.cached_ids,
-                        cached_num_scheduled_tokens=draft.cached_tokens,
-                        cached_new_block_ids=draft.cached_blocks,
-                        dropped_request_ids=self._dropped, swap_out=self._swap_out,
-                        swap_in=draft.swap_in, bucket=self._bucket(draft))
-        self._dropped = []
-        self._swap_out = []
-        self._next_step_id += 1
-        return ScheduledStep(plan=plan, num_scheduled=draft.num_scheduled)
-
-    def _bucket(self, draft: _Draft) -> tuple[str, int, int] | None:
-        if self.planner is None:
-            return None
-        num_tokens = sum(draft.num_scheduled.values())
-        bucket = self.planner.bucket_for(draft.phase, len(draft.num_scheduled), draft.longest,
-                                         num_tokens)
-        if bucket is None:
-            if self.planner.counters.batches_outside_buckets == 1:
-                log.warning("a %s batch of %d sequences (longest %d) is larger than every "
-                            "bucket: it runs unpadded; raise the bucket maxima (further ones "
-                            "are counted in stats, batches_outside_buckets)", draft.phase,
-                            len(draft.num_scheduled), draft.longest)
-            return None
-        return (draft.phase, *bucket)
+        self.plans.add_new(request, num_new, draft)
 
     def take_housekeeping_plan(self) -> StepPlan | None:
         """A plan that computes nothing, so idle or stalled workers still forget finished
         requests and offload preempted ones."""
-        if not self._dropped and not self._swap_out:
-            return None
-        plan = StepPlan(step_id=-1, new_requests=[], cached_request_ids=[],
-                        cached_num_scheduled_tokens=[], cached_new_block_ids=[],
-                        dropped_request_ids=self._dropped, swap_out=self._swap_out)
-        self._dropped = []
-        self._swap_out = []
-        return plan
+        return self.plans.housekeeping_plan()
 
     def update(self, step: ScheduledStep, result: StepResult) -> StepUpdate:
         """Apply a step result: advance computed tokens, append samples, check stop conditions."""
@@ -425,7 +273,7 @@ class Scheduler:
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         update = StepUpdate()
         if result.thermal is not None:
-            self.thermal.observe(result.thermal, self._next_step_id, self.running_cap,
+            self.thermal.observe(result.thermal, self.plans.next_step_id, self.running_cap,
                                  len(self.running))
         for request_id, num_tokens in step.num_scheduled.items():
             request = self.requests.get(request_id)
@@ -460,7 +308,7 @@ class Scheduler:
             self.kv.free(request)
         self._finished_unfreed.clear()
 
-    def _allocate(self, request: Request, num_new_tokens: int, hits: list = (),
+    def allocate(self, request: Request, num_new_tokens: int, hits: list = (),
                   reserve: int = 0) -> bool:
         """Allocate; when short of blocks, first take back those of finished requests whose
         freeing was deferred to maintenance, rather than preempt or stall."""
@@ -482,17 +330,15 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.block_ids = []
             request.cpu_block_ids = []
-            request.num_blocks_sent = 0
             request.num_cached_blocks = 0
-            request.known_to_workers = False
+            self.plans.forget(request)
         self.running.clear()
         self.swapped.clear()
         self.waiting.extendleft(reversed(in_flight))
         self.kv = kv
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.watermark_blocks = math.floor(self.admission_watermark * kv.num_blocks)
-        self._dropped = []
-        self._swap_out = []
+        self.plans.clear()
         self._finished_unfreed = []
         self.counters.num_worker_restarts += 1
         return in_flight
@@ -510,26 +356,6 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _preempt(self, request: Request) -> None:
-        """Take a running request off the batch: swap it out if the CPU pool has room for its
-        computed blocks, else soft reset it (recomputed later from prompt + output)."""
-        self.running.remove(request)
-        self._forget_on_workers(request)
-        num_computed_blocks = -(-request.num_computed_tokens // self.kv.block_size)
-        cpu_blocks = self.cpu_pool.allocate(num_computed_blocks) if num_computed_blocks else None
-        if cpu_blocks is not None:
-            self._swap_out.extend(zip(request.block_ids, cpu_blocks, strict=False))
-            request.cpu_block_ids = cpu_blocks
-            request.status = RequestStatus.SWAPPED
-            self.swapped.append(request)
-            self.counters.num_swaps_out += 1
-        else:
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(request)
-            self.counters.num_soft_resets += 1
-        self.kv.free(request)
-
     def _finish(self, request: Request, reason: FinishReason, free_now: bool = True) -> None:
         if request.cpu_block_ids:
             self.cpu_pool.free(request.cpu_block_ids)
@@ -540,11 +366,6 @@ class Scheduler:
             self._finished_unfreed.append(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self._forget_on_workers(request)
+        self.plans.forget(request)
         del self.requests[request.request_id]
         self.counters.num_finished += 1
-
-    def _forget_on_workers(self, request: Request) -> None:
-        if request.known_to_workers:
-            self._dropped.append(request.request_id)
-            request.known_to_workers = False

@@ -9,6 +9,7 @@ import time
 
 import msgspec
 import zmq
+from spmd_runtime.protocol.buckets import bucketing_enabled, engine_buckets
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import (
     AbortDone,
@@ -25,11 +26,12 @@ from spmd_runtime.protocol.messages import (
     ResetPrefixCacheRequest,
     StatsRequest,
     StepResult,
+    WarmupPlan,
+    WorkerLoaded,
     WorkerReady,
     WorkersLost,
 )
 from spmd_runtime.protocol.transport import Encoder
-from spmd_runtime.runtime.bucketing import bucketing_enabled, engine_buckets
 from spmd_runtime.scheduler_proc.admin import admin_batch
 from spmd_runtime.scheduler_proc.admission import refusal
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
@@ -67,6 +69,8 @@ class SchedulerServer:
         self.tokenizer = ServedTokenizer(config.model)
         self.scheduler: Scheduler | None = None
         self.model_info: ModelInfo | None = None
+        # The buckets every rank warms up and the scheduler plans with, derived once.
+        self.warmup: WarmupPlan | None = None
         self._next_request_id = 0
         self._arrivals = 0
         self._stopping = False
@@ -91,9 +95,20 @@ class SchedulerServer:
         kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         return kv, num_cpu_blocks
 
+    def _warmup_plan(self, loaded: WorkerLoaded) -> WarmupPlan:
+        """The buckets of this engine, derived once, from the configuration, this process's
+        environment and the first rank to load (its model's context length and device): every
+        rank of every generation warms up the same ones."""
+        if self.warmup is None:
+            buckets = None
+            if bucketing_enabled(self.config, loaded.device.split(":")[0]):
+                buckets = engine_buckets(self.config, loaded.max_model_len)
+            self.warmup = WarmupPlan(buckets=buckets)
+        return self.warmup
+
     def wait_for_workers(self) -> None:
         world = self.config.world_size
-        ready = self.group.gather_ready(while_waiting=self.front.receive)
+        ready = self.group.gather_ready(self._warmup_plan, while_waiting=self.front.receive)
         # Text prompts can be served once the tokenizer, loaded meanwhile, is there.
         self.tokenizer.wait(while_waiting=self.front.receive)
         first = ready[0]
@@ -103,9 +118,7 @@ class SchedulerServer:
         max_model_len = min(first.max_model_len, num_blocks * block_size)
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
-        buckets = None
-        if bucketing_enabled(self.config, first.device.split(":")[0]):
-            buckets = engine_buckets(self.config, first.max_model_len)
+        buckets = self.warmup.buckets if self.warmup is not None else None
         self.scheduler = Scheduler(
             kv, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
@@ -191,7 +204,7 @@ class SchedulerServer:
     def _recover(self, message: WorkersLost) -> None:
         """Wait for the restarted worker group, then recompute everything that was in flight."""
         self.group.lost(message)
-        ready = self.group.gather_ready(while_waiting=self.front.receive)
+        ready = self.group.gather_ready(self._warmup_plan, while_waiting=self.front.receive)
         kv, num_cpu_blocks = self._kv_cache_manager(ready)
         requeued = self.scheduler.restart(kv, num_cpu_blocks)
         log.warning("worker group generation %d ready: %d requests recomputed from their "

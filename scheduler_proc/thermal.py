@@ -162,6 +162,23 @@ class ThermalControl:
     def max_temp_c(self) -> float | None:
         return self.reading.max_temp_c if self.reading else None
 
+    def running_cap(self, current_cap: int, max_num_seqs: int, demand: int) -> int:
+        """The most requests allowed to run in the step being planned: max_num_seqs, or less
+        while the policy throttles. `demand` counts the requests that want to run."""
+        if not demand:
+            # Idle: keep showing the cap in force until throttling stops.
+            return min(current_cap, max_num_seqs) if self.throttling else max_num_seqs
+        unlimited = min(max_num_seqs, demand)
+        limited = self.policy.max_running(unlimited)
+        return max(1, limited) if limited < unlimited else max_num_seqs
+
+    def record_evictions(self, step: int, cap: int, running: int, request_ids: list[int]) -> None:
+        """Requests the cap took off the batch (`running` are left)."""
+        self.thermal_evictions += len(request_ids)
+        self.record(step, "thermal_evict", cap, running, request_ids)
+        log.info("thermal cap %d (%.1f C): took requests %s off the batch, %d running",
+                 cap, self.max_temp_c or float("nan"), request_ids, running)
+
     def near_target(self) -> bool:
         """Throttling, or the hottest device within the hysteresis band below the target: the
         next reading may cross it, so the scheduler plans steps one at a time (a step planned

@@ -12,7 +12,9 @@ from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import (
     Heartbeat,
     Shutdown,
+    WarmupPlan,
     WorkerError,
+    WorkerLoaded,
     WorkerReady,
     WorkersLost,
     scheduler_inbound_decoder,
@@ -73,9 +75,12 @@ class WorkerGroup:
         self._awaiting_launcher: tuple[float, WorkerError] | None = None
         self._last_sent = 0.0
 
-    def gather_ready(self, while_waiting: Callable[[], None] | None = None) -> dict[int, WorkerReady]:
-        """Wait until every rank of the current generation reports ready. `while_waiting` runs
-        between polls (after a restart: answer clients already connected, queue their requests)."""
+    def gather_ready(self, warmup_plan: Callable[[WorkerLoaded], WarmupPlan],
+                     while_waiting: Callable[[], None] | None = None) -> dict[int, WorkerReady]:
+        """Wait until every rank of the current generation reports ready, answering each rank
+        that has loaded its model with `warmup_plan` (the buckets it warms up first).
+        `while_waiting` runs between polls (after a restart: answer clients already connected,
+        queue their requests)."""
         world = self.config.world_size
         ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -98,6 +103,8 @@ class WorkerGroup:
                 ready.clear()
             elif isinstance(message, WorkerError):
                 raise WorkersFailed(f"worker rank {message.rank} failed to start:\n{message.message}")
+            elif isinstance(message, WorkerLoaded) and message.generation == self.generation:
+                self.send_to(message.rank, self.encoder.encode(warmup_plan(message)))
             elif isinstance(message, WorkerReady) and message.generation == self.generation:
                 ready[message.rank] = message
                 log.info("worker rank %d ready on %s with %d KV blocks", message.rank,
@@ -172,12 +179,15 @@ class WorkerGroup:
     def broadcast(self, payload: bytes) -> None:
         self._last_sent = time.monotonic()
         for rank in range(self.config.world_size):
-            try:
-                self.socket.send_multipart([worker_identity(rank), payload])
-            except zmq.ZMQError as error:
-                if self._is_stopping():
-                    raise Stopping() from None
-                raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
+            self.send_to(rank, payload)
+
+    def send_to(self, rank: int, payload: bytes) -> None:
+        try:
+            self.socket.send_multipart([worker_identity(rank), payload])
+        except zmq.ZMQError as error:
+            if self._is_stopping():
+                raise Stopping() from None
+            raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
 
     def shutdown(self) -> None:
         self._send_without_waiting(self.encoder.encode(Shutdown(reason="scheduler stopping")))

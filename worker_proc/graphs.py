@@ -64,11 +64,6 @@ class BucketGraph:
                 source = staging.copy_(source)
             destination.copy_(source, non_blocking=True)
 
-    def run(self, prepared: StaticInputs) -> torch.Tensor:
-        """Hidden states of a batch prepared for this bucket (the graph's output buffer)."""
-        self.load(prepared)
-        return self.replay()
-
 
 class GraphCapturer:
     """Records forward passes as CUDA graphs sharing one memory pool (or emulates that)."""

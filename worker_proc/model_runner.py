@@ -6,15 +6,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-from spmd_runtime.protocol.messages import StepPlan
-from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.runtime.bucketing import (
+from spmd_runtime.protocol.buckets import (
     Bucket,
     GraphPhaseReport,
     PhaseBuckets,
     bucket_tokens,
     plan_graph_captures,
 )
+from spmd_runtime.protocol.messages import StepPlan
+from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from spmd_runtime.runtime.models.llama import (
     EAGER,
@@ -407,7 +407,7 @@ class ModelRunner:
                        prompt_ratio: float, strategies: dict[str, str], free_memory,
                        capturer: GraphCapturer) -> dict[str, GraphPhaseReport]:
         """Capture bucket graphs within `budget_bytes`, split between the phases and ordered
-        by their strategies (runtime.bucketing.plan_graph_captures); logs each capture."""
+        by their strategies (protocol.buckets.plan_graph_captures); logs each capture."""
         counters = dict.fromkeys(buckets, 0)
 
         def capture(phase: str, bucket: Bucket) -> int:

@@ -6,41 +6,38 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import psutil
 import torch
 import zmq
+from spmd_runtime.protocol.buckets import PhaseBuckets, graphs_enabled
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import (
     Heartbeat,
     Shutdown,
     StepPlan,
     StepResult,
+    WarmupPlan,
     WorkerError,
+    WorkerLoaded,
     WorkerReady,
     worker_inbound_decoder,
 )
 from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
-from spmd_runtime.runtime.bucketing import (
-    bucketing_enabled,
-    compiling,
-    engine_buckets,
-    format_bytes,
-    graphs_enabled,
-)
 from spmd_runtime.runtime.layers import cpu_attention, triton_attention
 from spmd_runtime.runtime.layers.parallel import TensorParallel
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
-from spmd_runtime.worker_proc.graphs import GraphCapturer
-from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, free_memory, size_kv_cache
+from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
 from spmd_runtime.worker_proc.model_runner import LaunchedStep, ModelRunner
 from spmd_runtime.worker_proc.thermal import ThermalMonitor
+from spmd_runtime.worker_proc.warmup import prepare_buckets
 
 log = logging.getLogger("spmd.worker")
 
@@ -55,7 +52,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRunner, WorkerReady]:
+# What the scheduler answers a rank's WorkerLoaded with: the buckets to warm up (None: off).
+BucketsFromScheduler = Callable[[WorkerLoaded], dict[str, PhaseBuckets] | None]
+
+
+def build_runner(config: EngineConfig, ctx: DistributedContext,
+                 buckets_from_scheduler: BucketsFromScheduler | None = None
+                 ) -> tuple[ModelRunner, WorkerReady]:
+    """Load the model, allocate the KV cache and warm up the scheduler's buckets (asked for
+    with `buckets_from_scheduler`; without it, none: the runner serves unpadded batches)."""
     dtype = resolve_dtype(config.dtype, ctx.device)
     started = time.perf_counter()
     tp = tensor_parallel(config, ctx)
@@ -97,7 +102,11 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
                          scratch_block=num_blocks,
                          decode_kernel=use_decode_kernel(config, ctx.device, model_config.head_dim,
                                                        dtype))
-    prepare_buckets(runner, config, max_model_len, ctx,
+    generation = int(os.environ.get("SPMD_WORKER_GENERATION", "0"))
+    loaded = WorkerLoaded(rank=ctx.rank, max_model_len=max_model_len, device=str(ctx.device),
+                          generation=generation)
+    buckets = buckets_from_scheduler(loaded) if buckets_from_scheduler else None
+    prepare_buckets(runner, config, buckets, ctx,
                     graph_budget=sizing.graph_reserved_bytes if graphs else None)
     if num_cpu_blocks:
         log.info("rank %d swap space: %d CPU blocks (%.2f GiB%s)", ctx.rank, num_cpu_blocks,
@@ -105,8 +114,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext) -> tuple[ModelRu
     ready = WorkerReady(rank=ctx.rank, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                         vocab_size=model_config.vocab_size,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
-                        num_cpu_kv_blocks=num_cpu_blocks,
-                        generation=int(os.environ.get("SPMD_WORKER_GENERATION", "0")))
+                        num_cpu_kv_blocks=num_cpu_blocks, generation=generation)
     return runner, ready
 
 
@@ -156,51 +164,6 @@ def shared_sampling_seed(ctx: DistributedContext) -> int:
     if ctx.world_size > 1:
         torch.distributed.broadcast(seed, src=0)
     return int(seed.item())
-
-
-def prepare_buckets(runner: ModelRunner, config: EngineConfig, max_model_len: int,
-                    ctx: DistributedContext, graph_budget: int | None = None) -> None:
-    """With bucketing: log the buckets, compile the layer pieces (--compile), warm every
-    bucket shape up and (graph_budget not None: on CUDA) capture graphs of as many buckets as
-    the budget holds, so that serving compiles and captures nothing."""
-    if not bucketing_enabled(config, ctx.device.type):
-        if compiling(config):
-            log.warning("--compile needs bucketing: it is off (--bucketing off)")
-        return
-    buckets = engine_buckets(config, max_model_len)
-    if ctx.rank == 0:
-        for phase_buckets in buckets.values():
-            log.info("%s", phase_buckets.config_line())
-            log.info("%s", phase_buckets.list_line())
-    if compiling(config):
-        runner.compile_pieces(sum(len(b.buckets) for b in buckets.values()))
-    if config.skip_warmup:
-        log.warning("warmup skipped (--skip-warmup): the first batch of each bucket shape will "
-                    "pay for its compilation while serving")
-        runner.warmed_up = True
-        return
-    started = time.perf_counter()
-    runner.warmup(buckets, lambda: free_memory(ctx.device, 1))
-    if graph_budget is not None:
-        capture_graphs(runner, config, buckets, graph_budget, ctx)
-    log.info("rank %d warmup finished in %.1fs", ctx.rank, time.perf_counter() - started)
-
-
-def capture_graphs(runner: ModelRunner, config: EngineConfig, buckets, budget: int,
-                   ctx: DistributedContext) -> None:
-    """CUDA graphs of the buckets within the memory reserved for them before the KV cache was
-    sized (or, with the cache sized by hand, that share of what is free now)."""
-    free_now = free_memory(ctx.device, 1)
-    if not budget:
-        budget = int(free_now * config.graph_reserved_mem)
-    prompt = int(budget * config.graph_prompt_ratio)
-    log.info("Using %s/%s of free device memory for graphs, %s for prompt and %s for decode "
-             "(graph_prompt_ratio=%g)", format_bytes(budget), format_bytes(free_now),
-             format_bytes(prompt), format_bytes(budget - prompt), config.graph_prompt_ratio)
-    runner.capture_graphs(buckets, budget, config.graph_prompt_ratio,
-                          {"prompt": config.graph_prompt_strategy,
-                           "decode": config.graph_decode_strategy},
-                          lambda: free_memory(ctx.device, 1), GraphCapturer(ctx.device))
 
 
 def start_thermal_monitor(config: EngineConfig, ctx: DistributedContext) -> ThermalMonitor:
@@ -333,6 +296,32 @@ class StepLoop:
                 overlapped=output.overlapped)))
 
 
+def ask_for_buckets(sock: zmq.Socket, config: EngineConfig, encoder: Encoder, decoder,
+                    parent: int) -> BucketsFromScheduler:
+    """Send WorkerLoaded and wait for the scheduler's WarmupPlan (heartbeats may come first):
+    every rank warms up the buckets the scheduler derived, whatever its own environment."""
+
+    def exchange(loaded: WorkerLoaded) -> dict[str, PhaseBuckets] | None:
+        send(sock, config, encoder.encode(loaded))
+        deadline = time.monotonic() + config.dist_timeout_s
+        while True:
+            frames = poll_recv(sock, 1.0)
+            if frames is None:
+                if os.getppid() != parent:
+                    raise WorkerExit(1, f"rank {loaded.rank}: the launcher is gone, exiting")
+                if time.monotonic() > deadline:
+                    raise WorkerExit(1, f"rank {loaded.rank}: no warmup plan from the scheduler "
+                                        f"in {config.dist_timeout_s:.0f}s: it is gone, exiting")
+                continue
+            message = decoder.decode(frames[-1])
+            if isinstance(message, WarmupPlan):
+                return message.buckets
+            if isinstance(message, Shutdown):
+                raise WorkerExit(0)
+
+    return exchange
+
+
 def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
     """--overlap-steps: auto overlaps on CUDA, where the device runs while the host prepares."""
     if config.overlap_steps == "auto":
@@ -361,7 +350,8 @@ def run_worker(config: EngineConfig) -> int:
         signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
         if ctx.device.type == "cpu":
             set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        runner, ready = build_runner(config, ctx)
+        runner, ready = build_runner(config, ctx,
+                                     ask_for_buckets(sock, config, encoder, decoder, parent))
         monitor = start_thermal_monitor(config, ctx)
         ready.thermal_sensor = monitor.sensor.kind
         send(sock, config, encoder.encode(ready))

@@ -108,7 +108,9 @@ def _value_for(kind, n: int):
         return [item, item] if isinstance(kind, inspect.ListType) else (item,)
     if isinstance(kind, inspect.TupleType):
         return tuple(_value_for(item, n + i) for i, item in enumerate(kind.item_types))
-    if isinstance(kind, inspect.StructType):
+    if isinstance(kind, inspect.DictType):
+        return {_value_for(kind.key_type, n): _value_for(kind.value_type, n)}
+    if isinstance(kind, (inspect.StructType, inspect.DataclassType)):
         if kind.cls is SamplingParams:
             return PARAMS
         return auto_sample(kind.cls, n)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spmd_runtime.protocol.buckets import compiling
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime import LLM
-from spmd_runtime.runtime.bucketing import compiling
 from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.quantization import (

@@ -43,6 +43,7 @@ def admit(kv: KVCacheManager, request: Request, cache: bool = True) -> list[KVBl
     hits = kv.get_computed_blocks(request)
     num_new = request.num_tokens - len(hits) * kv.block_size
     assert kv.allocate_slots(request, num_new, hits)
+    request.num_computed_tokens += len(hits) * kv.block_size
     if cache:
         kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
     request.num_computed_tokens += num_new
@@ -80,6 +81,7 @@ def test_second_request_hits_the_three_shared_blocks() -> None:
     hits = kv.get_computed_blocks(b)
     assert [blk.block_id for blk in hits] == a.block_ids[:3]
     assert kv.allocate_slots(b, b.num_tokens - 3 * BS, hits)
+    b.num_computed_tokens += len(hits) * BS          # the scheduler's part of admission
     assert b.block_ids[:3] == a.block_ids[:3]
     assert b.num_computed_tokens == 3 * BS
     assert refs(kv, a.block_ids[:3]) == [2, 2, 2]
@@ -133,6 +135,7 @@ def test_hits_never_cover_the_last_token() -> None:
 
     hits = kv.get_computed_blocks(same)
     assert kv.allocate_slots(same, 2 * BS - BS, hits)
+    same.num_computed_tokens += len(hits) * BS       # the scheduler's part of admission
     assert same.num_computed_tokens == BS and len(same.block_ids) == 2
 
 
@@ -445,7 +448,7 @@ def test_scheduler_second_request_is_admitted_after_its_cached_prefix() -> None:
         assert step_index < 20
         run_step(step_index)
         step_index += 1
-    assert a.is_finished and b.is_finished
+    assert a.status is RequestStatus.FINISHED and b.status is RequestStatus.FINISHED
     assert a.status is RequestStatus.FINISHED and len(a.output_token_ids) == 3
     assert len(b.output_token_ids) == 3
     scheduler.maintain(None)

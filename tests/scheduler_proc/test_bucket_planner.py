@@ -7,7 +7,7 @@ import random
 
 import pytest
 from fake_engine import EOS, VOCAB, EngineLoop, FakeWorker, add, assert_pool_full, step, token_at
-from spmd_runtime.runtime.bucketing import BucketRange, PhaseBuckets
+from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.scheduler import Scheduler
 

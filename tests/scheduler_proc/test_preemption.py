@@ -6,7 +6,11 @@ import random
 
 import pytest
 from fake_engine import VOCAB, add, assert_pool_full, make, run_to_completion, step, token_at
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import AdminBatchRequest
+from spmd_runtime.scheduler_proc.admin import admin_batch
 from spmd_runtime.scheduler_proc.request import FinishReason, RequestStatus
+from spmd_runtime.scheduler_proc.thermal import ThermalControl, ThermalPolicy
 
 
 def full_pool(num_cpu_blocks: int, **kwargs):
@@ -148,3 +152,22 @@ def test_random_workloads_under_pressure_lose_nothing(seed: int, caching: bool,
         assert counters.num_swaps_out == 0
     assert_pool_full(scheduler)
     assert loop.worker.state == {}
+
+
+def test_admin_eviction_overrules_a_policy_returning_bad_victims(caplog) -> None:
+    class Careless(ThermalPolicy):
+        def select_victims(self, running, n):
+            return running[:1] * n      # the same request twice
+
+    scheduler, loop = make(num_blocks=64, block_size=4, num_cpu_blocks=16,
+                           thermal=ThermalControl(Careless()))
+    requests = [add(scheduler, rid, prompt_len=8, max_tokens=6) for rid in range(3)]
+    step(scheduler, loop)
+    reply = admin_batch(EngineConfig(enable_admin=True), scheduler,
+                        AdminBatchRequest(tag=1, force_evict=2))
+    assert reply.evicted_request_ids == [2, 1]          # lru order instead
+    assert [r.request_id for r in scheduler.running] == [0]
+    assert "must return 2 distinct running requests" in caplog.text
+    scheduler.max_num_seqs = 3
+    run_to_completion(scheduler, loop)
+    assert all(r.status is RequestStatus.FINISHED for r in requests)

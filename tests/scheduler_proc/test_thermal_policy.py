@@ -7,7 +7,7 @@ from importlib.metadata import EntryPoint
 import pytest
 from fake_engine import add, assert_pool_full, make, step, token_at
 from spmd_runtime.scheduler_proc import thermal as thermal_module
-from spmd_runtime.scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.request import Request, RequestStatus
 from spmd_runtime.scheduler_proc.thermal import (
     ProportionalThermalPolicy,
     ThermalControl,
@@ -130,7 +130,7 @@ def test_victims_wait_for_a_free_slot_under_the_cap() -> None:
     sizes = run_trace(scheduler, loop, {2: 90.0})
     # 8 degrees over: a cap of 4 - 8 -> 1 request at a time, never more.
     assert sizes[:3] == [4, 4, 4] and max(sizes[3:]) == 1
-    assert all(r.is_finished for r in short + long)
+    assert all(r.status is RequestStatus.FINISHED for r in short + long)
     assert control.thermal_evictions == 3
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
-from spmd_runtime.runtime.bucketing import BucketRange, PhaseBuckets
 from spmd_runtime.runtime.layers import cpu_attention
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
@@ -171,7 +171,7 @@ def test_a_batch_of_another_shape_is_refused_by_a_graph() -> None:
 
     graph = BucketGraph(inputs(8), lambda: torch.zeros(1))
     with pytest.raises(RuntimeError, match="differ from the captured"):
-        graph.run(inputs(4))
+        graph.load(inputs(4))
 
 
 def test_capture_stops_at_the_memory_budget(pair) -> None:

@@ -1,9 +1,9 @@
-"""Bucket ranges, bucket lists, bucket choice and capture orders (runtime/bucketing.py), against
+"""Bucket ranges, bucket lists, bucket choice and capture orders (protocol/buckets.py), against
 the figures of the bucketing source document."""
 from __future__ import annotations
 
 import pytest
-from spmd_runtime.runtime.bucketing import (
+from spmd_runtime.protocol.buckets import (
     BucketRange,
     PhaseBuckets,
     capture_order,

@@ -1,5 +1,6 @@
 """Bucketing math: the few batch shapes a worker warms up and captures, and which one a batch
-pads to. Torch-free, so the scheduler uses it too.
+pads to. The scheduler derives the buckets once (engine_buckets) and hands every worker the
+same ones (messages.WarmupPlan), so no worker reads the SPMD_*_BUCKET_* environment itself.
 
 A range (min, step, max) ramps up from min by powers of two while below step, then goes up in
 steps of `step` to max: (2, 32, 64) gives 2, 4, 8, 16, 32, 64. Prompt buckets are (batch size,
@@ -246,8 +247,8 @@ def bucketing_enabled(config: EngineConfig, device_type: str = "cpu") -> bool:
 
 
 def engine_buckets(config: EngineConfig, max_model_len: int) -> dict[str, PhaseBuckets]:
-    """The prompt and decode buckets of an engine; the scheduler and every worker compute the
-    same lists from the same configuration and model context length."""
+    """The prompt and decode buckets of an engine, from its configuration, the environment and
+    the model's context length; the scheduler's, which every worker then warms up."""
     options = {"prompt": {"bs": config.prompt_bs_bucket, "seq": config.prompt_seq_bucket},
                "decode": {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}}
     buckets = {}

@@ -1,0 +1,93 @@
+"""Preemption: taking running requests off the batch (swapped out to the CPU pool when it has
+room, else soft reset), bringing swapped ones back, and checking the victims a policy picks."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Protocol
+
+from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, StepDraft
+from spmd_runtime.scheduler_proc.request import Request, RequestStatus
+from spmd_runtime.scheduler_proc.thermal import ThermalPolicy, select_victims
+
+log = logging.getLogger("spmd.scheduler")
+
+
+class SwapCounters(Protocol):
+    num_swaps_out: int
+    num_swaps_in: int
+    num_soft_resets: int
+
+
+class SchedulerView(Protocol):
+    """What preemption works on: the scheduler's queues, block pools, plans and counters."""
+
+    running: list[Request]
+    waiting: deque[Request]
+    swapped: deque[Request]
+    kv: KVCacheManager
+    cpu_pool: CpuBlockPool
+    plans: PlanBuilder
+    counters: SwapCounters
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool: ...
+
+
+def checked_victims(policy: ThermalPolicy, running: list[Request], n: int) -> list[Request]:
+    """The policy's n victims among the running requests; a policy that returns anything but n
+    distinct running requests is overruled (lru order), so a buggy plugin cannot stop the
+    engine nor evict what does not run."""
+    victims = policy.select_victims(list(running), n)
+    running_ids = {id(r) for r in running}
+    if len(victims) == n and len({id(r) for r in victims}) == n \
+            and all(id(r) in running_ids for r in victims):
+        return victims
+    log.error("%s.select_victims must return %d distinct running requests, got %r: "
+              "evicting in lru order instead", type(policy).__name__, n, victims)
+    return select_victims(running, n, "lru")
+
+
+def preempt(scheduler: SchedulerView, request: Request) -> None:
+    """Take a running request off the batch: swap it out if the CPU pool has room for its
+    computed blocks, else soft reset it (recomputed later from prompt + output)."""
+    scheduler.running.remove(request)
+    scheduler.plans.forget(request)
+    num_computed_blocks = -(-request.num_computed_tokens // scheduler.kv.block_size)
+    cpu_blocks = scheduler.cpu_pool.allocate(num_computed_blocks) if num_computed_blocks else None
+    if cpu_blocks is not None:
+        scheduler.plans.swap_out.extend(zip(request.block_ids, cpu_blocks, strict=False))
+        request.cpu_block_ids = cpu_blocks
+        request.status = RequestStatus.SWAPPED
+        scheduler.swapped.append(request)
+        scheduler.counters.num_swaps_out += 1
+    else:
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        scheduler.waiting.appendleft(request)
+        scheduler.counters.num_soft_resets += 1
+    scheduler.kv.free(request)
+
+
+def allocate_or_preempt(scheduler: SchedulerView, request: Request, num_new: int,
+                        draft: StepDraft) -> bool:
+    """Blocks for a running request's next tokens, preempting the newest running requests not
+    yet in this step until they fit; False if the request itself had to be preempted."""
+    while not scheduler.allocate(request, num_new):
+        victim = next(r for r in reversed(scheduler.running)
+                      if r.request_id not in draft.num_scheduled)
+        preempt(scheduler, victim)
+        draft.preempted = True
+        if victim is request:
+            return False
+    return True
+
+
+def restore_swapped(scheduler: SchedulerView, request: Request, draft: StepDraft) -> None:
+    """A swapped request got fresh device blocks: its computed blocks are copied back into the
+    first ones before the forward pass, and its CPU blocks are free again."""
+    draft.swap_in.extend(zip(request.block_ids, request.cpu_block_ids, strict=False))
+    scheduler.cpu_pool.free(request.cpu_block_ids)
+    request.cpu_block_ids = []
+    scheduler.counters.num_swaps_in += 1

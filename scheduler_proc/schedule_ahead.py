@@ -1,0 +1,83 @@
+"""Scheduling ahead: the next step of a plain decode continuation, planned while the current
+step still runs, so the workers start it without waiting for its result to be read."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
+from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, ScheduledStep, StepDraft
+from spmd_runtime.scheduler_proc.policy import Policy, running_order
+from spmd_runtime.scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.thermal import ThermalControl
+
+
+class SchedulerView(Protocol):
+    """What scheduling ahead reads of the scheduler, and the one thing it changes: blocks."""
+
+    running: list[Request]
+    waiting: deque[Request]
+    swapped: deque[Request]
+    plans: PlanBuilder
+    planner: BucketPlanner | None
+    thermal: ThermalControl
+    policy: Policy
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool: ...
+
+
+def plan_ahead(scheduler: SchedulerView, step: ScheduledStep) -> ScheduledStep | None:
+    """The step after `step`, planned while `step` still runs, before its result: the
+    workers then start it as soon as they finish `step`, without waiting for the scheduler
+    to read the result, stream it and plan. None where that cannot be planned blind.
+
+    Only a plain continuation qualifies: every running request is in `step`, samples a
+    token at its end (a decode or a prompt's last chunk) and cannot end there by length;
+    nothing waits to be admitted or swapped in or out; the hottest device is not near the
+    thermal target (ThermalControl.near_target: so the batch reacts to a crossing within
+    two steps, as when planning step by step); the blocks for one more token each are free
+    without preempting. Each then computes the token `step` samples, which the workers hold
+    (the plan only says one token). A request that `step` ends (EOS, a stop token) has
+    computed one token for nothing; its result is ignored (update skips requests no longer
+    running) and the workers drop it with the next plan, having finished writing its blocks
+    before they read any later plan."""
+    continuing = _continuing(scheduler, step)
+    if continuing is None:
+        return None
+    # Context of each decode after `step`: what it has computed, plus `step`, plus one.
+    longest = max(r.num_computed_tokens + n + 1 for r, n in continuing)
+    planner = scheduler.planner
+    if planner is not None and not planner.fits("decode", len(continuing), longest):
+        return None
+    for request, num_tokens in continuing:
+        # Blocks allocated before a refusal stay the request's: it needs them next anyway.
+        if not scheduler.allocate(request, num_tokens + 1):
+            return None
+    draft = StepDraft(phase="decode" if planner is not None else None)
+    for request, _ in continuing:
+        scheduler.plans.add_running(request, 1, draft)
+    draft.longest = longest
+    return scheduler.plans.finalize(draft)
+
+
+def _continuing(scheduler: SchedulerView, step: ScheduledStep) -> list[tuple[Request, int]] | None:
+    """The running requests with their tokens in `step`, in scheduling order, where all of
+    them continue as plain decodes after it and nothing else wants in; else None."""
+    if (scheduler.waiting or scheduler.swapped or scheduler.plans.swap_out
+            or scheduler.thermal.near_target() or not step.num_scheduled
+            or len(step.num_scheduled) != len(scheduler.running)
+            or len(scheduler.running) > min(scheduler.max_num_seqs,
+                                            scheduler.max_num_batched_tokens)):
+        return None
+    continuing: list[tuple[Request, int]] = []
+    for request in running_order(scheduler.running, scheduler.policy):
+        num_tokens = step.num_scheduled.get(request.request_id)
+        if (num_tokens is None or request.num_computed_tokens + num_tokens != request.num_tokens
+                or len(request.output_token_ids) + 1 >= request.params.max_tokens
+                or request.num_tokens + 1 >= scheduler.max_model_len):
+            return None
+        continuing.append((request, num_tokens))
+    return continuing

@@ -1,0 +1,63 @@
+"""A worker warms up the buckets the scheduler hands it (worker.build_runner asking with
+WorkerLoaded, warmup.prepare_buckets), whatever its own SPMD_*_BUCKET_* environment says."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import WorkerLoaded
+from spmd_runtime.worker_proc.distributed import DistributedContext
+from spmd_runtime.worker_proc.model_runner import ModelRunner
+from spmd_runtime.worker_proc.worker import build_runner
+from test_kv_cache import TINY_LLAMA
+
+CPU_CONTEXT = DistributedContext(rank=0, local_rank=0, world_size=1,
+                                 device=torch.device("cpu"), backend="gloo")
+# The scheduler's buckets: one prompt and one decode shape.
+SCHEDULER_BUCKETS = {
+    "prompt": PhaseBuckets.generate("prompt", BucketRange(1, 1, 1), BucketRange(32, 32, 32), 64),
+    "decode": PhaseBuckets.generate("decode", BucketRange(2, 2, 2), BucketRange(32, 32, 32), 64),
+}
+
+
+@pytest.fixture
+def tiny_model_name(tmp_path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return f"dummy:{tmp_path / 'config.json'}"
+
+
+def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
+        tiny_model_name, monkeypatch, caplog) -> None:
+    # This worker's own environment asks for other decode buckets: it must not matter.
+    monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MIN", "4")
+    monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MAX", "8")
+    warmed: list[dict[str, PhaseBuckets]] = []
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, buckets, free: warmed.append(buckets))
+    asked: list[WorkerLoaded] = []
+
+    def scheduler(loaded: WorkerLoaded) -> dict[str, PhaseBuckets]:
+        asked.append(loaded)
+        return SCHEDULER_BUCKETS
+
+    config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
+                          bucketing="on", max_model_len=64, max_num_batched_tokens=64)
+    with caplog.at_level(logging.INFO, logger="spmd.worker"):
+        _, ready = build_runner(config, CPU_CONTEXT, scheduler)
+    assert [(m.rank, m.max_model_len, m.device) for m in asked] == [(0, 64, "cpu")]
+    assert warmed == [SCHEDULER_BUCKETS]
+    assert f"Generated 1 decode buckets: {[(2, 32)]}" in caplog.text
+    assert ready.max_model_len == 64
+
+
+def test_without_buckets_from_the_scheduler_nothing_is_warmed_up(tiny_model_name,
+                                                                 monkeypatch) -> None:
+    warmed = []
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, buckets, free: warmed.append(buckets))
+    config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
+                          bucketing="on")
+    runner, _ = build_runner(config, CPU_CONTEXT, lambda loaded: None)
+    assert warmed == [] and not runner.graphs
