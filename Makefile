@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint env clean gpu-bundle
+.PHONY: demo test test-fast lint env clean gpu-bundle
 
 # torch first and pinned: with a CPU build installed (or torch==2.13.0 available locally),
 # the open-ended torch requirement of setup.cfg is already met and nothing large is fetched.
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20
+
+# The unit tests only (no real engine, no model load): under two minutes.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -417,3 +417,19 @@ def greedy_reference():
         check = staticmethod(check_greedy_against_reference)
 
     return Helpers
+
+
+# `make test-fast` (pytest -m "not slow"): the unit tests of the protocol, the scheduler (with a
+# fake worker) and the worker's pieces, and the launcher's checks; everything that starts a real
+# engine or loads a model is marked slow. `make test` and CI run both.
+FAST_TESTS = ("tests/protocol/", "tests/scheduler_proc/", "tests/worker_proc/",
+              "tests/launch/test_preflight.py", "tests/launch/test_progress.py",
+              "tests/runtime/test_linear.py")
+SLOW_AMONG_FAST = ("tests/scheduler_proc/test_load.py", "tests/scheduler_proc/test_bad_input.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        path = Path(str(item.fspath)).resolve().relative_to(REPO_ROOT).as_posix()
+        if not path.startswith(FAST_TESTS) or path.startswith(SLOW_AMONG_FAST):
+            item.add_marker(pytest.mark.slow)
