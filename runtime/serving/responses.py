@@ -1,0 +1,167 @@
+"""How the HTTP front answers: the JSON of a completion or chat completion, whole or as
+server-sent events, with every choice aborted when the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from spmd_runtime.runtime.client import EngineError
+from spmd_runtime.runtime.serving.choice import ChoiceRun
+from spmd_runtime.runtime.serving.errors import APIError
+
+log = logging.getLogger("spmd.http")
+
+
+def close_all(runs: list[ChoiceRun]) -> None:
+    for run in runs:
+        run.close()
+
+
+class ChoiceStreamResponse(StreamingResponse):
+    """Server-sent events that abort their choices however the response ends: a client that
+    hangs up makes Starlette cancel the stream (it listens for the disconnect), possibly before
+    the event generator started or while it waits at a `yield`, where its own `finally` would
+    not run yet."""
+
+    def __init__(self, runs: list[ChoiceRun], events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.runs = runs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self.runs)
+
+
+class ResponseShape:
+    """The JSON of a completion or chat completion, whole or as stream chunks."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+        self.chat = chat
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def usage(self, runs: list[ChoiceRun]) -> dict:
+        completion = sum(run.completion_tokens for run in runs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def whole(self, runs: list[ChoiceRun], texts: list[str]) -> dict:
+        if self.chat:
+            choices = [{"index": run.index, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": run.finish_reason}
+                       for run, text in zip(runs, texts, strict=True)]
+            body = self._envelope("chat.completion", choices)
+        else:
+            choices = [{"index": run.index, "text": text, "logprobs": None,
+                        "finish_reason": run.finish_reason}
+                       for run, text in zip(runs, texts, strict=True)]
+            body = self._envelope("text_completion", choices)
+        body["usage"] = self.usage(runs)
+        return body
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None,
+              role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else \
+                ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": index, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, runs: list[ChoiceRun]) -> dict:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = self.usage(runs)
+        return body
+
+
+async def complete(request: Request, runs: list[ChoiceRun], shape: ResponseShape) -> Response:
+    tasks = [asyncio.create_task(run.collect()) for run in runs]
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, tasks))
+    try:
+        texts = await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            return Response(status_code=499)   # the client is gone; nobody reads this
+        raise
+    except EngineError as error:
+        raise APIError(str(error), status=500, type="server_error") from None
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        close_all(runs)
+    return JSONResponse(shape.whole(runs, texts))
+
+
+async def _cancel_on_disconnect(request: Request, tasks: list[asyncio.Task]) -> None:
+    """When the client hangs up, cancel its choices (which aborts their engine requests).
+
+    Only for whole responses: while a StreamingResponse streams, Starlette itself listens for
+    the disconnect and cancels the stream (see ChoiceStreamResponse).
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    log.info("client disconnected: aborting %d request(s)", len(tasks))
+    for task in tasks:
+        task.cancel()
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def stream_events(runs: list[ChoiceRun], shape: ResponseShape,
+                         include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: chunks of every choice as they come, usage if asked, then [DONE]."""
+    queue: asyncio.Queue[tuple[ChoiceRun, str | None | EngineError]] = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for piece in run.pieces():
+                queue.put_nowait((run, piece))
+            queue.put_nowait((run, None))
+        except EngineError as error:
+            queue.put_nowait((run, error))
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        if shape.chat:
+            for run in runs:
+                yield _sse(shape.chunk(run.index, None, None, role=True))
+        remaining = len(runs)
+        while remaining:
+            run, item = await queue.get()
+            if isinstance(item, EngineError):
+                yield _sse(APIError(str(item), status=500, type="server_error").body())
+                break
+            if item is None:
+                remaining -= 1
+                yield _sse(shape.chunk(run.index, None, run.finish_reason))
+            else:
+                yield _sse(shape.chunk(run.index, item, None))
+        else:
+            if include_usage:
+                yield _sse(shape.usage_chunk(runs))
+        yield _sse("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(runs)
