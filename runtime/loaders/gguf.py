@@ -80,30 +80,9 @@ def config_from_reader(reader: gguf.GGUFReader, path: str) -> ModelConfig:
             f"{path}: partial rotary embeddings (rope dim {rot_dim} != head dim {head_dim}) are not supported"
         )
 
-    vocab = key("vocab_size")
-    if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None:
-            vocab = len(tokens.data)
-        else:
-            vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
-
-    rope_scaling = None
-    scaling_type = key("rope.scaling.type", "none")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-    elif scaling_type == "yarn":
-        rope_scaling = {
-            "rope_type": "yarn",
-            "factor": float(key("rope.scaling.factor")),
-            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
-        }
-    elif scaling_type != "none":
-        raise ValueError(f"{path}: unsupported GGUF rope scaling type {scaling_type!r}")
-
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        vocab_size=int(vocab),
+        vocab_size=_vocab_size(reader, key("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=int(key("block_count")),
@@ -118,8 +97,34 @@ def config_from_reader(reader: gguf.GGUFReader, path: str) -> ModelConfig:
         eos_token_ids=merge_token_ids(
             *(_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
         ),
-        rope_scaling=rope_scaling,
+        rope_scaling=_rope_scaling(key, path),
     )
+
+
+def _vocab_size(reader: gguf.GGUFReader, declared: Any) -> int:
+    """The declared vocabulary size, else the tokenizer's, else the embedding table's."""
+    if declared is not None:
+        return int(declared)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    return next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+
+
+def _rope_scaling(key, path: str) -> dict | None:
+    """Hugging Face's rope_scaling dict from the GGUF keys (linear or yarn; none: None)."""
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type == "none":
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    if scaling_type == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+        }
+    raise ValueError(f"{path}: unsupported GGUF rope scaling type {scaling_type!r}")
 
 
 def hf_name(gguf_name: str) -> str:
