@@ -7,24 +7,18 @@ from dataclasses import dataclass
 
 import torch
 from spmd_runtime.protocol.buckets import (
-    Bucket,
-    GraphPhaseReport,
-    PhaseBuckets,
     bucket_tokens,
-    plan_graph_captures,
 )
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from spmd_runtime.runtime.models.llama import (
-    EAGER,
     LayerPieces,
     LlamaForCausalLM,
-    attention_inputs,
-    mlp_inputs,
 )
 from spmd_runtime.worker_proc.block_table import BlockTables
-from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
+from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
+from spmd_runtime.worker_proc.runner_graphs import WarmupAndGraphs
 from spmd_runtime.worker_proc.sampler import sample_on_device
 from spmd_runtime.worker_proc.swap_space import SwapSpace
 
@@ -109,7 +103,7 @@ class LaunchedStep:
         return self.done is None or self.done.query()
 
 
-class ModelRunner:
+class ModelRunner(WarmupAndGraphs):
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, seed: int | None = None,
                  num_cpu_blocks: int = 0, scratch_block: int | None = None,
@@ -299,134 +293,6 @@ class ModelRunner:
             step.previous = None        # keep no chain of earlier steps alive
         return StepOutput(step.sample_ids, tokens, step.prepare_ms, device_ms,
                           step.num_compilations, idle_ms, step.overlapped)
-
-    # ------------------------------------------------------------------ compilation and warmup
-
-    def compile_pieces(self, num_shapes: int) -> None:
-        """Compile the layers' dense pieces, one graph per token count (dynamic=False)."""
-        import torch._dynamo
-        # Every layer shares the pieces' code, so the limit is per shape, not per layer.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   num_shapes + 8)
-        self.compiled = LayerPieces(torch.compile(attention_inputs, dynamic=False),
-                                    torch.compile(mlp_inputs, dynamic=False))
-
-    def _pieces_for(self, bucket: tuple[str, int, int] | None, num_tokens: int
-                    ) -> tuple[LayerPieces, int]:
-        """Compiled pieces for a bucketed batch, eager ones otherwise (a batch outside every
-        bucket is not worth a compilation). Also: 1 if this shape compiles after warmup."""
-        if self.compiled is None or bucket is None:
-            return EAGER, 0
-        new_shape = num_tokens not in self.compiled_shapes
-        self.compiled_shapes.add(num_tokens)
-        return self.compiled, int(new_shape and self.warmed_up)
-
-    @torch.inference_mode()
-    def warmup(self, buckets: dict[str, PhaseBuckets], free_memory) -> None:
-        """Run each bucket shape once with padding only, largest first, before serving.
-
-        The dense pieces (what compiles) depend on the token count alone and attention runs
-        eagerly, so buckets with the same token count share one run: for decode, the one with
-        the shortest context."""
-        for phase in ("prompt", "decode"):
-            shapes: dict[int, tuple[int, int]] = {}
-            for bs, length in buckets[phase].buckets:
-                tokens = bucket_tokens(phase, bs, length)
-                if tokens not in shapes or (phase == "decode" and length < shapes[tokens][1]):
-                    shapes[tokens] = (bs, length)
-            order = sorted(shapes.items(), reverse=True)
-            for index, (_, (bs, length)) in enumerate(order, 1):
-                log.info("[Warmup][%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB",
-                         phase.capitalize(), index, len(order), bs, length,
-                         free_memory() / 2**30)
-                input_ids, positions, batch, _, _ = self._prepare([], (phase, bs, length))
-                pieces, _ = self._pieces_for((phase, bs, length), len(input_ids))
-                self.model(input_ids, positions, self.kv_caches, batch, pieces)
-        self.warmed_up = True
-
-    # ------------------------------------------------------------------ graphs
-
-    def _graph_for(self, bucket: tuple[str, int, int] | None,
-                   scheduled: list[tuple[int, int]]) -> BucketGraph | None:
-        """The bucket's graph, if it has one and the batch has its layout: every decode
-        bucket does; a prompt graph takes fresh prompts only (no cached context to attend)."""
-        graph = self.graphs.get(bucket) if bucket is not None else None
-        if graph is None or bucket[0] == "decode":
-            return graph
-        fits = len(scheduled) <= bucket[1] and all(n <= bucket[2] for _, n in scheduled)
-        fresh = all(self.requests[r].num_computed_tokens == 0 for r, _ in scheduled)
-        return graph if fits and fresh else None
-
-    def _prepare_for_graph(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int]
-                           ) -> tuple[StaticInputs, list[int], list[int]]:
-        """Host tensors of the bucket's shape (copied into the graph's own by BucketGraph)."""
-        host = torch.device("cpu")
-        if bucket[0] == "prompt":
-            return self._prepare_prompt_rows(scheduled, bucket[1], bucket[2], host)
-        input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled, bucket, host)
-        return StaticInputs(input_ids, positions, batch), sample_rows, sample_ids
-
-    def _prepare_prompt_rows(self, scheduled: list[tuple[int, int]], num_rows: int,
-                             row_length: int, device: torch.device
-                             ) -> tuple[StaticInputs, list[int], list[int]]:
-        """Fresh prompts (or their first chunks) one per row of `row_length` positions."""
-        block_size = self.block_size
-        size = num_rows * row_length
-        scratch = self.scratch_block * block_size
-        input_ids, positions = [0] * size, [0] * size
-        slots = [scratch + i % block_size for i in range(size)]
-        sample_rows, sample_ids = [], []
-        for row, (request_id, num_tokens) in enumerate(scheduled):
-            state, base = self.requests[request_id], row * row_length
-            table = state.block_ids
-            input_ids[base:base + num_tokens] = state.token_ids[:num_tokens]
-            positions[base:base + num_tokens] = range(num_tokens)
-            slots[base:base + num_tokens] = [table[p // block_size] * block_size + p % block_size
-                                             for p in range(num_tokens)]
-            if num_tokens == len(state.token_ids):
-                sample_rows.append(base + num_tokens - 1)
-                sample_ids.append(request_id)
-        batch = AttentionBatch(block_size=block_size,
-                               slot_mapping=torch.tensor(slots, device=device), decodes=[],
-                               prefills=[], prompt_rows=row_length)
-        inputs = StaticInputs(torch.tensor(input_ids, device=device),
-                              torch.tensor(positions, device=device), batch)
-        return inputs, sample_rows, sample_ids
-
-    def _static_inputs(self, phase: str, bucket: Bucket) -> StaticInputs:
-        """Padding-only inputs of a bucket's shape, on the device: what its graph reads."""
-        if phase == "prompt":
-            return self._prepare_prompt_rows([], bucket[0], bucket[1], self.device)[0]
-        input_ids, positions, batch, _, _ = self._prepare([], (phase, *bucket))
-        # The decode group covers every row, padding included: nothing to zero.
-        batch.pad_start = None
-        return StaticInputs(input_ids, positions, batch)
-
-    @torch.inference_mode()
-    def capture_graphs(self, buckets: dict[str, PhaseBuckets], budget_bytes: int,
-                       prompt_ratio: float, strategies: dict[str, str], free_memory,
-                       capturer: GraphCapturer) -> dict[str, GraphPhaseReport]:
-        """Capture bucket graphs within `budget_bytes`, split between the phases and ordered
-        by their strategies (protocol.buckets.plan_graph_captures); logs each capture."""
-        counters = dict.fromkeys(buckets, 0)
-
-        def capture(phase: str, bucket: Bucket) -> int:
-            counters[phase] += 1
-            before = free_memory()
-            log.info("[Warmup][Graph/%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB",
-                     phase.capitalize(), counters[phase], len(buckets[phase].buckets), *bucket,
-                     before / 2**30)
-            inputs = self._static_inputs(phase, bucket)
-            replay = capturer.capture(lambda: self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch))
-            self.graphs[(phase, *bucket)] = BucketGraph(inputs, replay)
-            return before - free_memory()
-
-        reports = plan_graph_captures({p: b.buckets for p, b in buckets.items()}, budget_bytes,
-                                      prompt_ratio, strategies, capture)
-        for report in reports.values():
-            log.info("%s", report.line())
-        return reports
 
     def _decode_group(self, first: int, rows: list[int], lengths: list[int],
                       num_blocks: int, device: torch.device) -> DecodeGroup:
