@@ -26,8 +26,6 @@ log = logging.getLogger("spmd.worker")
 
 # Single-token queries are attended in groups of this many, longest context first.
 DECODE_GROUP_SIZE = 8
-
-
 HOST = torch.device("cpu")
 
 # Stands in token_ids for a token sampled by a step still in flight: its value is on the device
@@ -231,22 +229,7 @@ class ModelRunner(WarmupAndGraphs):
             pieces, num_compilations = self._pieces_for(step.bucket, len(inputs.input_ids))
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
                                 pieces)
-        tokens = host_tokens = None
-        token_slots: list[tuple[RequestState, int]] = []
-        if step.sample_rows:
-            rows = torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows])
-            states = [self.requests[r] for r in step.sample_ids]
-            tokens = sample_on_device(logits, [s.params for s in states],
-                                      [len(s.token_ids) for s in states], self.generator)
-            host_tokens = tokens
-            if cuda:
-                host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host_tokens.copy_(tokens, non_blocking=True)
-            for row, state in enumerate(states):
-                state.unread = (len(state.token_ids), row)
-                token_slots.append((state, len(state.token_ids)))
-                state.token_ids.append(UNREAD_TOKEN)
+        tokens, host_tokens, token_slots = self._sample(step, hidden, cuda)
         for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished_at = time.perf_counter()
@@ -263,6 +246,27 @@ class ModelRunner(WarmupAndGraphs):
                                 overlapped=in_flight is not None)
         self._last_launched = launched
         return launched
+
+    def _sample(self, step: PreparedStep, hidden: torch.Tensor, cuda: bool):
+        """Sample the rows that end a request's known tokens, on the device; each such request
+        gets an UNREAD_TOKEN placeholder until the step is finished."""
+        token_slots: list[tuple[RequestState, int]] = []
+        if not step.sample_rows:
+            return None, None, token_slots
+        rows = torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows])
+        states = [self.requests[r] for r in step.sample_ids]
+        tokens = sample_on_device(logits, [s.params for s in states],
+                                  [len(s.token_ids) for s in states], self.generator)
+        host_tokens = tokens
+        if cuda:
+            host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host_tokens.copy_(tokens, non_blocking=True)
+        for row, state in enumerate(states):
+            state.unread = (len(state.token_ids), row)
+            token_slots.append((state, len(state.token_ids)))
+            state.token_ids.append(UNREAD_TOKEN)
+        return tokens, host_tokens, token_slots
 
     def _fill_unread(self, input_ids: torch.Tensor, step: PreparedStep,
                      in_flight: LaunchedStep | None) -> None:
@@ -353,22 +357,36 @@ class ModelRunner(WarmupAndGraphs):
                 decode_lengths.extend([1] * num_padding)
 
         device = device or self.device
+        batch = AttentionBatch(
+            block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
+            decodes=self._decode_groups(decode_rows, decode_lengths, bucket, device),
+            prefills=self._prefill_chunks(prefill_specs, device), pad_start=pad_start,
+            decode_kernel=self.decode_kernel)
+        return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                batch, sample_rows, sample_ids)
+
+    def _decode_groups(self, rows: list[int], lengths: list[int],
+                       bucket: tuple[str, int, int] | None, device: torch.device
+                       ) -> list[DecodeGroup]:
+        """The decode path: single-token queries grouped for attention."""
+        block_size = self.block_size
         if bucket is not None and bucket[0] == "decode":
             # One group of the bucket's shape: bucket_bs rows over bucket_len context tokens.
-            decodes = [self._decode_group(0, decode_rows, decode_lengths,
-                                          bucket[2] // block_size, device)]
-        elif self.decode_kernel and decode_rows:
+            return [self._decode_group(0, rows, lengths, bucket[2] // block_size, device)]
+        if self.decode_kernel and rows:
             # The kernel reads each sequence's own context length: one group, no grouping.
-            decodes = [self._decode_group(0, decode_rows, decode_lengths,
-                                          -(-max(decode_lengths) // block_size), device)]
-        else:
-            decodes = [self._decode_group(
-                first, decode_rows[first:first + DECODE_GROUP_SIZE],
-                decode_lengths[first:first + DECODE_GROUP_SIZE],
-                -(-max(decode_lengths[first:first + DECODE_GROUP_SIZE]) // block_size), device)
-                for first in range(0, len(decode_rows), DECODE_GROUP_SIZE)]
+            return [self._decode_group(0, rows, lengths, -(-max(lengths) // block_size), device)]
+        return [self._decode_group(
+            first, rows[first:first + DECODE_GROUP_SIZE], lengths[first:first + DECODE_GROUP_SIZE],
+            -(-max(lengths[first:first + DECODE_GROUP_SIZE]) // block_size), device)
+            for first in range(0, len(rows), DECODE_GROUP_SIZE)]
+
+    def _prefill_chunks(self, specs: list[tuple[int, int, int, list[int]]],
+                        device: torch.device) -> list[PrefillChunk]:
+        """The prefill path: a chunk per prompt; one with cached context attends to it too."""
+        block_size = self.block_size
         prefills = []
-        for offset, length, start, table in prefill_specs:
+        for offset, length, start, table in specs:
             if start == 0:
                 prefills.append(PrefillChunk(offset, length, None, None))
                 continue
@@ -378,9 +396,4 @@ class ModelRunner(WarmupAndGraphs):
             prefills.append(PrefillChunk(offset, length,
                                          torch.tensor(table[:num_blocks], device=device),
                                          mask.to(device)))
-        batch = AttentionBatch(
-            block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
-            decodes=decodes, prefills=prefills, pad_start=pad_start,
-            decode_kernel=self.decode_kernel)
-        return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                batch, sample_rows, sample_ids)
+        return prefills
