@@ -433,3 +433,18 @@ def pytest_collection_modifyitems(config, items) -> None:
         path = Path(str(item.fspath)).resolve().relative_to(REPO_ROOT).as_posix()
         if not path.startswith(FAST_TESTS) or path.startswith(SLOW_AMONG_FAST):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def weightless_model_dir(tmp_path) -> Path:
+    """A Hugging Face directory with a valid tiny Llama config.json and no weights: every check
+    before loading passes, and only the worker, loading it, fails."""
+    import json
+
+    directory = tmp_path / "broken"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256}))
+    return directory

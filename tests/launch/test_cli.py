@@ -156,14 +156,9 @@ def test_ctrl_c_stops_a_serving_launcher_quietly(free_port) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_worker_that_fails_to_load_ends_the_job_with_its_error(tmp_path) -> None:
-    bad = tmp_path / "broken"
-    bad.mkdir()
+def test_worker_that_fails_to_load_ends_the_job_with_its_error(weightless_model_dir) -> None:
     # A config the launcher reads fine, but no weights: only the worker finds out.
-    (bad / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 256}))
+    bad = weightless_model_dir
     result = spmdrun("generate", "--model", str(bad), "--prompt", "hi", timeout_s=180)
     assert result.returncode != 0
     assert result.stdout == ""

@@ -3,7 +3,6 @@ one-line reason as the launcher's last line, exit code 2 for a mistake the user 
 traceback, no worker-group restart (restarts are for workers dying while serving)."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -85,15 +84,10 @@ def test_a_scheduler_that_cannot_listen_ends_the_job_at_once(tmp_path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_worker_failing_at_start_is_named_in_the_last_line(tmp_path) -> None:
+def test_a_worker_failing_at_start_is_named_in_the_last_line(weightless_model_dir) -> None:
     """A model directory with a config but no weights: the launcher reads it fine, the worker
     fails to load it and the scheduler exits after it. The worker is named, not the scheduler."""
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 256}))
+    broken = weightless_model_dir
     code, stderr, seconds = run_python(["-m", "spmd_runtime.launch", "serve", "--model",
                                         str(broken), "--rpc-address",
                                         f"tcp://127.0.0.1:{free_tcp_port()}"])
