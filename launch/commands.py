@@ -29,7 +29,6 @@ from spmd_runtime.protocol.transport import free_tcp_port
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.outputs import RequestOutput
 from spmd_runtime.runtime.preflight import ConfigError
-from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 
 def _supervise_workers_only(engine: RunningEngine) -> int:
@@ -47,18 +46,16 @@ def generate(config: EngineConfig, args: argparse.Namespace) -> int:
         if config.node_rank != 0:
             return _supervise_workers_only(engine)
         try:
-            client = engine.connect()
-            tokenizer = client.tokenizer
-            token_lists = [client.encode(p) if args.no_chat_template else chat_prompt_ids(tokenizer, p)
-                           for p in args.prompts]
+            engine.connect()
 
             def answer(index: int, output: RequestOutput) -> str:
-                output.text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
                 return answer_line(args.output, index, args.prompts, output)
 
-            generate_with_progress(engine.config.rpc_address, token_lists, args.sampling,
+            # The engine applies the chat template, tokenizes and decodes: no tokenizer here.
+            generate_with_progress(engine.config.rpc_address, args.prompts, args.sampling,
                                    "generate", alive=engine.alive,
-                                   auth_token=engine.config.auth_token, on_output=answer)
+                                   auth_token=engine.config.auth_token, on_output=answer,
+                                   chat=not args.no_chat_template)
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
         except ValueError as error:            # a prompt the engine refuses (too long, ...)

@@ -9,6 +9,7 @@ from typing import TextIO
 
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.async_client import AsyncClient
+from spmd_runtime.runtime.client import Prompt
 from spmd_runtime.runtime.outputs import RequestOutput
 
 log = logging.getLogger("spmd.progress")
@@ -58,22 +59,23 @@ class Progress:
         self.close()
 
 
-def generate_with_progress(address: str, token_lists: list[list[int]], params: SamplingParams,
+def generate_with_progress(address: str, prompts: list[Prompt], params: SamplingParams,
                            description: str, alive: Callable[[], bool] | None = None,
                            auth_token: str = "",
                            on_output: Callable[[int, RequestOutput], str | None] | None = None,
-                           ) -> list[RequestOutput]:
-    """Run a batch of prompts to completion on the engine at `address`, showing progress.
+                           chat: bool = False) -> list[RequestOutput]:
+    """Run a batch of prompts (token ids, or texts the engine tokenizes, through the chat
+    template with `chat`) to completion on the engine at `address`, showing progress.
     on_output(index, output) is called as each prompt completes, in the order they complete;
     the line it returns, if any, is printed on stdout (above the bar)."""
 
     async def run() -> list[RequestOutput]:
         async with AsyncClient(address, alive=alive, auth_token=auth_token) as client:
-            with Progress(len(token_lists), description) as progress:
+            with Progress(len(prompts), description) as progress:
 
-                async def complete(index: int, ids: list[int]) -> RequestOutput:
+                async def complete(index: int, prompt: Prompt) -> RequestOutput:
                     try:
-                        [output] = await client.generate([ids], [params])
+                        [output] = await client.generate([prompt], [params], chat=chat)
                     except ValueError as error:
                         message = str(error).removeprefix("prompt 0: ")
                         raise ValueError(f"prompt {index}: {message}") from None
@@ -85,7 +87,7 @@ def generate_with_progress(address: str, token_lists: list[list[int]], params: S
 
                 # Every request is sent before any reply is read (each task sends first), so
                 # the engine batches them as one generate call of all of them would be.
-                return list(await asyncio.gather(*(complete(index, ids) for index, ids
-                                                   in enumerate(token_lists))))
+                return list(await asyncio.gather(*(complete(index, prompt) for index, prompt
+                                                   in enumerate(prompts))))
 
     return asyncio.run(run())
