@@ -12,10 +12,10 @@ def refusal(message: AddRequest, prompt: list[int], info: ModelInfo,
     """Why this request (with its prompt as token ids) cannot be served, or None."""
     if not prompt:
         return "prompt is empty: send at least one token"
-    cache_tokens = scheduler.kv.num_blocks * info.block_size
+    cache_tokens = scheduler.num_kv_blocks * info.block_size
     if len(prompt) >= cache_tokens:
         return (f"prompt has {len(prompt)} tokens but the whole KV cache holds only "
-                f"{cache_tokens} tokens ({scheduler.kv.num_blocks} blocks of "
+                f"{cache_tokens} tokens ({scheduler.num_kv_blocks} blocks of "
                 f"{info.block_size}), so it could never run; shorten the prompt or give the "
                 "cache more memory (--gpu-memory-utilization, --kv-cache-memory or "
                 "--num-kv-blocks)")
@@ -31,6 +31,6 @@ def refusal(message: AddRequest, prompt: list[int], info: ModelInfo,
     if message.request_id is not None:
         if message.request_id < 0:
             return f"request_id must be >= 0, got {message.request_id}"
-        if message.request_id in scheduler.requests:
+        if scheduler.get(message.request_id) is not None:
             return f"request_id {message.request_id} is already in use; pick another or omit it"
     return None

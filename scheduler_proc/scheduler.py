@@ -133,6 +133,27 @@ class Scheduler:
             self._finish(request, reason)
         return aborted
 
+    def get(self, request_id: int) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return self.requests.get(request_id)
+
+    def requests_of(self, client: bytes) -> list[Request]:
+        """The unfinished requests a client sent."""
+        return [request for request in self.requests.values() if request.client == client]
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks of the CPU swap space."""
+        return self.cpu_pool.num_blocks
+
+    @property
+    def num_kv_blocks_in_use(self) -> int:
+        return self.kv.num_blocks - self.kv.num_free_blocks
+
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.swapped)

@@ -1,0 +1,65 @@
+"""Request intake: a client's AddRequest becomes a scheduled Request (validated, given an id
+and, where asked, a deadline); deadlines that pass end their requests."""
+from __future__ import annotations
+
+import heapq
+import time
+
+from spmd_runtime.protocol.messages import AddRequest, ErrorReply, ModelInfo, RequestAccepted
+from spmd_runtime.scheduler_proc.admission import refusal
+from spmd_runtime.scheduler_proc.request import FinishReason, Request
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
+from spmd_runtime.scheduler_proc.served_tokenizer import ServedTokenizer
+
+
+class RequestIntake:
+    def __init__(self, scheduler: Scheduler, tokenizer: ServedTokenizer,
+                 model_info: ModelInfo) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self._next_request_id = 0
+        self._arrivals = 0
+        # (deadline, request id, arrival) of requests with a timeout, soonest first.
+        self._deadlines: list[tuple[float, int, int]] = []
+
+    def add(self, client: bytes, message: AddRequest) -> RequestAccepted | ErrorReply:
+        """Queue the request; the reply says its id, or why it cannot be served."""
+        try:
+            prompt = self.tokenizer.prompt_token_ids(message)
+            error = refusal(message, prompt, self.model_info, self.scheduler)
+        except ValueError as refused:
+            error = str(refused)
+        if error is not None:
+            return ErrorReply(tag=message.tag, message=error, request_id=message.request_id)
+        request_id = message.request_id
+        if request_id is None:
+            request_id = self._free_request_id()
+        self._arrivals += 1
+        self.scheduler.add(Request(request_id, prompt, message.params, client, self._arrivals,
+                                   message.priority))
+        if message.detokenize:
+            self.tokenizer.start(request_id)
+        if message.timeout_s is not None:
+            heapq.heappush(self._deadlines, (time.monotonic() + message.timeout_s, request_id,
+                                             self._arrivals))
+        tokenized = prompt if prompt is not message.prompt_token_ids else []
+        return RequestAccepted(tag=message.tag, request_id=request_id, prompt_token_ids=tokenized)
+
+    def _free_request_id(self) -> int:
+        while self.scheduler.get(self._next_request_id) is not None:
+            self._next_request_id += 1
+        self._next_request_id += 1
+        return self._next_request_id - 1
+
+    def expire_deadlines(self) -> list[Request]:
+        """End the requests past their timeout (finish_reason "timeout"); returns them."""
+        now = time.monotonic()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id, arrival = heapq.heappop(self._deadlines)
+            request = self.scheduler.get(request_id)
+            if request is not None and request.arrival_seq == arrival:   # not a reused id
+                self.scheduler.abort(request_id, FinishReason.TIMEOUT)
+                expired.append(request)
+        return expired

@@ -1,0 +1,50 @@
+"""Start-up of the scheduler's state from what the workers report: the buckets every rank
+warms up, the KV-cache pools and the scheduler sized to the smallest rank."""
+from __future__ import annotations
+
+from spmd_runtime.protocol.buckets import bucketing_enabled, engine_buckets
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.messages import ModelInfo, WarmupPlan, WorkerLoaded, WorkerReady
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.scheduler import Scheduler
+from spmd_runtime.scheduler_proc.thermal import ThermalControl
+
+
+def derive_warmup_plan(config: EngineConfig, loaded: WorkerLoaded) -> WarmupPlan:
+    """The buckets of this engine, from the configuration, this process's environment and the
+    first rank to load (its model's context length and device)."""
+    buckets = None
+    if bucketing_enabled(config, loaded.device.split(":")[0]):
+        buckets = engine_buckets(config, loaded.max_model_len)
+    return WarmupPlan(buckets=buckets)
+
+
+def kv_cache_manager(config: EngineConfig,
+                     ready: dict[int, WorkerReady]) -> tuple[KVCacheManager, int]:
+    """The device block pool and the number of CPU swap blocks: the smallest rank's."""
+    num_blocks = min(r.num_kv_blocks for r in ready.values())
+    num_cpu_blocks = min(r.num_cpu_kv_blocks for r in ready.values())
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    return kv, num_cpu_blocks
+
+
+def build_scheduler(config: EngineConfig, ready: dict[int, WorkerReady],
+                    warmup: WarmupPlan | None,
+                    thermal: ThermalControl) -> tuple[Scheduler, ModelInfo]:
+    """The scheduler over the group's KV cache, and the model info clients are given."""
+    first = ready[0]
+    kv, num_cpu_blocks = kv_cache_manager(config, ready)
+    max_model_len = min(first.max_model_len, kv.num_blocks * config.block_size)
+    if config.max_model_len:
+        max_model_len = min(max_model_len, config.max_model_len)
+    scheduler = Scheduler(
+        kv, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+        eos_token_ids=first.eos_token_ids, policy=config.scheduler,
+        num_cpu_blocks=num_cpu_blocks, admission_watermark=config.kv_admission_watermark,
+        buckets=warmup.buckets if warmup is not None else None, thermal=thermal)
+    info = ModelInfo(tag=0, model=config.model, max_model_len=max_model_len,
+                     vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
+                     block_size=config.block_size, world_size=config.world_size,
+                     served_model_name=config.served_name())
+    return scheduler, info

@@ -1,0 +1,28 @@
+"""Streaming results: after each step every client gets one frame holding the new tokens
+(and text) of all its requests."""
+from __future__ import annotations
+
+from spmd_runtime.protocol.messages import Outputs, RequestDelta
+from spmd_runtime.scheduler_proc.rpc_front import RpcFront
+from spmd_runtime.scheduler_proc.scheduler import StepUpdate
+from spmd_runtime.scheduler_proc.served_tokenizer import ServedTokenizer
+
+
+def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
+                  update: StepUpdate) -> list[bytes]:
+    """Send what the update's requests produced since they were last streamed; returns the
+    clients that could not be reached (gone, or not reading)."""
+    by_client: dict[bytes, list[RequestDelta]] = {}
+    seen: set[int] = set()
+    for request in update.progressed + update.finished:
+        if request.request_id in seen:
+            continue
+        seen.add(request.request_id)
+        new_tokens = request.output_token_ids[request.num_tokens_streamed:]
+        request.num_tokens_streamed = len(request.output_token_ids)
+        reason = request.finish_reason.value if request.finish_reason else None
+        text = tokenizer.text(request.request_id, new_tokens, reason is not None)
+        by_client.setdefault(request.client, []).append(
+            RequestDelta(request.request_id, new_tokens, reason, text))
+    return [client for client, deltas in by_client.items()
+            if not front.reply(client, Outputs(deltas=deltas))]
