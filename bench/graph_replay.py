@@ -5,8 +5,8 @@ Builds the model runner in process (no scheduler, no sockets), prefills `batch` 
 eagerly, captures that bucket's graph and times the same steps replayed. Each step includes
 the runner's input preparation and sampling, as when serving, one step at a time.
 
-Then the graph steps again, overlapped as the worker runs them with --overlap-steps: each
-step prepared and launched before the one before it is finished, its inputs taking that
+Then the graph steps again, overlapped as the worker runs them with --step-pipelining
+overlap: each step prepared and launched before the one before it is finished, its inputs taking that
 step's tokens on the device. The profile of those steps: wall time per step, the host's input
 preparation, the device's time per step and its idle time between steps (CUDA events), and
 the idle fraction.
@@ -131,7 +131,7 @@ def main() -> int:
     context_bucket = -(-(args.context + steps_total + 1) // block_size) * block_size
     blocks_per_request = context_bucket // block_size
     config = EngineConfig(model=args.model, dtype=args.dtype, device=device.type,
-                          block_size=block_size, bucketing="off",
+                          block_size=block_size, execution_mode="eager",
                           num_kv_blocks=max(batches) * blocks_per_request,
                           max_num_batched_tokens=2048, max_num_seqs=max(batches),
                           max_model_len=context_bucket)

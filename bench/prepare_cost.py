@@ -32,7 +32,7 @@ def main() -> int:
     block_size = 16
     blocks = -(-(args.context_max + 64) // block_size)
     config = EngineConfig(model="dummy:tiny-llama", dtype="float32", device="cpu",
-                          block_size=block_size, bucketing="off",
+                          block_size=block_size, execution_mode="eager",
                           num_kv_blocks=args.batch * blocks, max_num_seqs=args.batch,
                           max_model_len=blocks * block_size)
     ctx = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),

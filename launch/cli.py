@@ -1,7 +1,8 @@
 """`spmdrun [launcher options] {generate,serve,bench} [options]`: the command line.
 
 Every engine option is generated from the fields of protocol.config.EngineConfig and shown in
-its --help section (protocol.config.OPTION_GROUPS); each subcommand takes the options it uses.
+the --help section of the domain declaring it (protocol/config_fields.py); each subcommand takes
+the options it uses, and the deprecated spellings of those (protocol/deprecated_options.py).
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import traceback
 from typing import NoReturn
 
 from spmd_runtime.launch.bench import add_peer_options, add_throughput_workload_options
+from spmd_runtime.launch.command_options import bench_model, command_options
 from spmd_runtime.launch.options import (
     config_from_args,
+    deprecation_warnings,
     prompts_from_args,
     sampling_from_args,
     token_warnings,
@@ -25,9 +28,11 @@ from spmd_runtime.protocol.config import (
     engine_config_choices,
     engine_config_fields,
 )
+from spmd_runtime.protocol.curve import CurveKeyError, make_job_keys
+from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS
 from spmd_runtime.protocol.model_config import MODEL_PRESETS
 from spmd_runtime.runtime.log_format import configure_logging
-from spmd_runtime.runtime.preflight import ConfigError, check_config
+from spmd_runtime.runtime.preflight import ConfigError, check_config, security_warnings
 
 __all__ = ["LAUNCHER_FIELDS", "build_parser", "config_from_args", "main"]
 
@@ -91,6 +96,26 @@ def add_engine_options(parser: argparse.ArgumentParser, fields) -> None:
                                    default=argparse.SUPPRESS,
                                    help="tensor-parallel size over all nodes: sets "
                                    "--nproc-per-node to N / --nnodes")
+    _add_deprecated_options(parser, fields)
+
+
+def _add_deprecated_options(parser: argparse.ArgumentParser, fields) -> None:
+    """The old spellings of the options in `fields`, each warning and mapping onto its new
+    option (protocol/deprecated_options.py)."""
+    old = [option for option in DEPRECATED_OPTIONS.values() if option.field in fields]
+    if not old:
+        return
+    group = parser.add_argument_group("deprecated spellings (each warns; use the new option)")
+    for option in old:
+        flag = "--" + option.name.replace("_", "-")
+        help_text = f"deprecated: use {option.replacement}"
+        if option.kind is bool:
+            group.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(flag, dest=option.name, type=option.kind, choices=option.choices,
+                               default=argparse.SUPPRESS, help=help_text,
+                               metavar=None if option.choices else option.name.upper())
 
 
 def engine_fields(*, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -137,6 +162,13 @@ def build_parser() -> CommandLineParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="spmdrun",
                                      title="commands")
     _add_generate(commands)
+    keys = commands.add_parser(
+        "keys", usage="%(prog)s DIR", help="make a job's CURVE key pair for encrypted sockets",
+        description="Write a fresh CURVE key pair for one job: DIR/job.key (public: give it to "
+        "every node and client) and DIR/job.key_secret (secret, readable by you only: node 0 "
+        "needs it). Then start every node with --curve-keys DIR (other nodes may get "
+        "DIR/job.key alone) and give clients server_key='DIR/job.key'.")
+    keys.add_argument("directory", metavar="DIR", help="where to write the keys (made if missing)")
     serve = commands.add_parser(
         "serve", usage=OPTIONS_USAGE, help="serve RPC clients (and HTTP with --port) until stopped",
         description="Serve RPC clients, and OpenAI-compatible HTTP with --port, until Ctrl-C or "
@@ -223,12 +255,12 @@ def _add_bench_pressure(kinds) -> None:
     pressure.add_argument("--pressure-blocks", type=int, default=48,
                           help="KV blocks of the small pool")
     pressure.add_argument("--swap-space-gib", type=float, default=1.0,
-                          help="CPU swap space of the offload run")
+                          help="CPU swap space of the offload run (its --kv-swap-memory), GiB")
     pressure.add_argument("--workload-seed", type=int, default=0)
     pressure.add_argument("--rounds", type=int, default=1,
                           help="runs of each variant, rotating their order")
     add_model_source_options(pressure)
-    add_engine_options(pressure, engine_fields(exclude=SERVER_FIELDS + ("swap_space",)))
+    add_engine_options(pressure, engine_fields(exclude=SERVER_FIELDS + ("kv_swap_memory",)))
 
 
 def _add_bench_serving(kinds) -> None:
@@ -308,30 +340,38 @@ def prepare(args: argparse.Namespace) -> EngineConfig:
     config = config_from_args(args)
     configure_logging(config.log_level)
     if args.command == "bench":
-        from spmd_runtime.launch.commands import bench_model
-        config = bench_model(config, args)
+        config = bench_model(config, args.model_config, args.load_format, "model" in args)
     if args.command == "generate":
         args.prompts = prompts_from_args(args, config.model)
         args.sampling = sampling_from_args(args)
     if not getattr(args, "url", ""):              # bench serving --url starts no engine
         check_config(config, serves_rpc=args.command == "serve")
-    for warning in token_warnings(args):
+    for warning in token_warnings(args) + deprecation_warnings(args) + security_warnings(config):
         print(f"spmdrun: warning: {warning}", file=sys.stderr, flush=True)
     if args.command in ("generate", "serve") and config.log_level in ("debug", "info"):
         print(f"spmdrun: loading model {config.model} …", file=sys.stderr, flush=True)
     return config
 
 
+def make_keys(directory: str) -> int:
+    try:
+        public, secret = make_job_keys(directory)
+    except (CurveKeyError, OSError) as error:
+        raise ConfigError(str(error)) from None
+    print(f"spmdrun: wrote {public} (public: every node and client) and {secret} (secret: "
+          f"node 0 only); start each node with --curve-keys {directory}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(build_parser(), argv)
     try:
+        if args.command == "keys":
+            return make_keys(args.directory)
         config = prepare(args)
-        from spmd_runtime.launch import commands
-        if args.command == "generate":
-            return commands.generate(config, args)
-        if args.command == "serve":
-            return commands.serve(config)
-        return commands.bench(config, args)
+        options = command_options(args)
+        from spmd_runtime.launch.commands import run_command  # loads the client side
+        return run_command(config, options)
     except ConfigError as error:
         if getattr(args, "log_level", "") == "debug":
             traceback.print_exc()

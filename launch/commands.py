@@ -1,7 +1,6 @@
 """The subcommands: generate, serve, bench."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -15,16 +14,23 @@ from spmd_runtime.launch.bench import (
     random_workload,
     run_throughput,
     shared_prefix_workload,
-    throughput_workload_from_args,
 )
 from spmd_runtime.launch.bench_serving import ServingReport, measure, served_model
+from spmd_runtime.launch.command_options import (
+    CommandOptions,
+    GenerateOptions,
+    PrefixBenchOptions,
+    PressureBenchOptions,
+    ServeOptions,
+    ServingBenchOptions,
+    ThroughputBenchOptions,
+)
 from spmd_runtime.launch.http_front import start_http_front
 from spmd_runtime.launch.progress import generate_with_progress
 from spmd_runtime.launch.running import RunningEngine, exit_with_failure
 from spmd_runtime.launch.supervisor import ChildExited
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import EngineStats
-from spmd_runtime.protocol.model_source import DUMMY_PREFIX
 from spmd_runtime.protocol.transport import free_tcp_port
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.outputs import RequestOutput
@@ -32,16 +38,37 @@ from spmd_runtime.runtime.preflight import ConfigError
 
 
 def _supervise_workers_only(engine: RunningEngine) -> int:
-    """Nodes other than 0 run workers only; they live as long as the job."""
+    """Nodes other than 0 run workers only; they live as long as the job. A worker that exits
+    with code 0 was shut down by node 0's scheduler: the job is over, and once this node's other
+    workers have followed, so is this launcher (exit code 0)."""
     try:
         engine.supervisor.wait()
         return 0
     except ChildExited as error:
+        if error.code == 0 and engine.supervisor.wait_all_exited(timeout_s=30.0) == 0:
+            print(f"spmdrun: node {engine.config.node_rank}: the job ended (node 0 shut its "
+                  "workers down)", file=sys.stderr, flush=True)
+            return 0
         return exit_with_failure(engine, error)
 
 
-def generate(config: EngineConfig, args: argparse.Namespace) -> int:
-    """args.prompts (text) with args.sampling; each answer is printed as it completes."""
+def run_command(config: EngineConfig, options: CommandOptions) -> int:
+    """Run the subcommand those options belong to; its exit code."""
+    if isinstance(options, GenerateOptions):
+        return generate(config, options)
+    if isinstance(options, ServeOptions):
+        return serve(config)
+    if isinstance(options, ThroughputBenchOptions):
+        return bench_throughput(config, options)
+    if isinstance(options, PrefixBenchOptions):
+        return bench_prefix(config, options)
+    if isinstance(options, PressureBenchOptions):
+        return bench_pressure(config, options)
+    return bench_serving(config, options)
+
+
+def generate(config: EngineConfig, options: GenerateOptions) -> int:
+    """The prompts (text) with the sampling options; each answer is printed as it completes."""
     with RunningEngine(config, private_rpc=True) as engine:
         if config.node_rank != 0:
             return _supervise_workers_only(engine)
@@ -49,13 +76,13 @@ def generate(config: EngineConfig, args: argparse.Namespace) -> int:
             engine.connect()
 
             def answer(index: int, output: RequestOutput) -> str:
-                return answer_line(args.output, index, args.prompts, output)
+                return answer_line(options.output, index, options.prompts, output)
 
             # The engine applies the chat template, tokenizes and decodes: no tokenizer here.
-            generate_with_progress(engine.config.rpc_address, args.prompts, args.sampling,
+            generate_with_progress(engine.config.rpc_address, options.prompts, options.sampling,
                                    "generate", alive=engine.alive,
                                    auth_token=engine.config.auth_token, on_output=answer,
-                                   chat=not args.no_chat_template)
+                                   chat=options.chat_template)
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
         except ValueError as error:            # a prompt the engine refuses (too long, ...)
@@ -89,34 +116,8 @@ def serve(config: EngineConfig) -> int:
     return 0
 
 
-def bench(config: EngineConfig, args: argparse.Namespace) -> int:
-    if args.bench_kind == "serving":
-        return bench_serving(config, args)
-    if args.bench_kind == "prefix":
-        return bench_prefix(config, args)
-    if args.bench_kind == "pressure":
-        return bench_pressure(config, args)
-    return bench_throughput(config, args)
-
-
-def bench_model(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """Apply the bench spellings of the model: --model-config PRESET is --model dummy:PRESET,
-    --load-format dummy turns --model NAME into dummy:NAME."""
-    model = config.model
-    if args.model_config:
-        if "model" in args:
-            raise ConfigError("give --model or --model-config, not both")
-        model = args.model_config
-    if (args.load_format == "dummy" or args.model_config) and not model.startswith(DUMMY_PREFIX):
-        model = DUMMY_PREFIX + model
-    return msgspec.structs.replace(config, model=model)
-
-
-def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
-    try:
-        workload = throughput_workload_from_args(args)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+def bench_throughput(config: EngineConfig, options: ThroughputBenchOptions) -> int:
+    workload = options.workload
     output_lens = workload.output_lens()
     with RunningEngine(config, private_rpc=True) as engine:
         if config.node_rank != 0:
@@ -130,9 +131,9 @@ def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
         except (EngineError, ChildExited) as error:
             return exit_with_failure(engine, error)
     reports, failure = [report], None
-    if args.with_peer:
+    if options.with_peer:
         # Our engine's processes have exited: the peer has the device to itself.
-        sizes = hf_peer.same_sizes(config) if args.peer_cache == "same" else {}
+        sizes = hf_peer.same_sizes(config) if options.peer_cache == "same" else {}
         try:
             reports.append(hf_peer.run_transformers(config.model, prompts, output_lens,
                                                  dtype=config.dtype, device=config.device,
@@ -155,7 +156,7 @@ def bench_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
         print(f"buckets: {stats.runtime_graph_compilations} compilations after warmup, "
               f"{stats.batches_outside_buckets} batches outside every bucket, padding waste "
               f"{stats.padding_waste:.1%} of computed tokens", flush=True)
-    if args.json:
+    if options.json:
         for row in reports:
             print(row.to_json(), flush=True)
     if failure:
@@ -195,14 +196,14 @@ def _total_seconds(runs: list[tuple[ThroughputReport, EngineStats]]) -> float:
     return sum(report.elapsed_s for report, _ in runs)
 
 
-def bench_prefix(config: EngineConfig, args: argparse.Namespace) -> int:
+def bench_prefix(config: EngineConfig, options: PrefixBenchOptions) -> int:
     """The same shared-prefix workload through engines with prefix caching on and off."""
     variants = [(f"prefix caching {'on' if caching else 'off'}",
                  msgspec.structs.replace(config, enable_prefix_caching=caching))
                 for caching in (True, False)]
     runs = _run_variants(variants, lambda vocab: shared_prefix_workload(
-        args.num_prefixes, args.prefix_len, args.suffix_len, args.repeat, vocab,
-        args.workload_seed), args.output_len, args.rounds)
+        options.num_prefixes, options.prefix_len, options.suffix_len, options.repeat, vocab,
+        options.workload_seed), options.output_len, options.rounds)
     if isinstance(runs, int):
         return runs
     on, off = runs.values()
@@ -211,24 +212,25 @@ def bench_prefix(config: EngineConfig, args: argparse.Namespace) -> int:
         print(f"{report.row()} {stats.prefix_cache_hit_rate:>9.1%}")
     maintenance = sum(s.maintenance_ms for _, s in on)
     hidden = sum(s.maintenance_hidden_ms for _, s in on)
-    print(f"input tok/s ratio (on / off, {args.rounds} round(s)): "
+    print(f"input tok/s ratio (on / off, {options.rounds} round(s)): "
           f"{_total_seconds(off) / _total_seconds(on):.2f}x; scheduler maintenance "
           f"{maintenance:.1f} ms in total, {hidden / maintenance if maintenance else 1.0:.1%} of "
           "it hidden behind the forward pass", flush=True)
     return 0
 
 
-def bench_pressure(config: EngineConfig, args: argparse.Namespace) -> int:
+def bench_pressure(config: EngineConfig, options: PressureBenchOptions) -> int:
     """Random prompts through a roomy KV pool and through a small one, where requests are
     preempted by offload to the CPU swap space or by soft reset."""
-    small = msgspec.structs.replace(config, num_kv_blocks=args.pressure_blocks)
+    small = msgspec.structs.replace(config, num_kv_blocks=options.pressure_blocks)
     variants = [("roomy pool", config),
-                (f"offload ({args.swap_space_gib:g} GiB)",
-                 msgspec.structs.replace(small, swap_space=args.swap_space_gib)),
-                ("soft reset", msgspec.structs.replace(small, swap_space=0.0))]
+                (f"offload ({options.swap_space_gib:g} GiB)",
+                 msgspec.structs.replace(
+                     small, kv_swap_memory=int(options.swap_space_gib * 2**30))),
+                ("soft reset", msgspec.structs.replace(small, kv_swap_memory=0))]
     runs = _run_variants(variants, lambda vocab: random_workload(
-        args.num_requests, args.input_len_min, args.input_len_max, vocab, args.workload_seed),
-        args.output_len, args.rounds)
+        options.num_requests, options.input_len_min, options.input_len_max, vocab, options.workload_seed),
+        options.output_len, options.rounds)
     if isinstance(runs, int):
         return runs
     print(f"{TABLE_HEADER} {'preempt':>8} {'swap out':>8} {'resets':>7} {'vs roomy':>9}")
@@ -238,25 +240,25 @@ def bench_pressure(config: EngineConfig, args: argparse.Namespace) -> int:
         for report, stats in label_runs:
             print(f"{report.row()} {stats.num_preemptions:>8} {stats.num_swaps_out:>8} "
                   f"{stats.num_soft_resets:>7} {ratio:>8.2f}x")
-    print(f"small pool: {args.pressure_blocks} blocks of {config.block_size} tokens for "
-          f"{args.num_requests} requests of up to {args.input_len_max + args.output_len} tokens; "
-          f"'vs roomy' is output tok/s relative to the roomy pool over {args.rounds} round(s)",
+    print(f"small pool: {options.pressure_blocks} blocks of {config.block_size} tokens for "
+          f"{options.num_requests} requests of up to {options.input_len_max + options.output_len} tokens; "
+          f"'vs roomy' is output tok/s relative to the roomy pool over {options.rounds} round(s)",
           flush=True)
     return 0
 
 
-def bench_serving(config: EngineConfig, args: argparse.Namespace) -> int:
+def bench_serving(config: EngineConfig, options: ServingBenchOptions) -> int:
     """Online load against a running server (--url), or against an engine started here."""
-    if args.num_requests < 1 or args.output_len < 1 or not args.request_rate > 0:
+    if options.num_requests < 1 or options.output_len < 1 or not options.request_rate > 0:
         raise ConfigError("--num-requests, --output-len and --request-rate must be positive")
-    if args.url:
+    if options.url:
         try:
-            report = asyncio.run(_serving_load(args.url, args, None, config.auth_token))
+            report = asyncio.run(_serving_load(options.url, options, None, config.auth_token))
         except (EngineError, RuntimeError, OSError, ValueError) as error:
             print(f"spmdrun bench serving: {error}", file=sys.stderr)
             return 1
     else:
-        if args.endpoint == "http" and not config.http_port:
+        if options.endpoint == "http" and not config.http_port:
             config = msgspec.structs.replace(config, http_port=free_tcp_port(config.http_host))
         with RunningEngine(config, private_rpc=True) as engine:
             if config.node_rank != 0:
@@ -264,29 +266,29 @@ def bench_serving(config: EngineConfig, args: argparse.Namespace) -> int:
             try:
                 engine.connect()
                 url = engine.config.rpc_address
-                if args.endpoint == "http":
+                if options.endpoint == "http":
                     url = start_http_front(engine.config, engine.supervisor, engine.alive)
-                report = asyncio.run(_serving_load(url, args, engine.alive,
+                report = asyncio.run(_serving_load(url, options, engine.alive,
                                                    engine.config.auth_token))
             except (EngineError, ChildExited, RuntimeError) as error:
                 return exit_with_failure(engine, error)
     print(report.table(), flush=True)
-    if args.json:
+    if options.json:
         print(json.dumps(report.summary()), flush=True)
     return 0
 
 
-async def _serving_load(url: str, args: argparse.Namespace, alive,
+async def _serving_load(url: str, options: ServingBenchOptions, alive,
                         auth_token: str) -> ServingReport:
     endpoint = "http" if url.startswith(("http://", "https://")) else "rpc"
     model, vocab_size = await served_model(url, auth_token)
-    if args.dataset == "random":
-        prompts = random_workload(args.num_requests, args.input_len_min, args.input_len_max,
-                                  vocab_size, args.workload_seed)
+    if options.dataset == "random":
+        prompts = random_workload(options.num_requests, options.input_len_min, options.input_len_max,
+                                  vocab_size, options.workload_seed)
     else:
-        repeat = -(-args.num_requests // args.num_prefixes)
-        prompts = shared_prefix_workload(args.num_prefixes, args.prefix_len, args.suffix_len,
-                                         repeat, vocab_size, args.workload_seed)[:args.num_requests]
-    return await measure(endpoint, url.rstrip("/"), model, prompts, args.output_len,
-                         args.request_rate, args.max_concurrency, args.workload_seed, alive,
+        repeat = -(-options.num_requests // options.num_prefixes)
+        prompts = shared_prefix_workload(options.num_prefixes, options.prefix_len, options.suffix_len,
+                                         repeat, vocab_size, options.workload_seed)[:options.num_requests]
+    return await measure(endpoint, url.rstrip("/"), model, prompts, options.output_len,
+                         options.request_rate, options.max_concurrency, options.workload_seed, alive,
                          auth_token)

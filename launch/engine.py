@@ -6,6 +6,7 @@ import subprocess
 import msgspec
 from spmd_runtime.launch.supervisor import Supervisor, spawn_python
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.env_vars import SPMD_WORKER_GENERATION
 from spmd_runtime.protocol.process_entry import config_env
 from spmd_runtime.protocol.transport import free_tcp_port, private_ipc_address
 
@@ -47,7 +48,7 @@ def start_workers(config: EngineConfig, supervisor: Supervisor, generation: int 
             "GROUP_RANK": str(config.node_rank),
             "MASTER_ADDR": config.master_addr,
             "MASTER_PORT": str(master_port or config.master_port),
-            "SPMD_WORKER_GENERATION": str(generation),
+            SPMD_WORKER_GENERATION: str(generation),
         }
         supervisor.add(f"worker rank {rank}", spawn_child("spmd_runtime.worker_proc", config, env))
 

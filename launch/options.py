@@ -7,13 +7,15 @@ import os
 
 import msgspec
 from spmd_runtime.protocol.config import EngineConfig, engine_config_fields
+from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS, replace_deprecated
+from spmd_runtime.protocol.env_vars import SPMD_ADMIN_TOKEN, SPMD_API_KEY
 from spmd_runtime.protocol.model_source import config_source_kind
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.preflight import ConfigError, model_source, validation_message
 
 # Secrets read from the environment when not given as options (argv is visible in `ps`).
-TOKEN_VARIABLES = {"auth_token": ("--auth-token", "SPMD_API_KEY"),
-                   "admin_token": ("--admin-token", "SPMD_ADMIN_TOKEN")}
+TOKEN_VARIABLES = {"auth_token": ("--auth-token", SPMD_API_KEY),
+                   "admin_token": ("--admin-token", SPMD_ADMIN_TOKEN)}
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -24,16 +26,33 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             return EngineConfig.from_json(args.config_json)
         except msgspec.ValidationError as error:
             raise ConfigError(validation_message(error)) from None
-    names = {name for name, *_ in engine_config_fields()}
+    values, _ = _option_values(args)
+    try:
+        return msgspec.convert(values, EngineConfig)
+    except msgspec.ValidationError as error:
+        raise ConfigError(validation_message(error, values)) from None
+
+
+def deprecation_warnings(args: argparse.Namespace) -> list[str]:
+    """One warning per deprecated option given (protocol/deprecated_options.py)."""
+    if getattr(args, "config_json", None):
+        return []
+    return _option_values(args)[1]
+
+
+def _option_values(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The EngineConfig fields given (old spellings replaced, tokens from the environment)
+    and the deprecation warnings of the old spellings."""
+    names = {name for name, *_ in engine_config_fields()} | set(DEPRECATED_OPTIONS)
     values = {k: v for k, v in vars(args).items() if k in names}
     values.update(_tensor_parallel(values, getattr(args, "tensor_parallel_size", None)))
     for field, (_, variable) in TOKEN_VARIABLES.items():
         if field not in values and os.environ.get(variable):
             values[field] = os.environ[variable]
     try:
-        return msgspec.convert(values, EngineConfig)
-    except msgspec.ValidationError as error:
-        raise ConfigError(validation_message(error, values)) from None
+        return replace_deprecated(values)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _tensor_parallel(values: dict, size: int | None) -> dict:

@@ -12,8 +12,9 @@ import zmq
 from spmd_runtime.launch.engine import start_engine, start_workers
 from spmd_runtime.launch.supervisor import Child, ChildExited, Supervisor
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.curve import rpc_server_key, socket_keys
 from spmd_runtime.protocol.messages import WorkersLost
-from spmd_runtime.protocol.transport import free_tcp_port, private_ipc_address
+from spmd_runtime.protocol.transport import free_tcp_port, make_socket, private_ipc_address
 from spmd_runtime.runtime.client import Client
 
 RESTART_WINDOW_S = 3600.0
@@ -48,6 +49,8 @@ class RunningEngine:
             return False
         if self.config.node_rank == 0 and not self.ready:
             return False          # it failed before the engine ever served: a start-up error
+        if code == 0 and self.config.node_rank != 0:
+            return False          # node 0's scheduler shut the job down: nothing to restart
         now = time.monotonic()
         self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
         reason = child.describe(code)
@@ -72,11 +75,12 @@ class RunningEngine:
     def _notify_scheduler(self, message: WorkersLost) -> None:
         """Over the workers' socket, with the auth token like a worker's frames."""
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
+        address = self.config.worker_address
+        sock = make_socket(ctx, zmq.DEALER, address, bind=False,
+                           identity=f"launcher-{self.config.node_rank}".encode(),
+                           curve=socket_keys(self.config.curve_keys, address, server=False))
         sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.IDENTITY, f"launcher-{self.config.node_rank}".encode())
         try:
-            sock.connect(self.config.worker_address)
             frames = [self.config.auth_token.encode()] if self.config.auth_token else []
             sock.send_multipart([*frames, msgspec.msgpack.encode(message)])
         finally:
@@ -105,7 +109,8 @@ class RunningEngine:
     def connect(self) -> Client:
         """Wait until the engine serves (every worker loaded), then return a client of it."""
         self.client = Client(self.config.rpc_address, alive=self.alive,
-                             auth_token=self.config.auth_token)
+                             auth_token=self.config.auth_token,
+                             server_key=rpc_server_key(self.config))
         self.client.wait_ready()
         self.ready = True
         return self.client

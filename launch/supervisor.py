@@ -135,6 +135,18 @@ class Supervisor:
                 return exited[0]
             time.sleep(0.05)
 
+    def wait_all_exited(self, timeout_s: float) -> int | None:
+        """Wait up to timeout_s for every child to exit: the highest exit code, or None if
+        some are still running."""
+        deadline = time.monotonic() + timeout_s
+        codes = []
+        for child in self.children:
+            try:
+                codes.append(child.process.wait(max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                return None
+        return max(codes, default=0)
+
     def wait(self, until: Callable[[], bool] | None = None, interval_s: float = 0.2) -> None:
         """Supervise until `until()` is true or a stop is requested; raise if a child dies."""
         while not self.stop_requested and not (until and until()):

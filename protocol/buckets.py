@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.env_vars import bucket_variable
 
 Bucket = tuple[int, int]        # (batch size, sequence or context length)
 
@@ -178,10 +179,6 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.4g} GiB"
 
 
-def env_var(phase: str, dimension: str, part: str) -> str:
-    return f"SPMD_{phase.upper()}_{dimension.upper()}_BUCKET_{part.upper()}"
-
-
 def default_ranges(phase: str, *, max_num_seqs: int, max_num_batched_tokens: int,
                    max_model_len: int, block_size: int) -> dict[str, BucketRange]:
     """Ranges that cover what the scheduler can plan: up to max_num_seqs sequences, prompt
@@ -209,7 +206,7 @@ def resolve_ranges(phase: str, options: Mapping[str, str], defaults: dict[str, B
         default = defaults[dimension]
         parts = {}
         for part in ("min", "step", "max"):
-            name = env_var(phase, dimension, part)
+            name = bucket_variable(phase, dimension, part)
             raw = environ.get(name)
             try:
                 parts[part] = int(raw) if raw else getattr(default, part)
@@ -223,27 +220,31 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def compiling(config: EngineConfig) -> bool:
-    """--compile, unless eager is enforced or the projections are quantized (their integer
-    GEMM runs eagerly)."""
-    return config.compile and not config.enforce_eager and config.quantization == "none"
+def execution_mode(config: EngineConfig, device_type: str) -> str:
+    """--execution-mode with auto resolved: compiled on CUDA (graphs), eager on CPU."""
+    if config.execution_mode == "auto":
+        return "compiled" if device_type == "cuda" else "eager"
+    return config.execution_mode
+
+
+def compiling(config: EngineConfig, device_type: str = "cpu") -> bool:
+    """Whether a CPU worker compiles its layer pieces: --execution-mode compiled, unless the
+    projections are quantized (their integer GEMM runs eagerly)."""
+    return (device_type != "cuda" and execution_mode(config, device_type) == "compiled"
+            and config.quantization == "none")
 
 
 def graphs_enabled(config: EngineConfig, device_type: str) -> bool:
-    """Whether a worker captures CUDA graphs of its buckets: on CUDA with bucketing, unless
-    --enforce-eager or no graph memory is reserved."""
-    return (device_type == "cuda" and bucketing_enabled(config, device_type)
-            and not config.enforce_eager and config.graph_reserved_mem > 0)
+    """Whether a worker captures CUDA graphs of its buckets: compiled on CUDA."""
+    return device_type == "cuda" and execution_mode(config, device_type) == "compiled"
 
 
 def bucketing_enabled(config: EngineConfig, device_type: str = "cpu") -> bool:
-    """Whether batches are padded to buckets: `on`, or `auto` when there is something to
-    compile or capture (padding alone only costs): --compile, or CUDA graphs on a CUDA
-    device."""
-    if config.bucketing == "auto":
-        return compiling(config) or (device_type == "cuda" and not config.enforce_eager
-                                     and config.graph_reserved_mem > 0)
-    return config.bucketing == "on"
+    """Whether batches are padded to buckets: bucketed, or compiled where there is something
+    to compile or capture (padding alone only costs)."""
+    mode = execution_mode(config, device_type)
+    return mode == "bucketed" or (mode == "compiled" and (
+        device_type == "cuda" or compiling(config, device_type)))
 
 
 def engine_buckets(config: EngineConfig, max_model_len: int) -> dict[str, PhaseBuckets]:

@@ -5,10 +5,9 @@ Scheduler <-> worker messages are positional arrays (array_like) since they go e
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 from spmd_runtime.protocol.buckets import PhaseBuckets
+from spmd_runtime.protocol.config_fields import VictimPolicy as VictimPolicy  # re-exported
 from spmd_runtime.protocol.engine_stats import EngineStats
 from spmd_runtime.protocol.engine_stats import ThermalEvent as ThermalEvent  # re-exported
 from spmd_runtime.protocol.sampling import SamplingParams
@@ -76,9 +75,6 @@ class Ping(_Wire, tag="ping"):
     """Is the scheduler alive? Answered with Pong at once, even in the middle of a step."""
 
     tag: int
-
-
-VictimPolicy = Literal["lru", "largest_kv", "lowest_priority"]
 
 
 class AdminBatchRequest(_Wire, tag="admin_batch"):
@@ -278,7 +274,7 @@ class StepResult(_Wire, tag="result"):
     # The device's idle time between the step launched before it and this one (CUDA: timed by
     # events, as forward_ms is; None: no step before it).
     idle_ms: float | None = None
-    # Launched behind the step before it, before that one was finished (--overlap-steps).
+    # Launched behind the step before it, before that one was finished (--step-pipelining overlap).
     overlapped: bool = False
 
 

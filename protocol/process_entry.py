@@ -10,8 +10,9 @@ import traceback
 from typing import NoReturn
 
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.env_vars import SPMD_ENGINE_CONFIG
 
-CONFIG_ENV = "SPMD_ENGINE_CONFIG"
+CONFIG_ENV = SPMD_ENGINE_CONFIG
 # A child's line starting so is its own account of why it exits; the launcher repeats it last.
 ERROR_PREFIX = "spmdrun: error: "
 # Failures a user fixes by changing the command (an option, a path): told in one line.

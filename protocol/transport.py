@@ -8,6 +8,7 @@ import uuid
 
 import msgspec
 import zmq
+from spmd_runtime.protocol.curve import CurveKeys, secure_client, secure_server
 
 # Bounded queues: a stalled peer makes senders block or error instead of growing memory forever.
 DEFAULT_HWM = 10_000
@@ -24,9 +25,17 @@ class BindError(zmq.ZMQError):
 
 
 def make_socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool,
-                identity: bytes | None = None, hwm: int = DEFAULT_HWM) -> zmq.Socket:
-    """A socket with linger 0 (close never blocks) bound or connected to `address`."""
+                identity: bytes | None = None, hwm: int = DEFAULT_HWM,
+                curve: CurveKeys | None = None) -> zmq.Socket:
+    """A socket with linger 0 (close never blocks) bound or connected to `address`. With
+    `curve`, its traffic is encrypted: a bound socket is the CURVE server (the keys must hold
+    the secret key), a connected one a client of the server with that public key."""
     sock = ctx.socket(kind)
+    if curve is not None:
+        if bind:
+            secure_server(sock, curve)
+        else:
+            secure_client(sock, curve.public)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)

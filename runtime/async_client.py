@@ -85,12 +85,13 @@ class AsyncClient(RpcCore):
 
     def __init__(self, address: str, *, timeout_s: float = 600.0, ping_after_s: float = 5.0,
                  admin_token: str = "", auth_token: str = "",
-                 alive: Callable[[], bool] | None = None) -> None:
+                 alive: Callable[[], bool] | None = None, server_key: str | bytes = "") -> None:
         # Ping early enough that a busy engine answers before a short timeout runs out. Sends
         # queue locally (bounded by the high-water mark) and never block the event loop.
         super().__init__(zmq.asyncio.Context(), address, timeout_s=timeout_s,
                          ping_after_s=min(ping_after_s, timeout_s / 3), alive=alive,
-                         admin_token=admin_token, auth_token=auth_token, send_flags=zmq.NOBLOCK)
+                         admin_token=admin_token, auth_token=auth_token, send_flags=zmq.NOBLOCK,
+                         server_key=server_key)
         self._calls: dict[int, asyncio.Future] = {}
         self._adds: dict[int, asyncio.Future] = {}
         self._streams: dict[int, RequestStream] = {}

@@ -19,6 +19,7 @@ from spmd_runtime.protocol.messages import (
     RequestDelta,
     ResetPrefixCacheRequest,
     StatsRequest,
+    VictimPolicy,
 )
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.outputs import RequestOutput
@@ -56,10 +57,10 @@ class Client(RpcCore):
 
     def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 30.0,
                  alive: Callable[[], bool] | None = None, admin_token: str = "",
-                 auth_token: str = "") -> None:
+                 auth_token: str = "", server_key: str | bytes = "") -> None:
         super().__init__(zmq.Context(), address, timeout_s=timeout_s,
                          ping_after_s=self.PING_INTERVAL_S, alive=alive,
-                         admin_token=admin_token, auth_token=auth_token)
+                         admin_token=admin_token, auth_token=auth_token, server_key=server_key)
         self._replies: dict[int, msgspec.Struct] = {}
         self._deltas: dict[int, list[RequestDelta]] = {}
         self._failures: dict[int, str] = {}
@@ -174,13 +175,13 @@ class Client(RpcCore):
         self._call(ResetPrefixCacheRequest(tag=next(self._tags)))
 
     def admin_batch(self, max_num_seqs: int | None = None, force_evict: int | None = None,
-                    target_temp_c: float | None = None, policy: str | None = None,
+                    target_temp_c: float | None = None, policy: VictimPolicy | None = None,
                     dry_run: bool = False) -> AdminBatchReply:
-        """Operator control of the running batch (needs --enable-admin or --admin-token on the
-        server, and this client's admin_token when the server has one).
+        """Operator control of the running batch (needs --enable-admin on the server, and this
+        client's admin_token when the server has one).
 
         force_evict takes that many running requests off the batch now, chosen by `policy`
-        (lru, largest_kv, lowest_priority; default: the server's --thermal-victims); they
+        (a VictimPolicy; default: the server's --thermal-victims); they
         complete later. max_num_seqs sets the cap on running requests; target_temp_c the
         thermal target. dry_run names the victims and changes nothing. Raises PermissionError
         when refused, ValueError for bad values."""

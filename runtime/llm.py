@@ -4,10 +4,13 @@ from __future__ import annotations
 import difflib
 import signal
 import subprocess
+import warnings
 from collections.abc import Mapping, Sequence
 
 import msgspec
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.curve import rpc_server_key
+from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS, replace_deprecated
 from spmd_runtime.protocol.process_entry import config_env
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.transport import private_ipc_address
@@ -26,6 +29,9 @@ class LLM:
     def __init__(self, model: str = "smollm2", *, startup_timeout_s: float = 900.0,
                  **engine_options) -> None:
         _check_option_names(engine_options)
+        engine_options, deprecations = replace_deprecated(engine_options)
+        for message in deprecations:
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
         engine_options.setdefault("rpc_address", private_ipc_address("llm"))
         config = EngineConfig(model=model, **engine_options)
         # The constructor checks no types or ranges; decoding does. Refuse bad options here,
@@ -39,7 +45,8 @@ class LLM:
         self._process: subprocess.Popen | None = spawn_python(
             "spmd_runtime.launch", ["serve"], config_env(self.config), stdout=subprocess.DEVNULL)
         self._client = Client(self.config.rpc_address, alive=self._alive,
-                              auth_token=self.config.auth_token)
+                              auth_token=self.config.auth_token,
+                              server_key=rpc_server_key(self.config))
         try:
             self._client.wait_ready(startup_timeout_s)
         except BaseException:
@@ -99,7 +106,8 @@ class LLM:
 
 def _check_option_names(options: dict) -> None:
     """ValueError naming an unknown option and the nearest valid one."""
-    valid = [name for name in EngineConfig.__struct_fields__ if name != "model"]
+    valid = [name for name in (*EngineConfig.__struct_fields__, *DEPRECATED_OPTIONS)
+             if name != "model"]
     for name in options:
         if name not in valid:
             close = difflib.get_close_matches(name, [*valid, "startup_timeout_s"], n=1)

@@ -7,7 +7,7 @@ import re
 import socket
 
 import msgspec
-from spmd_runtime.protocol.config import EngineConfig, engine_config_choices
+from spmd_runtime.protocol.config import EngineConfig, engine_config_choices, is_local_address
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.model_source import ModelSource, config_source_kind, resolve_model
 
@@ -23,6 +23,7 @@ def check_config(config: EngineConfig, *, serves_rpc: bool = True) -> None:
     is bound (a launcher that talks to its engine privately does not bind it). Node 0 checks
     everything; other nodes what runs on them (the model, not node 0's ports)."""
     check_values(config)
+    check_curve_keys(config)
     source = model_source(config.model)
     check_tensor_parallel(config, source)
     if config.node_rank == 0:
@@ -163,3 +164,32 @@ def check_ports(config: EngineConfig, *, serves_rpc: bool = True) -> None:
                               "port above 1023")
         raise ConfigError(f"{option}: port {port} is already in use on this machine (another "
                           "server?): pick a free port, or stop what holds it")
+
+
+def check_curve_keys(config: EngineConfig) -> None:
+    """--curve-keys readable, with the secret key on node 0 where a socket it binds listens
+    beyond loopback."""
+    from spmd_runtime.protocol.curve import CurveKeyError, load_keys
+    if not config.curve_keys:
+        return
+    workers = config.worker_address or f"tcp://{config.master_addr}:0"
+    binds = [config.rpc_address, workers] if config.node_rank == 0 else []
+    need_secret = any(address and not is_local_address(address) for address in binds)
+    try:
+        load_keys(config.curve_keys, need_secret=need_secret)
+    except CurveKeyError as error:
+        raise ConfigError(f"--curve-keys: {error}") from None
+
+
+def security_warnings(config: EngineConfig) -> list[str]:
+    """What travels in the clear beyond this host."""
+    remote = [address for address in (config.rpc_address, config.worker_address)
+              if address and not is_local_address(address)]
+    if config.nnodes > 1 and not config.worker_address \
+            and not is_local_address(f"tcp://{config.master_addr}:0"):
+        remote.append(f"the workers' socket on {config.master_addr}")
+    if not remote or config.curve_keys:
+        return []
+    return [f"{', '.join(remote)} listens beyond loopback unencrypted (prompts, outputs and the "
+            "auth token in the clear): make keys with `spmdrun keys DIR` and pass "
+            "--curve-keys DIR"]

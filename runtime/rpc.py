@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 import zmq
+from spmd_runtime.protocol.curve import load_keys
 from spmd_runtime.protocol.messages import (
     AddRequest,
     AdminBatchRequest,
@@ -57,13 +58,58 @@ def check_rpc_address(address: str) -> None:
                          "tcp://host:port (spmdrun serve --rpc-address) or ipc://path")
 
 
-def connect(ctx: zmq.Context, address: str) -> zmq.Socket:
-    """A DEALER socket connected to the engine at `address` (checked first)."""
+def connect(ctx: zmq.Context, address: str, server_key: str | bytes = "") -> zmq.Socket:
+    """A DEALER socket connected to the engine at `address` (checked first); with the server's
+    CURVE public key (the key, a job.key file or the directory `spmdrun keys` made), its
+    traffic is encrypted."""
     check_rpc_address(address)
+    curve = None
+    if server_key:
+        key = server_key.decode() if isinstance(server_key, bytes) else server_key
+        curve = load_keys(key, need_secret=False)
     try:
-        return make_socket(ctx, zmq.DEALER, address, bind=False)
+        return make_socket(ctx, zmq.DEALER, address, bind=False, curve=curve)
     except zmq.ZMQError as error:
         raise ValueError(f"cannot connect to {address}: {error}") from error
+
+
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class HandshakeWatch:
+    """Failed security handshakes of a socket (its monitor events): a wrong or missing CURVE
+    key makes the engine look silent, and this says why."""
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, encrypted: bool) -> None:
+        self.encrypted = encrypted
+        address = f"inproc://handshake-{id(sock):x}"
+        sock.monitor(address, HANDSHAKE_FAILURES)
+        # A plain socket even beside an asyncio one: it is read without waiting.
+        self._events = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+        self._events.connect(address)
+        self.failures = 0
+
+    def failed(self) -> bool:
+        while True:
+            try:
+                self._events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return self.failures > 0
+            self.failures += 1
+
+    def error(self, address: str) -> "EngineError":
+        if self.encrypted:
+            text = (f"the engine at {address} refused the encrypted handshake: the server key "
+                    "given is not its job's public key (job.key of its `spmdrun keys`), or it "
+                    "does not use CURVE (then give no server key)")
+        else:
+            text = (f"the engine at {address} encrypts its traffic (CURVE): give the client its "
+                    "job's public key, Client(address, server_key='DIR/job.key')")
+        return EngineError(text, kind="handshake", address=address)
+
+    def close(self) -> None:
+        self._events.close(linger=0)
 
 
 class RpcCore:
@@ -76,7 +122,7 @@ class RpcCore:
 
     def __init__(self, ctx: zmq.Context, address: str, *, timeout_s: float,
                  ping_after_s: float, alive: Callable[[], bool] | None, admin_token: str,
-                 auth_token: str, send_flags: int = 0) -> None:
+                 auth_token: str, send_flags: int = 0, server_key: str | bytes = "") -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.ping_after_s = ping_after_s
@@ -87,16 +133,18 @@ class RpcCore:
         self._send_flags = send_flags
         self._ctx = ctx
         try:
-            self._sock = connect(ctx, address)
+            self._sock = connect(ctx, address, server_key)
         except ValueError:
             ctx.term()
             raise
+        self._handshakes = HandshakeWatch(ctx, self._sock, encrypted=bool(server_key))
         self._encoder = Encoder()
         self._decoder = server_decoder()
         self._tags = itertools.count(1)
         self._last_heard = self._last_ping = time.monotonic()
 
     def close(self) -> None:
+        self._handshakes.close()
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -139,6 +187,8 @@ class RpcCore:
         engine is gone (its process exited, or it answered nothing, pings included, for
         timeout_s); otherwise pings it once it has been silent for ping_after_s."""
         now = time.monotonic()
+        if self._handshakes.failed():
+            return self._handshakes.error(self.address)
         if self._alive is not None and not self._alive():
             return EngineError("the engine process exited; see its log above", kind="exited",
                                address=self.address)
@@ -151,6 +201,8 @@ class RpcCore:
         return None
 
     def _timed_out(self, waited_s: float, heard: bool) -> EngineError:
+        if not heard and self._handshakes.failed():
+            return self._handshakes.error(self.address)
         if heard:
             return EngineError(f"the engine at {self.address} answers, but was not ready within "
                                f"{waited_s:g}s", kind="not_ready", address=self.address)

@@ -17,10 +17,10 @@ log = logging.getLogger("spmd.scheduler")
 def admin_batch(config: EngineConfig, scheduler: Scheduler,
                 message: AdminBatchRequest) -> AdminBatchReply | ErrorReply:
     """Apply the request (unless a dry run) and return the reply; an ErrorReply changes nothing."""
-    if not config.admin_enabled:
+    if not config.enable_admin:
         return ErrorReply(tag=message.tag, code="disabled", message=(
-            "admin calls are disabled on this server; start it with --admin-token SECRET "
-            "(or --enable-admin on a trusted network)"))
+            "admin calls are disabled on this server; start it with --enable-admin "
+            "--admin-token SECRET (or --enable-admin alone on a trusted network)"))
     if config.admin_token and not hmac.compare_digest(
             message.token.encode(), config.admin_token.encode()):
         log.warning("refused an admin call with a %s token",

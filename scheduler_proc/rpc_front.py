@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import zmq
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.messages import (
     DECODE_ERRORS,
     ClientMessage,
@@ -28,7 +29,9 @@ class RpcFront:
         self.config = config
         self.encoder = encoder
         self.decoder = client_decoder()
-        self.socket = make_socket(ctx, zmq.ROUTER, config.rpc_address, bind=True)
+        self.socket = make_socket(ctx, zmq.ROUTER, config.rpc_address, bind=True,
+                                  curve=socket_keys(config.curve_keys, config.rpc_address,
+                                                    server=True))
         # Past this, zmq drops the connection without reading the frame into memory.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message_bytes)
         # Decoded client messages waiting for the loop (pings are answered on arrival).

@@ -147,7 +147,7 @@ class SchedulerServer:
             started = time.perf_counter()
             # Plan the next step before this one's result, where it can be (pure decode
             # continuations), so the workers go on without waiting for this process.
-            ahead = scheduler.schedule_ahead(step) if self.config.async_scheduling else None
+            ahead = scheduler.schedule_ahead(step) if self.config.step_pipelining != "off" else None
             if ahead is not None:
                 self.group.broadcast(self.encoder.encode(ahead.plan))
             scheduler.maintain(step)

@@ -26,13 +26,13 @@ import math
 from collections import deque
 from importlib.metadata import entry_points
 
+from spmd_runtime.protocol.config_fields import VICTIM_POLICIES
 from spmd_runtime.protocol.messages import ThermalEvent, ThermalReading
 from spmd_runtime.scheduler_proc.request import Request
 
 log = logging.getLogger("spmd.thermal")
 
 ENTRY_POINT_GROUP = "spmd_runtime.thermal_policies"
-VICTIM_POLICIES = ("lru", "largest_kv", "lowest_priority")
 MAX_EVENTS = 64
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import zmq
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.messages import (
     Heartbeat,
     Shutdown,
@@ -67,7 +68,9 @@ class WorkerGroup:
         self.encoder = encoder
         self._is_stopping = stopping
         self.decoder = scheduler_inbound_decoder()
-        self.socket = make_socket(ctx, zmq.ROUTER, config.worker_address, bind=True)
+        self.socket = make_socket(ctx, zmq.ROUTER, config.worker_address, bind=True,
+                                  curve=socket_keys(config.curve_keys, config.worker_address,
+                                                    server=True))
         # A restarted worker reconnects with its rank's identity: it takes the old one over.
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.generation = 0

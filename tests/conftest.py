@@ -121,6 +121,25 @@ def kill_tree(root: subprocess.Popen | int | None, tag: str | None = None,
     psutil.wait_procs(list(procs.values()), timeout=timeout_s)
 
 
+def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.05,
+               what: str | Callable[[], str] = "the condition"):
+    """Poll predicate() every interval_s until it returns something truthy, and return that.
+
+    For conditions no event announces (a process tree, an engine's stats): the deadline is a
+    generous bound, never the expected duration, so a slow machine only makes the test slower.
+    After timeout_s, AssertionError naming `what` (a string, or a callable giving one: e.g. the
+    last value seen)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {text}")
+        time.sleep(interval_s)
+
+
 def wait_until_gone(procs: Sequence[psutil.Process], timeout_s: float) -> list[psutil.Process]:
     """Processes of `procs` still alive (zombies count as gone) after waiting up to timeout_s."""
     deadline = time.monotonic() + timeout_s

@@ -1,5 +1,6 @@
-"""Every request's KV block table kept on the host as one padded row of a tensor, so a decode
-batch's tables are a single row gather rather than a Python list built per request per step."""
+"""The worker's one record of every request's KV block ids: a padded row of a host tensor, so a
+decode batch's tables are a single row gather, and the same ids as a Python list, so building
+a step's slot mapping reads list items rather than converting a tensor per token."""
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ class BlockTables:
     def __init__(self, filler: int, num_rows: int = 64, num_cols: int = 16) -> None:
         self.filler = filler
         self.table = torch.full((num_rows, num_cols), filler, dtype=torch.int64)
-        self.lengths = [0] * num_rows
         self.rows: dict[int, int] = {}
+        # Each request's row of `table` as a list: kept in step with it by add/append/remove.
+        self.ids: dict[int, list[int]] = {}
         self.free_rows = list(range(num_rows - 1, self.PADDING_ROW, -1))
 
     def add(self, request_id: int, block_ids: list[int]) -> None:
@@ -24,31 +26,34 @@ class BlockTables:
         self.remove(request_id)
         if not self.free_rows:
             self._grow(rows=self.table.shape[0])
-        row = self.free_rows.pop()
-        self.rows[request_id] = row
+        self.rows[request_id] = self.free_rows.pop()
+        self.ids[request_id] = []
         self.append(request_id, block_ids)
 
     def append(self, request_id: int, block_ids: list[int]) -> None:
         if not block_ids:
             return
-        row = self.rows[request_id]
-        start = self.lengths[row]
+        ids = self.ids[request_id]
+        start = len(ids)
         end = start + len(block_ids)
         if end > self.table.shape[1]:
             self._grow(cols=max(end, 2 * self.table.shape[1]) - self.table.shape[1])
-        self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int64)
-        self.lengths[row] = end
+        self.table[self.rows[request_id], start:end] = torch.tensor(block_ids, dtype=torch.int64)
+        ids.extend(block_ids)
 
     def remove(self, request_id: int) -> None:
         row = self.rows.pop(request_id, None)
         if row is None:
             return
-        self.table[row, :self.lengths[row]] = self.filler
-        self.lengths[row] = 0
+        self.table[row, :len(self.ids.pop(request_id))] = self.filler
         self.free_rows.append(row)
 
     def row(self, request_id: int) -> int:
         return self.rows[request_id]
+
+    def block_ids(self, request_id: int) -> list[int]:
+        """The request's block ids in order; the caller reads the list and must not change it."""
+        return self.ids[request_id]
 
     def gather(self, rows: list[int], num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         """[len(rows), num_blocks]: each row's first num_blocks blocks, filler past its end."""
@@ -64,5 +69,4 @@ class BlockTables:
         table = torch.full((old_rows + rows, old_cols + cols), self.filler, dtype=torch.int64)
         table[:old_rows, :old_cols] = self.table
         self.table = table
-        self.lengths.extend([0] * rows)
         self.free_rows.extend(range(old_rows + rows - 1, old_rows - 1, -1))

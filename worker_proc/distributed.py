@@ -1,12 +1,16 @@
 """torch.distributed set-up from torchrun's environment contract (RANK, WORLD_SIZE, MASTER_ADDR...)."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from spmd_runtime.runtime.network import choose_socket_interface
+
+log = logging.getLogger("spmd.worker")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ def init_distributed(requested_device: str, requested_backend: str = "auto",
         torch.cuda.set_device(device)
     backend = pick_backend(requested_backend, device)
     master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if world_size > 1:
+        log.info("rank %d: %s", rank, choose_socket_interface(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     try:
         dist.init_process_group(backend=backend, init_method="env://", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))

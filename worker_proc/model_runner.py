@@ -36,10 +36,10 @@ UNREAD_TOKEN = -1
 
 @dataclass
 class RequestState:
-    """What a worker keeps per request between steps (the scheduler sends only deltas)."""
+    """What a worker keeps per request between steps (the scheduler sends only deltas); its
+    block ids are kept by ModelRunner.block_tables."""
 
     token_ids: list[int]
-    block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
     # (index in token_ids, row in the in-flight step's sampled tokens) of an UNREAD_TOKEN.
@@ -116,7 +116,7 @@ class ModelRunner(WarmupAndGraphs):
         # write it, and decode groups pad their block tables with it.
         self.scratch_block = (kv_caches[0][0].shape[0] // block_size - 1
                               if scratch_block is None else scratch_block)
-        # Compiled layer pieces (--compile), and the token counts they have been run at.
+        # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
         self.compiled: LayerPieces | None = None
         self.compiled_shapes: set[int] = set()
         # Captured graphs by (phase, batch size, length); a bucket without one runs eagerly.
@@ -125,7 +125,7 @@ class ModelRunner(WarmupAndGraphs):
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
-        # Their block tables as padded rows of one host tensor (decode batches gather rows).
+        # Their block ids, the worker's only record of them (decode batches gather rows).
         self.block_tables = BlockTables(self.scratch_block)
         # The step launched last (the device's idle time before the next one).
         self._last_launched: LaunchedStep | None = None
@@ -144,14 +144,13 @@ class ModelRunner(WarmupAndGraphs):
         scheduled = []
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
-                list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params)
+                list(new.token_ids), new.num_computed_tokens, new.params)
             self.block_tables.add(new.request_id, new.block_ids)
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for request_id, num_tokens, new_blocks in zip(
                 plan.cached_request_ids, plan.cached_num_scheduled_tokens,
                 plan.cached_new_block_ids, strict=True):
             if new_blocks:
-                self.requests[request_id].block_ids.extend(new_blocks)
                 self.block_tables.append(request_id, new_blocks)
             scheduled.append((request_id, num_tokens))
         return scheduled
@@ -327,7 +326,7 @@ class ModelRunner(WarmupAndGraphs):
             state = self.requests[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
-            table = state.block_ids
+            table = self.block_tables.block_ids(request_id)
             offset = len(input_ids)
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))

@@ -98,7 +98,7 @@ class WarmupAndGraphs:
         sample_rows, sample_ids = [], []
         for row, (request_id, num_tokens) in enumerate(scheduled):
             state, base = self.requests[request_id], row * row_length
-            table = state.block_ids
+            table = self.block_tables.block_ids(request_id)
             input_ids[base:base + num_tokens] = state.token_ids[:num_tokens]
             positions[base:base + num_tokens] = range(num_tokens)
             slots[base:base + num_tokens] = [table[p // block_size] * block_size + p % block_size

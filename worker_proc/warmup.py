@@ -19,18 +19,17 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig,
                     buckets: dict[str, PhaseBuckets] | None, ctx: DistributedContext,
                     graph_budget: int | None = None) -> None:
     """With the scheduler's buckets (None: bucketing is off): log them, compile the layer
-    pieces (--compile), warm every bucket shape up and (graph_budget not None: on CUDA) capture
-    graphs of as many buckets as the budget holds, so that serving compiles and captures
-    nothing."""
+    pieces (--execution-mode compiled, on CPU), warm every bucket shape up and (graph_budget
+    not None: on CUDA) capture graphs of as many buckets as the budget holds, so that serving
+    compiles and captures nothing."""
     if buckets is None:
-        if compiling(config):
-            log.warning("--compile needs bucketing: it is off (--bucketing off)")
         return
-    if ctx.rank == 0:
+    # Once per node, so that every node's log shows the buckets it runs.
+    if ctx.local_rank == 0:
         for phase_buckets in buckets.values():
             log.info("%s", phase_buckets.config_line())
             log.info("%s", phase_buckets.list_line())
-    if compiling(config):
+    if compiling(config, ctx.device.type):
         runner.compile_pieces(sum(len(b.buckets) for b in buckets.values()))
     if config.skip_warmup:
         log.warning("warmup skipped (--skip-warmup): the first batch of each bucket shape will "

@@ -15,6 +15,12 @@ import torch
 import zmq
 from spmd_runtime.protocol.buckets import PhaseBuckets, graphs_enabled
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.curve import socket_keys
+from spmd_runtime.protocol.env_vars import (
+    SPMD_ROW_PARALLEL_CHUNK_THRESHOLD,
+    SPMD_ROW_PARALLEL_CHUNKS,
+    SPMD_WORKER_GENERATION,
+)
 from spmd_runtime.protocol.messages import (
     Heartbeat,
     Shutdown,
@@ -96,13 +102,13 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     # One block more than the scheduler knows of: the scratch block padding writes to.
     kv_caches = allocate_kv_cache(model_config, num_blocks + 1, config.block_size, dtype,
                                   ctx.device, tp.size)
-    num_cpu_blocks = int(config.swap_space * 2**30) // sizing.bytes_per_block
+    num_cpu_blocks = config.kv_swap_memory // sizing.bytes_per_block
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
                          scratch_block=num_blocks,
                          decode_kernel=use_decode_kernel(config, ctx.device, model_config.head_dim,
                                                        dtype))
-    generation = int(os.environ.get("SPMD_WORKER_GENERATION", "0"))
+    generation = int(os.environ.get(SPMD_WORKER_GENERATION, "0"))
     loaded = WorkerLoaded(rank=ctx.rank, max_model_len=max_model_len, device=str(ctx.device),
                           generation=generation)
     buckets = buckets_from_scheduler(loaded) if buckets_from_scheduler else None
@@ -110,7 +116,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                     graph_budget=sizing.graph_reserved_bytes if graphs else None)
     if num_cpu_blocks:
         log.info("rank %d swap space: %d CPU blocks (%.2f GiB%s)", ctx.rank, num_cpu_blocks,
-                 config.swap_space, ", pinned" if ctx.device.type == "cuda" else "")
+                 config.kv_swap_memory / 2**30, ", pinned" if ctx.device.type == "cuda" else "")
     ready = WorkerReady(rank=ctx.rank, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                         vocab_size=model_config.vocab_size,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
@@ -150,9 +156,9 @@ def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int,
 
 def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorParallel:
     """Every worker of the job is one rank of a single tensor-parallel group."""
-    chunks = config.row_parallel_chunks or int(os.environ.get("SPMD_ROW_PARALLEL_CHUNKS", "1"))
+    chunks = config.row_parallel_chunks or int(os.environ.get(SPMD_ROW_PARALLEL_CHUNKS, "1"))
     threshold = config.row_parallel_chunk_threshold or int(
-        os.environ.get("SPMD_ROW_PARALLEL_CHUNK_THRESHOLD", "8192"))
+        os.environ.get(SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, "8192"))
     return TensorParallel(rank=ctx.rank, size=ctx.world_size, row_parallel_chunks=chunks,
                           row_parallel_chunk_threshold=threshold)
 
@@ -207,7 +213,7 @@ class InFlight:
 
 
 class StepLoop:
-    """Receive plans and run them; with --overlap-steps, one step ahead.
+    """Receive plans and run them; with --step-pipelining overlap, one step ahead.
 
     Overlapped, a step is launched on the device and, while it runs, the next plan (which the
     scheduler sends before this step's result where it plans ahead) is received, prepared on
@@ -226,7 +232,7 @@ class StepLoop:
         self.runner, self.monitor, self.rank, self.parent = runner, monitor, rank, parent
         self.overlap = overlap_enabled(config, runner.device)
         # On a device that computes while the host goes on (CUDA), wait for the next plan only
-        # as long as the step runs; on CPU, where launching a step runs it, --overlap-steps on
+        # as long as the step runs; on CPU, where launching a step runs it, overlap
         # takes a plan only if it is already there (this is how CPU tests exercise the path).
         self.device_runs_async = runner.device.type == "cuda"
 
@@ -323,10 +329,11 @@ def ask_for_buckets(sock: zmq.Socket, config: EngineConfig, encoder: Encoder, de
 
 
 def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
-    """--overlap-steps: auto overlaps on CUDA, where the device runs while the host prepares."""
-    if config.overlap_steps == "auto":
+    """--step-pipelining overlap; auto overlaps on CUDA, where the device runs while the host
+    prepares."""
+    if config.step_pipelining == "auto":
         return device.type == "cuda"
-    return config.overlap_steps == "on"
+    return config.step_pipelining == "overlap"
 
 
 def run_worker(config: EngineConfig) -> int:
@@ -334,7 +341,8 @@ def run_worker(config: EngineConfig) -> int:
     ctx_zmq = zmq.Context()
     rank = int(os.environ.get("RANK", "0"))
     sock = make_socket(ctx_zmq, zmq.DEALER, config.worker_address, bind=False,
-                       identity=f"rank-{rank}".encode())
+                       identity=f"rank-{rank}".encode(),
+                       curve=socket_keys(config.curve_keys, config.worker_address, server=False))
     encoder = Encoder()
     decoder = worker_inbound_decoder()
     parent = os.getppid()

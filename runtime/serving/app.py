@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.curve import rpc_server_key
 from spmd_runtime.protocol.messages import ModelInfo
 from spmd_runtime.runtime.async_client import AsyncClient
 from spmd_runtime.runtime.client import EngineError
@@ -71,7 +72,8 @@ def build_app(config: EngineConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client = AsyncClient(config.rpc_address, timeout_s=config.step_timeout_s,
-                             admin_token=config.admin_token, auth_token=config.auth_token)
+                             admin_token=config.admin_token, auth_token=config.auth_token,
+                             server_key=rpc_server_key(config))
         try:
             info = await client.wait_ready()
             tokenizer = await asyncio.to_thread(_load_tokenizer, info.model)
@@ -169,8 +171,9 @@ async def admin_batch(request: Request, body: AdminBatchBody,
                       authorization: str | None = Header(default=None)) -> dict:
     state = _state(request)
     expected = state.config.admin_token
-    if not expected:
-        raise APIError("admin calls are disabled on this server: start it with --admin-token",
+    if not (state.config.enable_admin and expected):
+        raise APIError("admin calls are disabled on this server: start it with --enable-admin "
+                       "--admin-token SECRET",
                        status=403, type="permission_error", code="admin_disabled")
     if not bearer_matches(authorization, expected):
         raise APIError("missing or wrong admin token: send the header 'Authorization: Bearer "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from spmd_runtime.protocol.config_fields import VictimPolicy
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.serving.errors import APIError
 
@@ -85,7 +86,7 @@ class AdminBatchBody(BaseModel):
     max_num_seqs: int | None = Field(default=None, ge=1, lt=2**31)
     force_evict: int | None = Field(default=None, ge=0, lt=2**31)
     target_temp_c: float | None = Field(default=None, allow_inf_nan=False)
-    policy: Literal["lru", "largest_kv", "lowest_priority"] | None = None
+    policy: VictimPolicy | None = None
     dry_run: bool = False
 
 

@@ -9,7 +9,7 @@ import pytest
 from spmd_runtime.launch import hf_peer
 from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS, ThroughputWorkload, throughput_workload_from_args
 from spmd_runtime.launch.cli import build_parser, config_from_args
-from spmd_runtime.launch.commands import bench_model
+from spmd_runtime.launch.command_options import bench_model
 
 
 def _bench_args(*flags: str):
@@ -46,7 +46,8 @@ def test_issue10_workload_and_uniform_output_lengths() -> None:
 def test_bench_model_spellings() -> None:
     def model(*flags: str) -> str:
         args = _bench_args(*flags)
-        return bench_model(config_from_args(args), args).model
+        return bench_model(config_from_args(args), args.model_config, args.load_format,
+                           "model" in args).model
 
     assert model() == "smollm2"
     assert model("--load-format", "dummy", "--model-config", "llama-3.2-1b") == "dummy:llama-3.2-1b"
@@ -60,7 +61,8 @@ def test_bench_model_spellings() -> None:
         _bench_args("--model-config", "no-such-preset")
     # The other benchmarks take the same spellings.
     args = build_parser().parse_args(["bench", "prefix", "--model-config", "tiny-llama"])
-    assert bench_model(config_from_args(args), args).model == "dummy:tiny-llama"
+    assert bench_model(config_from_args(args), args.model_config, args.load_format,
+                       "model" in args).model == "dummy:tiny-llama"
 
 
 @pytest.mark.timeout(300)

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,17 +24,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DUMMY = ("--model", "dummy:smollm2", "--num-kv-blocks", "16", "--max-model-len", "128")
 
 
-def spmdrun(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "spmd_runtime.launch", *args], cwd=REPO_ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _run_to_end(argv: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run argv to its end; on a timeout (or any failure) kill it and its children."""
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        stdout, stderr = "", ""
-        raise
     finally:
         if proc.poll() is None:
             for child in psutil.Process(proc.pid).children(recursive=True):
@@ -41,6 +38,16 @@ def spmdrun(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess
             proc.kill()
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def spmdrun(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+    return _run_to_end([sys.executable, "-m", "spmd_runtime.launch", *args], _env(), timeout_s)
 
 
 def engine_children_gone(procs, timeout_s: float = 15.0) -> list:
@@ -170,31 +177,37 @@ def test_worker_that_fails_to_load_ends_the_job_with_its_error(weightless_model_
 
 # ---------------------------------------------------------------------------- bad input
 
+# Runs the launcher with an audit hook that appends a line to the file named by
+# SPMD_TEST_SPAWN_LOG for every process it starts (subprocess, fork, exec, spawn, system) before
+# starting it: a child that lives a millisecond is seen as surely as one that lives a minute.
+_SPAWN_WATCH = """\
+import os, runpy, sys
+_log = os.environ.pop("SPMD_TEST_SPAWN_LOG")
+_events = ("subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec",
+           "os.system", "pty.spawn")
+def _hook(event, args):
+    if event in _events:
+        with open(_log, "a") as f:
+            f.write(event + " " + repr(args)[:300] + "\\n")
+sys.addaudithook(_hook)
+runpy.run_module("spmd_runtime.launch", run_name="__main__", alter_sys=True)
+"""
+
+
 def _watch_children(args: list[str]) -> tuple[subprocess.CompletedProcess, int, float]:
-    """Run spmdrun, counting the child processes it ever has; returns (result, most, seconds)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "spmd_runtime.launch", *args], cwd=REPO_ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    most = 0
-    try:
-        while proc.poll() is None and time.monotonic() - started < 60:
-            try:
-                most = max(most, len(psutil.Process(proc.pid).children(recursive=True)))
-            except psutil.NoSuchProcess:
-                pass
-            time.sleep(0.01)
-        stdout, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
-    return (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), most,
-            time.monotonic() - started)
+    """Run spmdrun to its end, waiting on its exit; returns (result, number of processes it
+    started, seconds)."""
+    env = _env()
+    with tempfile.TemporaryDirectory() as scratch:
+        spawn_log = Path(scratch) / "spawned"
+        spawn_log.touch()
+        env["SPMD_TEST_SPAWN_LOG"] = str(spawn_log)
+        started = time.monotonic()
+        result = _run_to_end([sys.executable, "-c", _SPAWN_WATCH, *args], env, 90)
+        spawned = spawn_log.read_text().splitlines()
+    if spawned:
+        print("spmdrun started processes:", *spawned, sep="\n")     # shown if the test fails
+    return result, len(spawned), time.monotonic() - started
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, most_children: int,
@@ -372,9 +385,10 @@ def test_prompts_positional_and_as_options(tmp_path) -> None:
 def test_tokens_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SPMD_API_KEY", "from-env")
     monkeypatch.setenv("SPMD_ADMIN_TOKEN", "admin-from-env")
-    args = parse_command_line(build_parser(), ["serve"])
+    args = parse_command_line(build_parser(), ["serve", "--enable-admin"])
     config = config_from_args(args)
     assert (config.auth_token, config.admin_token) == ("from-env", "admin-from-env")
+    assert config.enable_admin
     assert token_warnings(args) == []
     args = parse_command_line(build_parser(), ["serve", "--api-key", "s3cret-on-argv"])
     assert config_from_args(args).auth_token == "s3cret-on-argv"

@@ -4,6 +4,7 @@ their own when the heartbeats stop."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -25,8 +26,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def stream_in_background(address: str):
-    """A client streaming a long request; returns (thread, outcome dict)."""
+    """A client streaming a long request; returns (thread, outcome dict, an event set once the
+    first tokens arrived)."""
     outcome: dict = {}
+    streaming = threading.Event()
 
     def work():
         with Client(address, timeout_s=4.0) as client:
@@ -34,12 +37,15 @@ def stream_in_background(address: str):
                 for delta in client.stream([5, 6, 7], SamplingParams(
                         max_tokens=200, temperature=0.0, ignore_eos=True)):
                     outcome["tokens"] = outcome.get("tokens", 0) + len(delta.token_ids)
+                    streaming.set()
                     time.sleep(0.05)       # a slow reader: the request outlives the kill
             except EngineError as error:
                 outcome["error"] = str(error)
+            finally:
+                streaming.set()            # never leave the test waiting on a dead stream
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
-    return thread, outcome
+    return thread, outcome, streaming
 
 
 def wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
@@ -53,10 +59,8 @@ def test_killing_the_scheduler_stops_the_job_and_fails_the_client(spmd_serve, ti
                         launcher=["--nproc-per-node", "2"])
     try:
         server.wait_serving()
-        thread, outcome = stream_in_background(server.address)
-        deadline = time.monotonic() + 60
-        while not outcome.get("tokens") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        thread, outcome, streaming = stream_in_background(server.address)
+        streaming.wait(60)
         assert outcome.get("tokens"), outcome
         children = [p for p in server.processes() if p.pid != server.proc.pid]
         assert len(children) == 3          # scheduler, two workers
@@ -86,13 +90,23 @@ def test_workers_without_a_launcher_exit_when_heartbeats_stop(tmp_path, tiny_mod
             client.wait_ready(240)
             (out,) = client.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
             assert len(out.token_ids) == 4
-            # Idle for longer than the heartbeat timeout: heartbeats keep the workers up.
-            time.sleep(4.5)
-            assert engine.workers.poll() is None, engine.log[-3000:]
+            # Idle for longer than the heartbeat timeout: heartbeats keep the workers up. Waiting
+            # on the workers' exit (not sleeping) fails the test the moment they leave.
+            idle_s = config.heartbeat_timeout_s * 1.5
+            with pytest.raises(subprocess.TimeoutExpired):
+                engine.workers.wait(idle_s)
+                pytest.fail(f"the workers exited while idle:\n{engine.log[-3000:]}")
+            # ...and still serve after the silence.
+            (out,) = client.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+            assert len(out.token_ids) == 4
         engine.scheduler.send_signal(signal.SIGKILL)
         engine.scheduler.wait(10)
-        # 3 s of silence, then the workers exit and torchrun with them.
-        engine.workers.wait(10 + 3)
+        # 3 s of silence, then the workers exit and torchrun with them: waited for with a
+        # generous deadline; the log says the silence was the reason.
+        try:
+            engine.workers.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"workers still up 60 s after the scheduler died:\n{engine.log[-3000:]}")
         assert "no plan or heartbeat from the scheduler for 3s" in engine.log, engine.log[-3000:]
 
 
@@ -107,6 +121,9 @@ class Streams:
         self.tokens: list[list[int]] = [[] for _ in PROMPTS]
         self.finish: list[str | None] = [None] * len(PROMPTS)
         self.errors: list[tuple[float, str] | None] = [None] * len(PROMPTS)
+        self._lock = threading.Lock()
+        self._num_started = 0
+        self.all_started = threading.Event()
         self.threads = [threading.Thread(target=self._stream, args=(address, i), daemon=True)
                         for i in range(len(PROMPTS))]
         for thread in self.threads:
@@ -116,15 +133,19 @@ class Streams:
         with Client(address, timeout_s=60) as client:
             try:
                 for delta in client.stream(PROMPTS[index], STREAMED):
+                    first = not self.tokens[index] and delta.token_ids
                     self.tokens[index] += delta.token_ids
                     self.finish[index] = delta.finish_reason
+                    if first:
+                        with self._lock:
+                            self._num_started += 1
+                            if self._num_started == len(PROMPTS):
+                                self.all_started.set()
             except EngineError as error:
                 self.errors[index] = (time.monotonic(), str(error))
 
     def wait_all_started(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not all(self.tokens) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.all_started.wait(timeout_s)
         assert all(self.tokens), "not every stream started"
 
     def join(self, timeout_s: float) -> None:

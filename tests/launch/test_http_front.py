@@ -32,7 +32,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 def server(spmd_serve, free_port):
     port = free_port()
     srv = spmd_serve("--model", "smollm2", "--max-model-len", str(MAX_MODEL_LEN),
-                     "--http-port", str(port), "--admin-token", ADMIN_TOKEN,
+                     "--http-port", str(port), "--enable-admin", "--admin-token", ADMIN_TOKEN,
                      "--auth-token", AUTH_TOKEN)
     srv.base_url = f"http://127.0.0.1:{port}"
     with srv.serving():
@@ -468,10 +468,11 @@ def test_sigterm_stops_the_front_with_the_engine(spmd_serve, free_port, smollm2_
 
 @pytest.mark.timeout(300)
 def test_a_dead_front_stops_the_whole_job(spmd_serve, free_port) -> None:
-    """Also: --served-model-name is the name clients address the model by."""
+    """Also: --served-model-name is the name clients address the model by. (A tiny preset:
+    what is served does not matter here, only the processes and the name.)"""
     port = free_port()
-    srv = spmd_serve("--model", "smollm2", "--max-model-len", "128", "--http-port", str(port),
-                     "--served-model-name", "team/chat-model")
+    srv = spmd_serve("--model", "dummy:tiny-llama", "--max-model-len", "128", "--http-port",
+                     str(port), "--served-model-name", "team/chat-model")
     try:
         srv.wait_serving()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:

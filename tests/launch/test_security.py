@@ -24,7 +24,7 @@ TOKEN = "auth-s3cret"
 def server(spmd_serve, tmp_path_factory):
     model = sharp_llama(tmp_path_factory.mktemp("secure-llama"))[0]
     srv = spmd_serve("--model", model, "--num-kv-blocks", "64", "--max-model-len", "256",
-                     "--auth-token", TOKEN, "--admin-token", "adm1n",
+                     "--auth-token", TOKEN, "--enable-admin", "--admin-token", "adm1n",
                      launcher=["--nproc-per-node", "2"])
     with srv.serving():
         yield srv
@@ -87,7 +87,7 @@ def test_tokens_from_the_environment_are_in_no_command_line(spmd_serve, free_por
     monkeypatch.setenv("SPMD_API_KEY", ENV_TOKEN)
     monkeypatch.setenv("SPMD_ADMIN_TOKEN", ENV_ADMIN)
     port = free_port()
-    server = spmd_serve("--model", "dummy:tiny-llama", "--http-port", str(port))
+    server = spmd_serve("--model", "dummy:tiny-llama", "--http-port", str(port), "--enable-admin")
     with server.serving():
         deadline = time.monotonic() + 60
         while "HTTP front" not in server.stdout:
@@ -119,7 +119,7 @@ def test_tokens_from_the_environment_are_in_no_command_line(spmd_serve, free_por
 def test_the_launcher_started_by_llm_gets_its_config_outside_its_command_line() -> None:
     from spmd_runtime.runtime import LLM
 
-    with LLM("dummy:tiny-llama", auth_token=ENV_TOKEN, admin_token=ENV_ADMIN,
+    with LLM("dummy:tiny-llama", auth_token=ENV_TOKEN, enable_admin=True, admin_token=ENV_ADMIN,
              kv_cache_memory="16MiB") as llm:
         launcher = psutil.Process(llm._process.pid)
         procs = [launcher, *launcher.children(recursive=True)]

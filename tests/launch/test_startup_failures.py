@@ -199,20 +199,25 @@ def test_a_child_exiting_2_before_ready_ends_the_job_with_its_line_and_code_2(ca
 
 
 @pytest.mark.timeout(60)
-def test_the_scheduler_is_not_blamed_for_a_worker_that_failed_first(capsys) -> None:
+def test_the_scheduler_is_not_blamed_for_a_worker_that_failed_first(capsys, tmp_path) -> None:
     """The scheduler exits as soon as the worker tells it; the worker exits a moment later,
     having said why. The launcher names the worker, with the worker's code."""
+    go = tmp_path / "go"            # the worker says why once the scheduler is gone, not before
     supervisor = Supervisor()
     try:
         scheduler = fake_child(supervisor, "scheduler", (
             "print('2024-01-01 00:00:00,000 ERROR spmd.scheduler: worker rank 0 failed to start',"
             " file=sys.stderr); sys.exit(1)"))
         worker = fake_child(supervisor, "worker rank 0", (
-            "time.sleep(0.5); print('spmdrun: error: rank 0 failed: no weights', "
-            "file=sys.stderr); time.sleep(0.5); sys.exit(2)"))
+            f"import os\ndeadline = time.monotonic() + 30\n"
+            f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+            f"    time.sleep(0.01)\n"
+            "print('spmdrun: error: rank 0 failed: no weights', file=sys.stderr); "
+            "time.sleep(0.5); sys.exit(2)"))
         engine = launcher_of(supervisor)
         scheduler.wait(30)
         assert worker.poll() is None
+        go.touch()
         assert exit_with_failure(engine, RuntimeError("engine not ready")) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last == (f"spmdrun: error: worker rank 0 (pid {worker.pid}) exited with code 2: "

@@ -19,12 +19,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def smollm2_reference() -> tuple[object, dict[str, torch.Tensor]]:
-    """transformers' own float32 load of the embedded GGUF: (config, state_dict)."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(resolve_model("smollm2").path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+def smollm2_reference(hf_smollm2, smollm2_gguf) -> tuple[object, dict[str, torch.Tensor]]:
+    """transformers' own float32 load of the embedded GGUF: (config, state_dict). The session's
+    load (conftest.hf_smollm2, shared with the correctness tests), of the very file that
+    resolve_model("smollm2") finds."""
+    directory, name = smollm2_gguf
+    assert Path(resolve_model("smollm2").path).resolve() == (directory / name).resolve()
+    model, _ = hf_smollm2
     return model.config, model.state_dict()
 
 

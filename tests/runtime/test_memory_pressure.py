@@ -46,9 +46,9 @@ PRESSURE_BLOCKS = 32
 BUDGET = 128
 # smollm2 in float32: K and V x 30 layers x 16 slots x 3 KV heads x 64 dims x 4 bytes.
 BLOCK_BYTES = 2 * 30 * BLOCK * 3 * 64 * 4
-ROOMY_SWAP_GIB = 0.05                          # 72 CPU blocks: more than the device pool
+ROOMY_SWAP_BYTES = int(0.05 * 2**30)           # 72 CPU blocks: more than the device pool
 SMALL_SWAP_BLOCKS = 4
-SMALL_SWAP_GIB = SMALL_SWAP_BLOCKS * BLOCK_BYTES / 2**30
+SMALL_SWAP_BYTES = SMALL_SWAP_BLOCKS * BLOCK_BYTES
 NUM_REQUESTS = 32
 TEXT_PROMPT_LEN = 40
 MAX_NEW_TOKENS = 24
@@ -208,8 +208,8 @@ def test_roomy_run_matches_transformers(roomy, workload, hf_smollm2, greedy_refe
 @pytest.mark.parametrize("preemption", ["swap", "soft_reset"])
 def test_preempted_requests_complete_with_the_roomy_outputs(engines, workload, roomy, preemption,
                                                             scheduler) -> None:
-    swap_gib = ROOMY_SWAP_GIB if preemption == "swap" else 0.0
-    llm = engines.get(swap_space=swap_gib, scheduler=scheduler)
+    swap = ROOMY_SWAP_BYTES if preemption == "swap" else 0
+    llm = engines.get(kv_swap_memory=swap, scheduler=scheduler)
     run = run_workload(llm, workload)
     assert_same_outputs(run, roomy, f"{preemption}/{scheduler}")
     delta = run.delta
@@ -223,7 +223,7 @@ def test_preempted_requests_complete_with_the_roomy_outputs(engines, workload, r
         assert delta["num_swaps_out"] > 0, f"no preemption happened: {delta}"
         assert delta["num_swaps_in"] == delta["num_swaps_out"], delta
         assert delta["num_soft_resets"] == 0, delta
-        assert_idle_and_free(run.idle, int(ROOMY_SWAP_GIB * 2**30) // BLOCK_BYTES)
+        assert_idle_and_free(run.idle, ROOMY_SWAP_BYTES // BLOCK_BYTES)
     else:
         assert delta["num_soft_resets"] > 0, f"no preemption happened: {delta}"
         assert delta["num_swaps_out"] == delta["num_swaps_in"] == 0, delta
@@ -233,7 +233,7 @@ def test_preempted_requests_complete_with_the_roomy_outputs(engines, workload, r
 @pytest.mark.timeout(400)
 def test_small_swap_space_swaps_some_victims_and_resets_the_others(engines, workload,
                                                                    roomy) -> None:
-    llm = engines.get(swap_space=SMALL_SWAP_GIB, scheduler="fifo")
+    llm = engines.get(kv_swap_memory=SMALL_SWAP_BYTES, scheduler="fifo")
     run = run_workload(llm, workload)
     assert_same_outputs(run, roomy, "small swap space")
     delta = run.delta
@@ -307,7 +307,7 @@ def run_raw(address: str, requests: list[tuple[list[int], SamplingParams]],
 def test_prompt_that_can_never_fit_is_refused_and_does_not_wedge_the_queue(
         engines, workload, roomy) -> None:
     """Runs after the small-swap test, on its engine (32 blocks = 512 tokens)."""
-    llm = engines.get(swap_space=SMALL_SWAP_GIB, scheduler="fifo")
+    llm = engines.get(kv_swap_memory=SMALL_SWAP_BYTES, scheduler="fifo")
     cache_tokens = PRESSURE_BLOCKS * BLOCK
     rng = random.Random(7)
     too_long = [rng.randrange(1000, 40000) for _ in range(cache_tokens)]      # 32 blocks + 1 slot
@@ -356,7 +356,7 @@ def test_aborts_under_pressure_leave_no_block_behind(engines, workload, roomy) -
     (swapped out or soft reset: they got tokens before, but none in the latest step) as soon as
     they are seen, and a few that never started. The others complete with the roomy outputs,
     and no device or CPU block stays taken."""
-    llm = engines.get(swap_space=SMALL_SWAP_GIB, scheduler="fifo")
+    llm = engines.get(kv_swap_memory=SMALL_SWAP_BYTES, scheduler="fifo")
     before = llm.client.stats()
     requests = list(zip(workload.prompts, workload.params, strict=True))
     aborted: dict[int, int] = {}        # request id -> index in the workload

@@ -335,18 +335,19 @@ def run_plans_with_a_hit(runner, prompt: list[int], fill: float | None = None) -
         for keys, values in runner.kv_caches:
             keys.fill_(fill)
             values.fill_(fill)
-    runner.requests.clear()
     block_size = runner.block_size
     assert block_size < len(prompt) < 2 * block_size - 3
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-    def step(step_id, new=(), cached=()):
+    def step(step_id, new=(), cached=(), dropped=()):
         plan = StepPlan(step_id=step_id, new_requests=list(new),
                         cached_request_ids=[rid for rid, _ in cached],
                         cached_num_scheduled_tokens=[n for _, n in cached],
-                        cached_new_block_ids=[[] for _ in cached])
+                        cached_new_block_ids=[[] for _ in cached],
+                        dropped_request_ids=list(dropped))
         return runner.execute(plan).sampled_token_ids
 
+    step(-1, dropped=list(runner.requests))     # the requests of an earlier run
     tokens = step(0, new=[NewRequestData(1, list(prompt), [1, 2], 0, len(prompt), params)])
     for step_id in range(1, 4):
         tokens += step(step_id, cached=[(1, 1)])

@@ -13,31 +13,60 @@ def generate(model: str, **options) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts(), GREEDY)]
 
 
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory):
+    """sharp_model(heads, kv_heads): the directory of that sharp Llama, made once per module."""
+    made: dict[tuple[int, int], str] = {}
+
+    def get(heads: int, kv_heads: int) -> str:
+        if (heads, kv_heads) not in made:
+            directory = tmp_path_factory.mktemp(f"sharp-llama-{heads}-{kv_heads}")
+            made[heads, kv_heads] = sharp_llama(directory, heads, kv_heads)[0]
+        return made[heads, kv_heads]
+    return get
+
+
+@pytest.fixture(scope="module")
+def outputs_of():
+    """outputs_of(model, **options): generate(model, **options), run once per module for each
+    model and options (greedy runs are deterministic: the references are shared, e.g. the single
+    worker's outputs that several TP runs are compared with)."""
+    done: dict = {}
+
+    def get(model: str, **options) -> list[list[int]]:
+        key = (model, tuple(sorted(options.items())))
+        if key not in done:
+            done[key] = generate(model, **options)
+        return done[key]
+    return get
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 2, 2), (4, 2, 4)],
                          ids=["tp2-sharded-kv", "tp4-replicated-kv"])
-def test_tensor_parallel_equals_a_single_worker(tmp_path, heads, kv_heads, tp) -> None:
-    model, _ = sharp_llama(tmp_path, heads, kv_heads)
-    assert generate(model, nproc_per_node=tp, **SMALL) == generate(model, **SMALL)
+def test_tensor_parallel_equals_a_single_worker(sharp_model, outputs_of, heads, kv_heads,
+                                                tp) -> None:
+    model = sharp_model(heads, kv_heads)
+    assert outputs_of(model, nproc_per_node=tp, **SMALL) == outputs_of(model, **SMALL)
 
 
 @pytest.mark.timeout(600)
-def test_chunked_row_parallel_reductions_give_the_same_outputs(tmp_path) -> None:
-    model, _ = sharp_llama(tmp_path, 4, 2)
+def test_chunked_row_parallel_reductions_give_the_same_outputs(sharp_model, outputs_of) -> None:
+    model = sharp_model(4, 2)
     chunked = generate(model, nproc_per_node=2, row_parallel_chunks=4,
                        row_parallel_chunk_threshold=1, **SMALL)
-    assert chunked == generate(model, nproc_per_node=2, **SMALL)
+    assert chunked == outputs_of(model, nproc_per_node=2, **SMALL)
 
 
 @pytest.mark.timeout(600)
-def test_overlapped_steps_with_two_ranks_give_the_same_outputs(tmp_path) -> None:
-    """--overlap-steps on (as auto is on CUDA): each rank launches the next step before it
+def test_overlapped_steps_with_two_ranks_give_the_same_outputs(sharp_model, outputs_of) -> None:
+    """--step-pipelining overlap (as auto is on CUDA): each rank launches the next step before it
     finishes the one running; every rank must still run the same collectives in order."""
-    model, _ = sharp_llama(tmp_path, 4, 2)
-    with LLM(model, nproc_per_node=2, overlap_steps="on", **SMALL) as llm:
+    model = sharp_model(4, 2)
+    with LLM(model, nproc_per_node=2, step_pipelining="overlap", **SMALL) as llm:
         overlapped = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
         assert llm.client.stats().num_overlapped_steps > 0
-    assert overlapped == generate(model, **SMALL)
+    assert overlapped == outputs_of(model, **SMALL)
 
 
 @pytest.mark.timeout(600)

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
+from conftest import wait_until
 from sharp_llama import sharp_llama
 from spmd_runtime.runtime import LLM, SamplingParams
 from spmd_runtime.runtime.client import Client
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-OPTIONS = dict(num_kv_blocks=128, max_model_len=256, max_num_seqs=8, swap_space=0.01)
+# Stats polls: often enough to see a batch of 200-token requests in every state it passes
+# through (each lasts many steps), rarely enough not to steal the engine's CPU with RPCs.
+POLL_S = 0.02
+OPTIONS = dict(num_kv_blocks=128, max_model_len=256, max_num_seqs=8, kv_swap_memory="0.01GiB")
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -56,16 +59,16 @@ def write_atomically(path, value: float) -> None:
 
 
 def wait_for(client: Client, condition, what: str, timeout_s: float = 60.0, on_poll=None):
-    """Poll stats until condition(stats); on_poll(stats) sees every poll's stats."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = client.stats()
+    """Poll stats until condition(stats) and return those stats; on_poll(stats) sees every
+    poll's stats."""
+    last = {}
+
+    def poll():
+        last["stats"] = stats = client.stats()
         if on_poll is not None:
             on_poll(stats)
-        if condition(stats):
-            return stats
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}; last stats: {stats}")
+        return stats if condition(stats) else None
+    return wait_until(poll, timeout_s, POLL_S, what=lambda: f"{what}; last stats: {last.get('stats')}")
 
 
 def reference(llm: LLM, token_lists) -> list[list[int]]:
@@ -150,7 +153,7 @@ def test_hot_rank_throttles_the_tp_group_without_bouncing(tmp_path) -> None:
 def test_admin_batch_dry_run_then_evict(tmp_path) -> None:
     model, _ = sharp_llama(tmp_path / "model")
     token_lists = prompts(4)
-    with LLM(model, thermal_sensor="none", admin_token="s3cret", **OPTIONS) as llm:
+    with LLM(model, thermal_sensor="none", enable_admin=True, admin_token="s3cret", **OPTIONS) as llm:
         client = llm.client
         run = Background(llm, token_lists, LONG)
         wait_for(client, lambda s: s.num_running == 4, "four requests running")
@@ -205,13 +208,9 @@ def test_custom_policy_class_from_a_test_module(tmp_path) -> None:
         (evict,) = [e for e in capped.thermal_events if e.kind == "thermal_evict"]
         assert sorted(evict.request_ids) == evict.request_ids   # its own order: oldest first
         running_seen = set()
-        outputs = None
-        for _ in range(10_000):
-            running_seen.add(client.stats().num_running)
-            if not run.thread.is_alive():
-                outputs = run.join()
-                break
-            time.sleep(0.005)
+        wait_for(client, lambda s: not run.thread.is_alive(), "the generation's end",
+                 timeout_s=120.0, on_poll=lambda s: running_seen.add(s.num_running))
+        outputs = run.join()
         assert outputs is not None and max(running_seen) <= 2
         write_atomically(tmp_path / "temp", 20.0)
         assert outputs == reference(llm, token_lists)

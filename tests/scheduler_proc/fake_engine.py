@@ -130,7 +130,7 @@ class EngineLoop:
         self.steps = []
         # step id -> the group's temperature reported with that step's result (None: no reading)
         self.thermal_trace = None
-        # Run like the server with --async-scheduling (see step_ahead).
+        # Run like the server scheduling ahead (--step-pipelining, see step_ahead).
         self.ahead = False
         self.between = None
         self.ahead_steps = 0
@@ -172,8 +172,8 @@ class EngineLoop:
         return result
 
     def step_ahead(self, sample=token_at, between=None):
-        """One pass of the server's loop with --async-scheduling: after each step is sent,
-        the next is planned before its result where scheduler.schedule_ahead allows; the
+        """One pass of the server's loop scheduling ahead (--step-pipelining): after each step is
+        sent, the next is planned before its result where scheduler.schedule_ahead allows; the
         worker runs plans in the order sent. `between(loop)` runs where the server answers
         clients while a step planned ahead is in flight (after its maintenance). Returns
         (steps run, the last update)."""

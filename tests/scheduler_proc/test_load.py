@@ -1,11 +1,17 @@
-"""Load: 1,000 concurrent requests over RPC on smollm2, from 10 clients at once, twice; every
-request completes exactly once with the same greedy tokens as alone, and the second round leaves
-the scheduler's memory where the first left it (nothing kept per request)."""
+"""Load: 1,000 concurrent requests over RPC, from 10 clients at once, twice; every request
+completes exactly once with the same greedy tokens as alone, and the second round leaves the
+scheduler's memory where the first left it (nothing kept per request).
+
+The model is a tiny sharp Llama (far from greedy ties) with smollm2's vocabulary and tokenizer:
+the scheduler does everything it does for smollm2 (tokenizer, incremental detokenizing of every
+request), while the workers' forward passes -- not what this test is about -- cost next to
+nothing."""
 from __future__ import annotations
 
 import threading
 
 import pytest
+from sharp_llama import sharp_llama
 from spmd_runtime.runtime import Client, SamplingParams
 
 CLIENTS = 10
@@ -13,9 +19,24 @@ PER_CLIENT = 100
 SHORT = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
+SMOLLM2_VOCAB = 49152
+
+
 @pytest.fixture(scope="module")
-def server(spmd_serve):
-    srv = spmd_serve("--model", "smollm2", "--max-model-len", "128", "--max-num-seqs", "256",
+def model_dir(tmp_path_factory, smollm2_gguf) -> str:
+    """A 2-layer sharp Llama with smollm2's vocabulary, and smollm2's tokenizer saved with it."""
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("load-llama")
+    sharp_llama(directory, vocab=SMOLLM2_VOCAB)
+    gguf_dir, name = smollm2_gguf
+    AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=name).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def server(spmd_serve, model_dir):
+    srv = spmd_serve("--model", model_dir, "--max-model-len", "128", "--max-num-seqs", "256",
                      "--max-num-batched-tokens", "2048")
     with srv.serving():
         yield srv

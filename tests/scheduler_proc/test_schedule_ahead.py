@@ -1,6 +1,7 @@
-"""Scheduling ahead (--async-scheduling): the next decode step is planned before the result of
-the one in flight. The fake worker checks every plan (scheduler_proc/fake_engine.py); outputs
-must equal what the fake model gives one request alone, and every block must come back."""
+"""Scheduling ahead (--step-pipelining schedule_ahead, overlap or auto): the next decode step
+is planned before the result of the one in flight. The fake worker checks every plan
+(scheduler_proc/fake_engine.py); outputs must equal what the fake model gives one request
+alone, and every block must come back."""
 from __future__ import annotations
 
 import pytest

@@ -40,7 +40,7 @@ def fake_rank(ctx: zmq.Context, address: str, rank: int, max_model_len: int,
 def test_every_rank_warms_up_the_buckets_the_scheduler_derived_once(tmp_path,
                                                                     monkeypatch) -> None:
     monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MAX", "8")      # the scheduler's environment
-    config = EngineConfig(model="dummy:tiny-llama", nproc_per_node=2, bucketing="on",
+    config = EngineConfig(model="dummy:tiny-llama", nproc_per_node=2, execution_mode="bucketed",
                           max_num_seqs=16, max_num_batched_tokens=256,
                           worker_address=f"ipc://{tmp_path}/workers")
     server = SimpleNamespace(config=config, warmup=None)
@@ -68,7 +68,7 @@ def test_every_rank_warms_up_the_buckets_the_scheduler_derived_once(tmp_path,
 
 
 def test_without_bucketing_the_plan_carries_no_buckets() -> None:
-    server = SimpleNamespace(config=EngineConfig(model="dummy:tiny-llama", bucketing="off"),
+    server = SimpleNamespace(config=EngineConfig(model="dummy:tiny-llama", execution_mode="eager"),
                              warmup=None)
     loaded = WorkerLoaded(rank=0, max_model_len=512, device="cuda:0")
     assert SchedulerServer._warmup_plan(server, loaded) == WarmupPlan(buckets=None)

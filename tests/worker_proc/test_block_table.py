@@ -44,3 +44,18 @@ def test_a_removed_row_is_reused_clean_and_a_re_added_request_starts_over() -> N
     tables.add(2, [9, 10])                  # held anew (e.g. swapped back in): replaced
     assert tables.gather([tables.row(2)], 3, torch.int64).tolist() == [[9, 10, FILLER]]
     tables.remove(3)                        # unknown: nothing to do
+
+
+def test_block_ids_are_the_row_as_a_list_through_appends_removals_and_re_adds() -> None:
+    tables = BlockTables(FILLER, num_rows=2, num_cols=2)
+    tables.add(1, [5, 6])
+    tables.append(1, [7])
+    tables.append(1, [])
+    assert tables.block_ids(1) == [5, 6, 7]
+    assert tables.gather([tables.row(1)], 3, torch.int64).tolist() == [tables.block_ids(1)]
+    tables.add(1, [8])                      # held anew: the old ids are gone
+    assert tables.block_ids(1) == [8]
+    tables.remove(1)
+    tables.add(2, [9])                      # the same row, reused
+    assert tables.block_ids(2) == [9]
+    assert tables.gather([tables.row(2)], 3, torch.int64).tolist() == [[9, FILLER, FILLER]]

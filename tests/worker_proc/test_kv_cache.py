@@ -6,7 +6,7 @@ RAM where that is less, and a CUDA worker what gpu_memory_utilization x free mem
 the activations of a profiling forward pass are set aside. All but the first are capped at the
 blocks that max_num_seqs x max_model_len can use. The profiled path is checked with free memory
 and the profile peak pinned to fixed numbers (no CUDA needed); the profiling pass itself runs
-for real on a tiny model. The worker's build_runner turns --swap-space into CPU blocks of the
+for real on a tiny model. The worker's build_runner turns --kv-swap-memory into CPU blocks of the
 same size.
 """
 from __future__ import annotations
@@ -248,9 +248,9 @@ def tiny_model_name(tmp_path) -> str:
 
 
 def test_build_runner_sizes_the_swap_space_in_blocks(tiny_model_name) -> None:
-    swap_gib = 100 * TINY_BLOCK_BYTES / GIB + 1e-9       # a hair more than 100 blocks
+    swap_bytes = 100 * TINY_BLOCK_BYTES + 1               # a hair more than 100 blocks
     config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=10,
-                          swap_space=swap_gib)
+                          kv_swap_memory=swap_bytes)
     runner, ready = build_runner(config, CPU_CONTEXT)
     assert ready.num_kv_blocks == 10
     assert ready.num_cpu_kv_blocks == runner.swap_space.num_blocks == 100
@@ -274,8 +274,7 @@ def test_cpu_swap_space_comes_out_of_the_same_ram_as_the_kv_cache(tiny_model_nam
     swap space)."""
     free = 4 * 2**20          # 460 blocks usable: below the 1024 that max_num_seqs can use
     Pinned(monkeypatch, free=free, peak=0)
-    swap_gib = 2 * 2**20 / GIB                            # half of the available RAM
-    config = EngineConfig(model=tiny_model_name, dtype="float32", swap_space=swap_gib,
+    config = EngineConfig(model=tiny_model_name, dtype="float32", kv_swap_memory="2MiB",
                           gpu_memory_utilization=0.9)
     try:
         _, ready = build_runner(config, CPU_CONTEXT)

@@ -186,7 +186,7 @@ def test_swapped_out_request_resumes_with_the_same_logits(pair) -> None:
     assert_close(logits[0], reference_logits(hf, a)[-1:], "A after swap-in")
     assert_close(logits[2], reference_logits(hf, c)[-1:], "C decode")
     assert h.runner.requests[0].num_computed_tokens == 12
-    assert h.runner.requests[0].block_ids == [13, 12, 14]
+    assert h.runner.block_tables.block_ids(0) == [13, 12, 14]
     a.append(sampled[0])
     c.append(sampled[2])
 

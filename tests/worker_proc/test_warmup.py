@@ -44,7 +44,7 @@ def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
         return SCHEDULER_BUCKETS
 
     config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
-                          bucketing="on", max_model_len=64, max_num_batched_tokens=64)
+                          execution_mode="bucketed", max_model_len=64, max_num_batched_tokens=64)
     with caplog.at_level(logging.INFO, logger="spmd.worker"):
         _, ready = build_runner(config, CPU_CONTEXT, scheduler)
     assert [(m.rank, m.max_model_len, m.device) for m in asked] == [(0, 64, "cpu")]
@@ -58,6 +58,6 @@ def test_without_buckets_from_the_scheduler_nothing_is_warmed_up(tiny_model_name
     warmed = []
     monkeypatch.setattr(ModelRunner, "warmup", lambda self, buckets, free: warmed.append(buckets))
     config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
-                          bucketing="on")
+                          execution_mode="bucketed")
     runner, _ = build_runner(config, CPU_CONTEXT, lambda loaded: None)
     assert warmed == [] and not runner.graphs

@@ -1,0 +1,154 @@
+"""Test hosts made of network namespaces: each host is a namespace with its own eth0 and
+address, all plugged into one bridge that lives in a "switch" namespace of its own, so nothing
+on the machine's own network changes. Processes started on a host see only its interfaces
+(and its loopback), as on a separate machine; the host name still resolves to 127.0.0.1, as it
+does on many machines and containers.
+
+    with NamespaceHosts(3) as hosts:
+        hosts.popen(0, [sys.executable, "-m", "spmd_runtime.launch", ...])
+
+Every namespace, and every process inside one, is removed on exit, also when the test fails;
+`namespaces_unavailable()` says why a test must skip where namespaces cannot be made."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import psutil
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+@functools.lru_cache(maxsize=1)
+def namespaces_unavailable() -> str | None:
+    """None where this process can make namespaces with a veth pair, else the reason."""
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed (make env installs it)"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    name = f"spmdprobe{uuid.uuid4().hex[:6]}"
+    try:
+        made = _ip("netns", "add", name, check=False)
+        if made.returncode != 0:
+            return f"cannot make a network namespace: {made.stderr.strip()}"
+        veth = _ip("-n", name, "link", "add", "a0", "type", "veth", "peer", "name", "b0",
+                   check=False)
+        if veth.returncode != 0:
+            return f"cannot make a veth pair: {veth.stderr.strip()}"
+        return None
+    finally:
+        _ip("netns", "del", name, check=False)
+
+
+class NamespaceHosts:
+    def __init__(self, count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.names = [f"spmd{tag}h{i}" for i in range(count)]
+        self.switch = f"spmd{tag}sw"
+        subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
+        self.addresses = [f"{subnet}.{i + 1}" for i in range(count)]
+        self.interface = "eth0"
+        self._made: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "NamespaceHosts":
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for index, (name, address) in enumerate(zip(self.names, self.addresses, strict=True)):
+            _ip("netns", "add", name)
+            self._made.append(name)
+            port = f"port{index}"
+            _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name",
+                self.interface, "netns", name)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", self.interface)
+            _ip("-n", name, "link", "set", self.interface, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        """argv run on `host` (ip netns exec replaces itself: the pid is argv's own)."""
+        return ["ip", "netns", "exec", self.names[host], *argv]
+
+    def popen(self, host: int, argv: list[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(self.command(host, argv), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host: int, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(host, argv), **kwargs)
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Plug the host's cable in or out (its end of the veth pair, on the switch side)."""
+        _ip("-n", self.switch, "link", "set", f"port{host}", "up" if up else "down")
+
+    @contextlib.contextmanager
+    def capture(self, host: int, out_path: str | os.PathLike):
+        """Capture every frame on the host's interface while the block runs; yields a callable
+        that returns the bytes captured (after the block: all of them)."""
+        script = os.path.join(os.path.dirname(__file__), "packet_capture.py")
+        sniffer = self.popen(host, [sys.executable, script, self.interface, os.fspath(out_path)],
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            if sniffer.stdout.readline().strip() != "capturing":
+                raise AssertionError(f"the capture on host {host} did not start")
+            yield lambda: open(out_path, "rb").read()
+        finally:
+            sniffer.terminate()
+            try:
+                sniffer.wait(10)
+            except subprocess.TimeoutExpired:
+                sniffer.kill()
+
+    def pids(self, host: int) -> list[int]:
+        listed = _ip("netns", "pids", self.names[host], check=False).stdout.split()
+        return [int(pid) for pid in listed]
+
+    def close(self) -> None:
+        """Kill everything running on the hosts, then remove every namespace made."""
+        victims = []
+        for name in self._made:
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    victims.append(psutil.Process(int(pid)))
+                except psutil.NoSuchProcess:
+                    pass
+        for proc in self._procs:
+            try:
+                victims.append(psutil.Process(proc.pid))
+                victims.extend(psutil.Process(proc.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        for victim in victims:
+            try:
+                victim.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(victims, timeout=10)
+        for proc in self._procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in reversed(self._made):
+            _ip("netns", "del", name, check=False)
+        self._made.clear()
