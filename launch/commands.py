@@ -28,7 +28,7 @@ from spmd_runtime.launch.command_options import (
 from spmd_runtime.launch.http_front import start_http_front
 from spmd_runtime.launch.progress import generate_with_progress
 from spmd_runtime.launch.running import RunningEngine, exit_with_failure
-from spmd_runtime.launch.supervisor import ChildExited
+from spmd_runtime.launch.supervisor import ChildExited, JobEnded
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import EngineStats
 from spmd_runtime.protocol.transport import free_tcp_port
@@ -44,6 +44,9 @@ def _supervise_workers_only(engine: RunningEngine) -> int:
     try:
         engine.supervisor.wait()
         return 0
+    except JobEnded as error:
+        print(f"spmdrun: error: {error}", file=sys.stderr, flush=True)
+        return 1
     except ChildExited as error:
         if error.code == 0 and engine.supervisor.wait_all_exited(timeout_s=30.0) == 0:
             print(f"spmdrun: node {engine.config.node_rank}: the job ended (node 0 shut its "

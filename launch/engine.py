@@ -32,7 +32,10 @@ def start_engine(config: EngineConfig, supervisor: Supervisor) -> EngineConfig:
     config = complete_addresses(config)
     if config.node_rank == 0:
         supervisor.add("scheduler", spawn_child("spmd_runtime.scheduler_proc", config))
-    start_workers(config, supervisor)
+    if config.node_rank == 0 or config.nnodes == 1:
+        start_workers(config, supervisor)
+    # Other nodes start theirs when node 0 says which generation (launch/node_agent.py): a node
+    # that joins late, or replaces one, then meets the group where it is.
     return config
 
 

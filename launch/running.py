@@ -10,7 +10,8 @@ import time
 import msgspec
 import zmq
 from spmd_runtime.launch.engine import start_engine, start_workers
-from spmd_runtime.launch.supervisor import Child, ChildExited, Supervisor
+from spmd_runtime.launch.node_agent import NodeAgent
+from spmd_runtime.launch.supervisor import Child, ChildExited, JobEnded, Supervisor
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import rpc_server_key, socket_keys
 from spmd_runtime.protocol.messages import WorkersLost
@@ -38,7 +39,13 @@ class RunningEngine:
         self.generation = 0
         self._restarts: list[float] = []
         self._gave_up = False
-        self.supervisor.on_exit = self._worker_exited
+        self.agent: NodeAgent | None = None
+        if self.config.nnodes > 1:          # node 0 decides on restarts across nodes
+            self.agent = NodeAgent(self.config, self.supervisor,
+                                   generation=0 if self.config.node_rank == 0 else -1)
+            self.supervisor.on_exit = self.agent.worker_exited
+        else:
+            self.supervisor.on_exit = self._worker_exited
 
     def _worker_exited(self, child: Child, code: int) -> bool:
         """A worker died: kill the rest of this node's group and start a new generation, and
@@ -49,12 +56,10 @@ class RunningEngine:
             return False
         if self.config.node_rank == 0 and not self.ready:
             return False          # it failed before the engine ever served: a start-up error
-        if code == 0 and self.config.node_rank != 0:
-            return False          # node 0's scheduler shut the job down: nothing to restart
         now = time.monotonic()
         self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
         reason = child.describe(code)
-        final = len(self._restarts) >= self.config.max_restarts or self.config.nnodes > 1
+        final = len(self._restarts) >= self.config.max_restarts
         self._notify_scheduler(WorkersLost(generation=self.generation + 1, reason=reason,
                                            final=final))
         if final:
@@ -102,7 +107,7 @@ class RunningEngine:
             return False
         try:
             self.supervisor.check()
-        except ChildExited:
+        except (ChildExited, JobEnded):
             return False
         return True
 
@@ -119,6 +124,8 @@ class RunningEngine:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.agent is not None:
+            self.agent.close()
         if self.client is not None:
             self.client.close()
         self.supervisor.stop_all()

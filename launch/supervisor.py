@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from spmd_runtime.protocol.process_entry import ERROR_PREFIX
 from spmd_runtime.runtime.process import spawn_python
 
-__all__ = ["Child", "ChildExited", "Supervisor", "spawn_python"]
+__all__ = ["Child", "ChildExited", "JobEnded", "Supervisor", "spawn_python"]
 
 # "<date> <time> ERROR <logger>: <message>" (runtime.log_format): a failure a child only logged.
 ERROR_RECORD = re.compile(r"\S+ \S+ ERROR \S+: (.+)")
@@ -70,8 +70,17 @@ class ChildExited(RuntimeError):
         self.code = code
 
 
+class JobEnded(RuntimeError):
+    """Node 0 ended a multi-node job that failed (or went silent for good)."""
+
+
 class Supervisor:
     def __init__(self) -> None:
+        # Held while children are checked or replaced: across nodes, the launcher's node agent
+        # replaces the workers from a thread of its own.
+        self.lock = threading.RLock()
+        # Set (to the reason) when node 0 ends the job; check() raises JobEnded.
+        self.job_ended: str | None = None
         self.children: list[Child] = []
         self.stop_requested = False
         self.stop_signal: int | None = None
@@ -102,13 +111,17 @@ class Supervisor:
         return sorted(exited, key=lambda item: item[0].name == "scheduler")
 
     def check(self) -> None:
-        """Raise ChildExited if any child has exited (unless on_exit dealt with it)."""
-        exited = self.exited()
-        if exited and self.on_exit is not None and not self.stop_requested:
-            if self.on_exit(*exited[0]):
-                return
-        if exited:
-            raise ChildExited(*exited[0])
+        """Raise ChildExited if any child has exited (unless on_exit dealt with it), JobEnded
+        if node 0 ended the job."""
+        if self.job_ended is not None:
+            raise JobEnded(self.job_ended)
+        with self.lock:
+            exited = self.exited()
+            if exited and self.on_exit is not None and not self.stop_requested:
+                if self.on_exit(*exited[0]):
+                    return
+            if exited:
+                raise ChildExited(*exited[0])
 
     def culprit(self, grace_s: float = 3.0) -> tuple[Child, int] | None:
         """The child whose exit ends the job, and its code: one that said why (its error line;
@@ -156,7 +169,10 @@ class Supervisor:
     def remove(self, names: Callable[[str], bool], timeout_s: float = 5.0) -> None:
         """SIGKILL the children whose name matches (they may be stuck in a collective with a
         dead peer: they are not waited on), reap them and forget them."""
-        doomed = [child for child in self.children if names(child.name)]
+        with self.lock:
+            self._remove([child for child in self.children if names(child.name)], timeout_s)
+
+    def _remove(self, doomed: list[Child], timeout_s: float) -> None:
         for child in doomed:
             if child.process.poll() is None:
                 child.process.kill()

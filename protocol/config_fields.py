@@ -201,11 +201,16 @@ class FaultOptions(ThermalOptions, kw_only=True):
         "seconds without a step result before the workers are declared dead"))] = 300.0
     heartbeat_timeout_s: Annotated[float, Meta(gt=0, description=(
         "workers exit when neither a plan nor a heartbeat (sent every second) came from the "
-        "scheduler for this many seconds"))] = 5.0
+        "scheduler for this many seconds; across nodes, a node or worker silent this long "
+        "(killed, cut off, frozen) makes the whole group restart"))] = 5.0
     max_restarts: Annotated[int, Meta(ge=0, description=(
-        "times per hour the worker group is restarted after a worker dies (single node), its "
-        "requests recomputed and completed; 0: a dead worker fails every request and ends "
-        "the job"))] = 3
+        "times per hour the worker group is restarted after a worker dies (on every node of a "
+        "multi-node job), its requests recomputed and completed; 0: a dead worker fails every "
+        "request and ends the job"))] = 3
+    rejoin_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "multi-node: seconds node 0 waits for a node that went away (or never came) to join "
+        "again, restarted by hand or by its supervisor, before every request fails and the "
+        "job ends"))] = 120.0
 
 
 class ServingOptions(FaultOptions, kw_only=True):

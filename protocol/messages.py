@@ -281,6 +281,7 @@ class StepResult(_Wire, tag="result"):
 class WorkerError(_Wire, tag="worker_error"):
     rank: int
     message: str
+    generation: int = 0
 
 
 class Shutdown(_Wire, tag="shutdown"):
@@ -293,16 +294,51 @@ class Heartbeat(_Wire, tag="heartbeat"):
 
 
 class WorkersLost(_Wire, tag="workers_lost"):
-    """From a launcher: one of its workers died. Unless final, it has killed the rest of its
-    worker group and started generation `generation`, which will report ready."""
+    """From a launcher: one of its workers died. Single node: unless final, it has killed the
+    rest of its worker group and started generation `generation`, which will report ready.
+    Multi-node: `generation` is the one that lost a worker on node `node_rank`; the scheduler
+    decides whether every node restarts (StartWorkers)."""
 
     generation: int
     reason: str
     final: bool = False
+    node_rank: int = 0
+
+
+class NodeHeartbeat(_Wire, tag="node_heartbeat"):
+    """From each launcher of a multi-node job, every second: the node lives, and runs this
+    generation of workers (-1: none yet, as a node that just (re)joined)."""
+
+    node_rank: int
+    generation: int
+
+
+class WorkerAlive(_Wire, tag="worker_alive"):
+    """From a worker of a multi-node job, every second, from a thread of its own: a frozen
+    worker (stopped, or stuck with the interpreter held) goes silent."""
+
+    rank: int
+    generation: int
+
+
+class StartWorkers(_Wire, tag="start_workers"):
+    """To a launcher: replace this node's workers by generation `generation`, meeting at the
+    master's `master_port`."""
+
+    generation: int
+    master_port: int
+
+
+class EndJob(_Wire, tag="end_job"):
+    """To every launcher: the job has failed and ends; stop everything and exit."""
+
+    reason: str
 
 
 SchedulerToWorker = StepPlan | WarmupPlan | Shutdown | Heartbeat
-WorkerToScheduler = WorkerLoaded | WorkerReady | StepResult | WorkerError | WorkersLost
+SchedulerToLauncher = StartWorkers | EndJob | Heartbeat
+WorkerToScheduler = (WorkerLoaded | WorkerReady | StepResult | WorkerError | WorkersLost
+                     | NodeHeartbeat | WorkerAlive)
 
 
 # What decoding an untrusted frame can raise: msgpack strings with invalid UTF-8 surface as
@@ -322,6 +358,10 @@ def server_decoder() -> msgspec.msgpack.Decoder:
 
 def worker_inbound_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(SchedulerToWorker)
+
+
+def launcher_inbound_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(SchedulerToLauncher)
 
 
 def scheduler_inbound_decoder() -> msgspec.msgpack.Decoder:

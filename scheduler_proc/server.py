@@ -130,6 +130,7 @@ class SchedulerServer:
         except WorkersFailed as error:
             log.error("%s", error)
             self._fail_everything(str(error))
+            self.group.end_job(str(error))
             raise
         finally:
             self.group.shutdown()
@@ -315,7 +316,8 @@ def serve(config: EngineConfig) -> int:
         server.wait_for_workers()
         server.run()
         return 0
-    except WorkersFailed:
+    except WorkersFailed as error:
+        server.group.end_job(str(error))       # at start-up; run() has done it already
         return 1
     finally:
         server.close()

@@ -12,8 +12,10 @@ from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.messages import (
     Heartbeat,
+    NodeHeartbeat,
     Shutdown,
     WarmupPlan,
+    WorkerAlive,
     WorkerError,
     WorkerLoaded,
     WorkerReady,
@@ -21,6 +23,7 @@ from spmd_runtime.protocol.messages import (
     scheduler_inbound_decoder,
 )
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
+from spmd_runtime.scheduler_proc.node_watch import NodeWatch, node_identity
 
 log = logging.getLogger("spmd.scheduler")
 
@@ -74,9 +77,12 @@ class WorkerGroup:
         # A restarted worker reconnects with its rank's identity: it takes the old one over.
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.generation = 0
+        # Across nodes, this process decides when the group restarts (see node_watch.py).
+        self.nodes = (NodeWatch(config, encoder, self._send_to_node) if config.nnodes > 1
+                      else None)
         # (deadline, error) once a worker failed and its launcher has not spoken yet.
         self._awaiting_launcher: tuple[float, WorkerError] | None = None
-        self._last_sent = 0.0
+        self._last_sent = self._last_node_beat = 0.0
 
     def gather_ready(self, warmup_plan: Callable[[WorkerLoaded], WarmupPlan],
                      while_waiting: Callable[[], None] | None = None) -> dict[int, WorkerReady]:
@@ -98,13 +104,19 @@ class WorkerGroup:
                                0.05 if while_waiting is not None else HEARTBEAT_INTERVAL_S)
             if self._is_stopping():
                 raise WorkersFailed("stopped while waiting for workers")
+            if self.nodes is not None and (missing := self.nodes.missing()):
+                raise WorkersFailed(missing)
             if frames is None:
                 continue
             message = self._decode(frames)
-            if isinstance(message, WorkersLost):
-                self.lost(message)          # a worker died during start-up
+            if isinstance(message, (NodeHeartbeat, WorkerAlive)):
+                self.nodes.heard(message)
+            elif isinstance(message, WorkersLost):
+                if self._stale(message):
+                    continue
+                self.lost(self._decide(message))    # a worker died during start-up
                 ready.clear()
-            elif isinstance(message, WorkerError):
+            elif isinstance(message, WorkerError) and message.generation == self.generation:
                 raise WorkersFailed(f"worker rank {message.rank} failed to start:\n{message.message}")
             elif isinstance(message, WorkerLoaded) and message.generation == self.generation:
                 self.send_to(message.rank, self.encoder.encode(warmup_plan(message)))
@@ -120,11 +132,26 @@ class WorkerGroup:
         self._awaiting_launcher = None
         if message.final:
             raise WorkersFailed(f"the engine is down: {message.reason}, and the worker group "
-                                "is not restarted (restarts exhausted, --max-restarts, or a "
-                                "multi-node job)")
-        log.warning("%s: the launcher restarts the worker group (generation %d)",
-                    message.reason, message.generation)
+                                "is not restarted (restarts exhausted: --max-restarts)")
+        if self.nodes is None:
+            log.warning("%s: the launcher restarts the worker group (generation %d)",
+                        message.reason, message.generation)
         self.generation = message.generation
+
+    def _stale(self, message: WorkersLost) -> bool:
+        """Across nodes: a report about a generation already replaced (a node cut off that
+        speaks again)."""
+        if self.nodes is None or message.generation >= self.generation:
+            return False
+        log.info("node %d reports a lost worker of generation %d, already replaced",
+                 message.node_rank, message.generation)
+        return True
+
+    def _decide(self, message: WorkersLost) -> WorkersLost:
+        """Single node, the launcher has decided; across nodes, this process does."""
+        if self.nodes is None:
+            return message
+        return self.nodes.restart(f"node {message.node_rank}: {message.reason}")
 
     def poll(self, timeout_s: float):
         """The next worker message within timeout_s, or None (nothing, or a frame without the
@@ -148,11 +175,17 @@ class WorkerGroup:
             self.control_message(self._decode(frames))
 
     def control_message(self, message) -> None:
-        """Raises GroupLost when a launcher restarts the group; a worker's error starts the
-        wait for its launcher."""
+        """Raises GroupLost when the group restarts; a worker's error starts the wait for its
+        launcher."""
+        if isinstance(message, (NodeHeartbeat, WorkerAlive)):
+            self.nodes.heard(message)
+            return
         if isinstance(message, WorkersLost):
-            raise GroupLost(message)
-        if isinstance(message, WorkerError) and self._awaiting_launcher is None:
+            if not self._stale(message):
+                raise GroupLost(self._decide(message))
+            return
+        if isinstance(message, WorkerError) and self._awaiting_launcher is None \
+                and message.generation == self.generation:
             # The rank exits after this; its launcher then restarts the group or says it will
             # not, naming the worker that died first. That message decides.
             log.error("worker rank %d failed; waiting for its launcher:\n%s", message.rank,
@@ -161,20 +194,30 @@ class WorkerGroup:
             self._awaiting_launcher = (time.monotonic() + grace, message)
 
     def check_awaiting_launcher(self) -> None:
-        """No launcher restarted the group after a worker failed (workers started by hand or
-        by torchrun): the engine cannot go on."""
+        """Across nodes, a node or worker gone silent restarts the group (GroupLost). No
+        launcher restarted the group after a worker failed (workers started by hand or by
+        torchrun): the engine cannot go on."""
+        if self.nodes is not None and (reason := self.nodes.silent()):
+            raise GroupLost(self.nodes.restart(reason))
         if self._awaiting_launcher is not None and time.monotonic() > self._awaiting_launcher[0]:
             error = self._awaiting_launcher[1]
             raise WorkersFailed(f"worker rank {error.rank} failed:\n{error.message}")
 
     @property
     def _restartable(self) -> bool:
-        return self.config.max_restarts > 0 and self.config.nnodes == 1
+        return self.config.max_restarts > 0
 
     def heartbeat_if_due(self) -> None:
-        """Workers exit when they hear nothing for --heartbeat-timeout-s: tell them we live.
-        Ranks not connected yet are skipped."""
-        if time.monotonic() - self._last_sent < HEARTBEAT_INTERVAL_S:
+        """Workers exit when they hear nothing for --heartbeat-timeout-s: tell them we live
+        (a plan sent counts). Ranks not connected yet are skipped. Launchers of other nodes
+        hear it every second too."""
+        now = time.monotonic()
+        if self.nodes is not None and now - self._last_node_beat >= HEARTBEAT_INTERVAL_S:
+            self._last_node_beat = now
+            heartbeat = self.encoder.encode(Heartbeat())
+            for node in self.nodes.node_heard:
+                self._send_to_node(node_identity(node), heartbeat)
+        if now - self._last_sent < HEARTBEAT_INTERVAL_S:
             return
         self._send_without_waiting(self.encoder.encode(Heartbeat()))
         self._last_sent = time.monotonic()
@@ -191,6 +234,18 @@ class WorkerGroup:
             if self._is_stopping():
                 raise Stopping() from None
             raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
+
+    def end_job(self, reason: str) -> None:
+        """The job failed: every node's launcher stops its workers and exits."""
+        if self.nodes is not None:
+            self.nodes.end_job(reason)
+
+    def _send_to_node(self, identity: bytes, payload: bytes) -> None:
+        """To a launcher; one that is away gets the current generation when it is back."""
+        try:
+            self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def shutdown(self) -> None:
         self._send_without_waiting(self.encoder.encode(Shutdown(reason="scheduler stopping")))

@@ -10,14 +10,15 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SMALL = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=128)
 
 
-def sharp_llama(directory, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB):
+def sharp_llama(directory, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB,
+                hidden: int = 64, intermediate: int = 128):
     """(directory as a string, the transformers model) of a 2-layer Llama with these heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         intermediate_size=128, max_position_embeddings=256)
+                         intermediate_size=intermediate, max_position_embeddings=256)
     model = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -41,6 +41,7 @@ from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
+from spmd_runtime.worker_proc.liveness import start_liveness_beats
 from spmd_runtime.worker_proc.model_runner import LaunchedStep, ModelRunner
 from spmd_runtime.worker_proc.thermal import ThermalMonitor
 from spmd_runtime.worker_proc.warmup import prepare_buckets
@@ -350,6 +351,8 @@ def run_worker(config: EngineConfig) -> int:
     # where no Python handler runs: a stop (or Ctrl-C) then ends it at once, silently.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if config.nnodes > 1:
+        start_liveness_beats(config, rank, int(os.environ.get(SPMD_WORKER_GENERATION, "0")))
     try:
         ctx = init_distributed(config.device, config.dist_backend, config.dist_timeout_s)
         # From here a stop from the launcher ends the loop through the finally block below.
@@ -373,7 +376,9 @@ def run_worker(config: EngineConfig) -> int:
         # The line goes first (report_failure): the scheduler exits as soon as it hears.
         code, detail = report_failure(error, f"rank {rank}", log)
         try:
-            send(sock, config, encoder.encode(WorkerError(rank=rank, message=detail)),
+            send(sock, config, encoder.encode(WorkerError(
+                rank=rank, message=detail,
+                generation=int(os.environ.get(SPMD_WORKER_GENERATION, "0")))),
                  zmq.NOBLOCK)
             time.sleep(0.2)  # let the error frame leave before the socket closes
         except zmq.ZMQError:

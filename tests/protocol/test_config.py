@@ -28,7 +28,8 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "thermal_policy": "my_policies:Gentle", "admin_token": "secret", "auth_token": "tok",
              "http_host": "127.0.0.2", "graph_prompt_strategy": "max_bs",
              "graph_decode_strategy": "min_tokens", "attention_backend": "torch",
-             "step_pipelining": "overlap", "quantization": "int8", "served_model_name": "my-model"}
+             "step_pipelining": "overlap", "quantization": "int8", "served_model_name": "my-model",
+             "curve_keys": "/tmp/job-keys"}
 
 
 def _non_default(name: str, kind: type, default):
