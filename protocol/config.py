@@ -51,6 +51,11 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_byte_size(self.kv_cache_memory, "--kv-cache-memory")
+        if isinstance(self.row_parallel_chunks, str) and self.row_parallel_chunks != "auto":
+            if not self.row_parallel_chunks.isdigit():
+                raise ValueError(f"--row-parallel-chunks takes a count or auto, got "
+                                 f"{self.row_parallel_chunks!r}")
+            self.row_parallel_chunks = int(self.row_parallel_chunks)
         if isinstance(self.kv_swap_memory, str):
             self.kv_swap_memory = parse_byte_size(self.kv_swap_memory, "--kv-swap-memory")
         if self.graph_reserved_mem <= 0:

@@ -39,6 +39,7 @@ from spmd_runtime.runtime.layers.parallel import TensorParallel
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
+from spmd_runtime.worker_proc.chunk_tuning import tune_row_parallel_chunks
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
 from spmd_runtime.worker_proc.liveness import start_liveness_beats
@@ -73,6 +74,10 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     tp = tensor_parallel(config, ctx)
     model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,
                                        shard_spec_for=lambda c: llama_shard_spec(c, tp))
+    if config.row_parallel_chunks == "auto":
+        tp = tune_row_parallel_chunks(tp, model_config.hidden_size,
+                                      model_config.intermediate_size // tp.size, dtype,
+                                      ctx.device, config.max_num_batched_tokens)
     model = LlamaForCausalLM(model_config, dtype, tp)
     model.load_hf_state_dict(weights)
     del weights
@@ -157,7 +162,10 @@ def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int,
 
 def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorParallel:
     """Every worker of the job is one rank of a single tensor-parallel group."""
-    chunks = config.row_parallel_chunks or int(os.environ.get(SPMD_ROW_PARALLEL_CHUNKS, "1"))
+    chunks = config.row_parallel_chunks
+    if chunks == "auto":        # measured once the model's shapes are known (chunk_tuning.py)
+        chunks = 1
+    chunks = chunks or int(os.environ.get(SPMD_ROW_PARALLEL_CHUNKS, "1"))
     threshold = config.row_parallel_chunk_threshold or int(
         os.environ.get(SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, "8192"))
     return TensorParallel(rank=ctx.rank, size=ctx.world_size, row_parallel_chunks=chunks,

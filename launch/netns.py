@@ -1,4 +1,5 @@
-"""Test hosts made of network namespaces: each host is a namespace with its own eth0 and
+"""Hosts made of network namespaces, for tests and benchmarks of multi-node jobs on one
+machine: each host is a namespace with its own eth0 and
 address, all plugged into one bridge that lives in a "switch" namespace of its own, so nothing
 on the machine's own network changes. Processes started on a host see only its interfaces
 (and its loopback), as on a separate machine; the host name still resolves to 127.0.0.1, as it
@@ -105,8 +106,8 @@ class NamespaceHosts:
     def capture(self, host: int, out_path: str | os.PathLike):
         """Capture every frame on the host's interface while the block runs; yields a callable
         that returns the bytes captured (after the block: all of them)."""
-        script = os.path.join(os.path.dirname(__file__), "packet_capture.py")
-        sniffer = self.popen(host, [sys.executable, script, self.interface, os.fspath(out_path)],
+        sniffer = self.popen(host, [sys.executable, "-m", "spmd_runtime.launch.packet_capture",
+                                    self.interface, os.fspath(out_path)],
                              stdout=subprocess.PIPE, text=True)
         try:
             if sniffer.stdout.readline().strip() != "capturing":
@@ -118,6 +119,13 @@ class NamespaceHosts:
                 sniffer.wait(10)
             except subprocess.TimeoutExpired:
                 sniffer.kill()
+
+    def shape(self, host: int, rate: str) -> None:
+        """Limit what the host sends to `rate` (tc's token bucket, e.g. "1gbit"). Delay
+        (netem) is not offered: kernels built without modules, as this project's VMs, lack it."""
+        subprocess.run(["ip", "netns", "exec", self.names[host], "tc", "qdisc", "replace", "dev",
+                        self.interface, "root", "tbf", "rate", rate, "burst", "512kb",
+                        "latency", "50ms"], check=True, capture_output=True, timeout=30)
 
     def pids(self, host: int) -> list[int]:
         listed = _ip("netns", "pids", self.names[host], check=False).stdout.split()

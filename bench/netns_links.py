@@ -1,0 +1,115 @@
+"""Row-parallel chunking over emulated links: TP=3 across three network-namespace hosts, each
+host's egress shaped by tc's token bucket (1 Gbit/s, 10 Gbit/s; this kernel has no netem, so no
+added delay), SmolLM2-shaped random weights. For each --row-parallel-chunks setting (1, 2, 4,
+auto): the time of a 2,048-token prefill (time to first token of a 2,048-token prompt) and of
+one decode step (median inter-token gap of one request), medians of a few requests. Not in CI.
+
+    sudo .venv/bin/python bench/netns_links.py [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from spmd_runtime.launch.netns import NamespaceHosts, namespaces_unavailable
+
+LINKS = ("1gbit", "10gbit")
+SETTINGS = ("1", "2", "4", "auto")
+TOKEN = "bench-token"
+PROBE = """
+import json, statistics, sys, time
+from spmd_runtime.runtime import Client, SamplingParams
+address, token, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with Client(address, auth_token=token, timeout_s=600) as client:
+    client.wait_ready(600)
+    prefill, decode = [], []
+    for r in range(rounds + 1):                     # the first round warms up
+        prompt = [(r * 131 + 7 * i) % 40000 + 100 for i in range(2048)]
+        started = time.perf_counter()
+        stamps = []
+        for delta in client.stream(prompt, SamplingParams(max_tokens=33, temperature=0.0,
+                                                             ignore_eos=True)):
+            stamps.extend([time.perf_counter()] * len(delta.token_ids))
+        if r:
+            prefill.append(stamps[0] - started)
+            decode.append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
+        client.reset_prefix_cache()
+    print(json.dumps({"prefill_s": statistics.median(prefill),
+                      "decode_step_s": statistics.median(decode)}), flush=True)
+"""
+
+
+def run(hosts: NamespaceHosts, setting: str, rounds: int, log_dir: str) -> dict:
+    argv = [sys.executable, "-m", "spmd_runtime.launch", "--nnodes", "3", "--nproc-per-node",
+            "1", "--master-addr", hosts.addresses[0], "--master-port", "29500", "serve",
+            "--model", "dummy:smollm2", "--allow-remote", "--rpc-address",
+            "tcp://127.0.0.1:7000", "--max-model-len", "2304", "--max-num-batched-tokens", "2048",
+            "--kv-cache-memory", "256MiB", "--row-parallel-chunks", setting,
+            "--row-parallel-chunk-threshold", "1", "--log-level", "info"]
+    env = dict(os.environ, SPMD_API_KEY=TOKEN)
+    launchers = []
+    for node in range(3):
+        log = open(os.path.join(log_dir, f"{setting}-node{node}.log"), "w")
+        split = argv.index("serve")
+        launchers.append(hosts.popen(node, [*argv[:split], "--node-rank", str(node),
+                                            *argv[split:]], env=env, stdout=log, stderr=log,
+                                     stdin=subprocess.DEVNULL))
+    try:
+        probe = hosts.run(0, [sys.executable, "-c", PROBE, "tcp://127.0.0.1:7000", TOKEN,
+                              str(rounds)], capture_output=True, text=True, timeout=900)
+        if probe.returncode:
+            raise RuntimeError(probe.stderr[-3000:])
+        return json.loads(probe.stdout.strip().splitlines()[-1])
+    finally:
+        for launcher in launchers:
+            launcher.terminate()
+        for launcher in launchers:
+            try:
+                launcher.wait(30)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+
+
+def auto_choice(log_dir: str) -> str:
+    text = open(os.path.join(log_dir, "auto-node0.log")).read()
+    lines = [line for line in text.splitlines() if "row-parallel chunking auto" in line]
+    return lines[-1].split("auto: ", 1)[1].split(" (")[0] if lines else "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    reason = namespaces_unavailable()
+    if reason:
+        sys.exit(f"netns_links: {reason}")
+    rows = []
+    for link in LINKS:
+        with NamespaceHosts(3) as hosts, tempfile.TemporaryDirectory() as log_dir:
+            for host in range(3):
+                hosts.shape(host, link)
+            for setting in SETTINGS:
+                result = run(hosts, setting, args.rounds, log_dir)
+                result.update(link=link, chunks=setting,
+                              picked=auto_choice(log_dir) if setting == "auto" else "")
+                rows.append(result)
+                print(f"{link:>7} chunks {setting:>4}: prefill 2048 {result['prefill_s']:.3f} s, "
+                      f"decode step {result['decode_step_s'] * 1e3:.1f} ms {result['picked']}",
+                      flush=True)
+    for link in LINKS:
+        base = next(r for r in rows if r["link"] == link and r["chunks"] == "1")
+        for row in (r for r in rows if r["link"] == link and r["chunks"] != "1"):
+            print(f"{link:>7} chunks {row['chunks']:>4}: prefill speedup "
+                  f"{base['prefill_s'] / row['prefill_s']:.2f}x, decode "
+                  f"{base['decode_step_s'] / row['decode_step_s']:.2f}x")
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

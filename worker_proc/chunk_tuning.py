@@ -1,0 +1,94 @@
+"""--row-parallel-chunks auto: time the MLP's row-parallel layer (its shapes, this group, this
+link) at start-up with the input whole and split into chunks, and keep what was fastest.
+
+Every rank runs the same collectives in the same order and the timings are all-reduced (the
+slowest rank's), so all ranks pick the same setting. Chunking is kept only at the batch sizes
+where it beat the unchunked layer by a margin, so turning it on is never slower than off by
+more than the measurement's noise."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from spmd_runtime.runtime.layers.parallel import TensorParallel, row_parallel_linear
+
+log = logging.getLogger("spmd.worker")
+
+CHUNK_COUNTS = (2, 4)
+TOKEN_COUNTS = (256, 1024, 4096)
+REPEATS = 3
+MARGIN = 0.95          # chunking must take at most 95% of the unchunked time
+
+
+def _time_layer(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, chunks: int) -> float:
+    setting = dataclasses.replace(tp, row_parallel_chunks=chunks, row_parallel_chunk_threshold=0)
+    row_parallel_linear(x, weight, None, setting)                 # warm
+    times = []
+    for _ in range(REPEATS):
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        started = time.perf_counter()
+        row_parallel_linear(x, weight, None, setting)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure(tp: TensorParallel, hidden: int, features: int, dtype: torch.dtype,
+            device: torch.device, max_tokens: int) -> dict[int, dict[int, float]]:
+    """Seconds per call (the group's slowest rank) by token count, then chunk count."""
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(hidden, features, generator=generator) * 0.02).to(device, dtype)
+    sizes = [n for n in TOKEN_COUNTS if n <= max_tokens] or [max_tokens]
+    counts = (1, *CHUNK_COUNTS)
+    table = torch.zeros(len(sizes), len(counts), dtype=torch.float64)
+    for i, tokens in enumerate(sizes):
+        x = torch.randn(tokens, features, generator=generator).to(device, dtype)
+        for j, chunks in enumerate(counts):
+            table[i, j] = _time_layer(x, weight, tp, chunks)
+    reduced = table.to(device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=tp.group)
+    reduced = reduced.cpu()
+    return {tokens: {chunks: float(reduced[i, j]) for j, chunks in enumerate(counts)}
+            for i, tokens in enumerate(sizes)}
+
+
+def choose(timings: dict[int, dict[int, float]]) -> tuple[int, int]:
+    """(chunks, threshold): chunking from the smallest token count from which it wins at every
+    larger one measured, with the chunk count best at the largest; (1, 0) when it never wins."""
+    sizes = sorted(timings)
+    threshold = None
+    for tokens in reversed(sizes):
+        best = min(CHUNK_COUNTS, key=lambda c: timings[tokens][c])
+        if timings[tokens][best] > MARGIN * timings[tokens][1]:
+            break
+        threshold = tokens
+    if threshold is None:
+        return 1, 0
+    largest = timings[sizes[-1]]
+    return min(CHUNK_COUNTS, key=lambda c: largest[c]), threshold
+
+
+def tune_row_parallel_chunks(tp: TensorParallel, hidden: int, features: int,
+                             dtype: torch.dtype, device: torch.device,
+                             max_tokens: int) -> TensorParallel:
+    if tp.size == 1:
+        return dataclasses.replace(tp, row_parallel_chunks=1)
+    timings = measure(tp, hidden, features, dtype, device, max_tokens)
+    chunks, threshold = choose(timings)
+    table = "; ".join(f"{tokens} tokens: " + ", ".join(
+        f"{c} chunk{'s' if c > 1 else ''} {t * 1e3:.2f} ms" for c, t in row.items())
+        for tokens, row in timings.items())
+    if chunks == 1:
+        log.info("rank %d: row-parallel chunking auto: off (never faster here: %s)", tp.rank,
+                 table)
+        return dataclasses.replace(tp, row_parallel_chunks=1)
+    log.info("rank %d: row-parallel chunking auto: %d chunks from %d tokens (%s)", tp.rank,
+             chunks, threshold, table)
+    return dataclasses.replace(tp, row_parallel_chunks=chunks,
+                               row_parallel_chunk_threshold=threshold)
