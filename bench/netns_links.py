@@ -1,10 +1,12 @@
-"""Row-parallel chunking over emulated links: TP=3 across three network-namespace hosts, each
-host's egress shaped by tc's token bucket (1 Gbit/s, 10 Gbit/s; this kernel has no netem, so no
-added delay), SmolLM2-shaped random weights. For each --row-parallel-chunks setting (1, 2, 4,
+"""Row-parallel chunking over emulated links: TP across network-namespace hosts (--hosts, one
+worker each, each pinned to its own core where there are enough: on a 2-core machine TP=2 is
+the honest experiment, TP=3 oversubscribes the cores), each host's egress shaped by tc's token
+bucket (1 Gbit/s, 10 Gbit/s; this kernel has no netem, so no added delay), SmolLM2-shaped
+random weights. For each --row-parallel-chunks setting (1, 2, 4,
 auto): the time of a 2,048-token prefill (time to first token of a 2,048-token prompt) and of
 one decode step (median inter-token gap of one request), medians of a few requests. Not in CI.
 
-    sudo .venv/bin/python bench/netns_links.py [--rounds 3]
+    sudo .venv/bin/python bench/netns_links.py [--rounds 3] [--hosts 2]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 from spmd_runtime.launch.netns import NamespaceHosts, namespaces_unavailable
 
@@ -31,7 +34,7 @@ with Client(address, auth_token=token, timeout_s=600) as client:
         prompt = [(r * 131 + 7 * i) % 40000 + 100 for i in range(2048)]
         started = time.perf_counter()
         stamps = []
-        for delta in client.stream(prompt, SamplingParams(max_tokens=33, temperature=0.0,
+        for delta in client.stream(prompt, SamplingParams(max_tokens=17, temperature=0.0,
                                                              ignore_eos=True)):
             stamps.extend([time.perf_counter()] * len(delta.token_ids))
         if r:
@@ -43,27 +46,53 @@ with Client(address, auth_token=token, timeout_s=600) as client:
 """
 
 
+def model_for(hosts: int, directory: str) -> str:
+    """SmolLM2's shapes where its 9 heads split (TP 1, 3), else the same with 8 heads of 64
+    (hidden 512) and 4 KV heads: random weights either way."""
+    if 9 % hosts == 0:
+        return "dummy:smollm2"
+    import dataclasses
+
+    from spmd_runtime.protocol.model_config import model_preset
+    config = dataclasses.replace(model_preset("smollm2-135m"), hidden_size=512,
+                                 num_attention_heads=8, num_key_value_heads=4)
+    with open(os.path.join(directory, "config.json"), "w") as out:
+        json.dump(config.to_hf_dict(), out)
+    return "dummy:" + directory
+
+
 def run(hosts: NamespaceHosts, setting: str, rounds: int, log_dir: str) -> dict:
-    argv = [sys.executable, "-m", "spmd_runtime.launch", "--nnodes", "3", "--nproc-per-node",
+    count = len(hosts.names)
+    cores = sorted(os.sched_getaffinity(0))
+    argv = [sys.executable, "-m", "spmd_runtime.launch", "--nnodes", str(count),
+            "--nproc-per-node",
             "1", "--master-addr", hosts.addresses[0], "--master-port", "29500", "serve",
-            "--model", "dummy:smollm2", "--allow-remote", "--rpc-address",
+            "--model", model_for(count, log_dir), "--allow-remote", "--rpc-address",
             "tcp://127.0.0.1:7000", "--max-model-len", "2304", "--max-num-batched-tokens", "2048",
             "--kv-cache-memory", "256MiB", "--row-parallel-chunks", setting,
             "--row-parallel-chunk-threshold", "1", "--log-level", "info"]
     env = dict(os.environ, SPMD_API_KEY=TOKEN)
     launchers = []
-    for node in range(3):
+    for node in range(count):
         log = open(os.path.join(log_dir, f"{setting}-node{node}.log"), "w")
         split = argv.index("serve")
-        launchers.append(hosts.popen(node, [*argv[:split], "--node-rank", str(node),
+        pin = ["taskset", "-c", str(cores[node % len(cores)])]
+        launchers.append(hosts.popen(node, [*pin, *argv[:split], "--node-rank", str(node),
                                             *argv[split:]], env=env, stdout=log, stderr=log,
                                      stdin=subprocess.DEVNULL))
     try:
-        probe = hosts.run(0, [sys.executable, "-c", PROBE, "tcp://127.0.0.1:7000", TOKEN,
-                              str(rounds)], capture_output=True, text=True, timeout=900)
+        probe = hosts.popen(0, [sys.executable, "-c", PROBE, "tcp://127.0.0.1:7000", TOKEN,
+                                str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+        while probe.poll() is None:
+            if any(launcher.poll() is not None for launcher in launchers):
+                probe.kill()
+                raise RuntimeError(open(os.path.join(log_dir, f"{setting}-node0.log")).read()[-3000:])
+            time.sleep(0.5)
+        out, err = probe.communicate()
         if probe.returncode:
-            raise RuntimeError(probe.stderr[-3000:])
-        return json.loads(probe.stdout.strip().splitlines()[-1])
+            raise RuntimeError(err[-3000:])
+        return json.loads(out.strip().splitlines()[-1])
     finally:
         for launcher in launchers:
             launcher.terminate()
@@ -83,6 +112,7 @@ def auto_choice(log_dir: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     reason = namespaces_unavailable()
@@ -90,8 +120,8 @@ def main() -> None:
         sys.exit(f"netns_links: {reason}")
     rows = []
     for link in LINKS:
-        with NamespaceHosts(3) as hosts, tempfile.TemporaryDirectory() as log_dir:
-            for host in range(3):
+        with NamespaceHosts(args.hosts) as hosts, tempfile.TemporaryDirectory() as log_dir:
+            for host in range(args.hosts):
                 hosts.shape(host, link)
             for setting in SETTINGS:
                 result = run(hosts, setting, args.rounds, log_dir)

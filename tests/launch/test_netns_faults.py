@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,
                                 reason=f"no test hosts: {namespaces_unavailable()}")
 
 NUM_STREAMS = 20
-MAX_TOKENS = 150
+MAX_TOKENS = 100
 TOKEN = "fault-test-token"
 ENGINE = ["--max-model-len", "256", "--num-kv-blocks", "512", "--max-num-seqs", "32",
           "--heartbeat-timeout-s", "5"]
@@ -183,16 +183,24 @@ def test_kill_link_cut_and_freeze_lose_nothing(model, undisturbed, tmp_path) -> 
 
 
 @pytest.mark.timeout(600)
-def test_without_restarts_every_request_fails_naming_the_node(model, tmp_path) -> None:
+@pytest.mark.parametrize("case", ["no_restarts_left", "node_never_back"])
+def test_without_restarts_every_request_fails_naming_the_node(model, tmp_path, case) -> None:
+    """A worker killed with --max-restarts 0; or node 2 killed whole, restarted around, and
+    never back within --rejoin-timeout-s."""
+    options = (["--max-restarts", "0"] if case == "no_restarts_left"
+               else ["--max-restarts", "2", "--rejoin-timeout-s", "8"])
     with NamespaceHosts(3) as hosts:
-        job = Job(hosts, model, tmp_path, "--max-restarts", "0")
+        job = Job(hosts, model, tmp_path, *options)
         client = job.client()
         wait_streaming(job, client)
-        os.kill(job.worker_pid(2), signal.SIGKILL)
+        victims = [job.worker_pid(2)] if case == "no_restarts_left" else hosts.pids(2)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
         out, err = client.communicate(timeout=300)
         result = json.loads(out.strip().splitlines()[-1])
         assert all(error and "node 2" in error for error in result["errors"]), result["errors"]
         for node, launcher in enumerate(job.launchers):
-            assert launcher.wait(120) != 0, job.log(node)[-3000:]
+            if case == "no_restarts_left" or node != 2:       # node 2's was killed
+                assert launcher.wait(120) != 0, job.log(node)[-3000:]
         wait_until(lambda: not any(hosts.pids(n) for n in range(3)), 60,
                    what="every process on every host gone")
