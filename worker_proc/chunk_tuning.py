@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.env_vars import (
+    SPMD_ROW_PARALLEL_CHUNK_THRESHOLD,
+    SPMD_ROW_PARALLEL_CHUNKS,
+)
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.parallel import TensorParallel, row_parallel_linear
+from spmd_runtime.worker_proc.distributed import DistributedContext
 
 log = logging.getLogger("spmd.worker")
 
@@ -92,3 +100,24 @@ def tune_row_parallel_chunks(tp: TensorParallel, hidden: int, features: int,
              chunks, threshold, table)
     return dataclasses.replace(tp, row_parallel_chunks=chunks,
                                row_parallel_chunk_threshold=threshold)
+
+
+def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorParallel:
+    """Every worker of the job is one rank of a single tensor-parallel group; with auto, its
+    chunking is decided once the model's shapes are known (tuned_if_asked)."""
+    chunks = config.row_parallel_chunks
+    if chunks == "auto":
+        chunks = 1
+    chunks = chunks or int(os.environ.get(SPMD_ROW_PARALLEL_CHUNKS, "1"))
+    threshold = config.row_parallel_chunk_threshold or int(
+        os.environ.get(SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, "8192"))
+    return TensorParallel(rank=ctx.rank, size=ctx.world_size, row_parallel_chunks=chunks,
+                          row_parallel_chunk_threshold=threshold)
+
+
+def tuned_if_asked(config: EngineConfig, tp: TensorParallel, model: ModelConfig,
+                   dtype: torch.dtype, device: torch.device) -> TensorParallel:
+    if config.row_parallel_chunks != "auto":
+        return tp
+    return tune_row_parallel_chunks(tp, model.hidden_size, model.intermediate_size // tp.size,
+                                    dtype, device, config.max_num_batched_tokens)

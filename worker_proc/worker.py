@@ -17,8 +17,6 @@ from spmd_runtime.protocol.buckets import PhaseBuckets, graphs_enabled
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.env_vars import (
-    SPMD_ROW_PARALLEL_CHUNK_THRESHOLD,
-    SPMD_ROW_PARALLEL_CHUNKS,
     SPMD_WORKER_GENERATION,
 )
 from spmd_runtime.protocol.messages import (
@@ -35,11 +33,10 @@ from spmd_runtime.protocol.messages import (
 from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 from spmd_runtime.runtime.layers import cpu_attention, triton_attention
-from spmd_runtime.runtime.layers.parallel import TensorParallel
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
-from spmd_runtime.worker_proc.chunk_tuning import tune_row_parallel_chunks
+from spmd_runtime.worker_proc.chunk_tuning import tensor_parallel, tuned_if_asked
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
 from spmd_runtime.worker_proc.liveness import start_liveness_beats
@@ -74,19 +71,12 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     tp = tensor_parallel(config, ctx)
     model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,
                                        shard_spec_for=lambda c: llama_shard_spec(c, tp))
-    if config.row_parallel_chunks == "auto":
-        tp = tune_row_parallel_chunks(tp, model_config.hidden_size,
-                                      model_config.intermediate_size // tp.size, dtype,
-                                      ctx.device, config.max_num_batched_tokens)
+    tp = tuned_if_asked(config, tp, model_config, dtype, ctx.device)
     model = LlamaForCausalLM(model_config, dtype, tp)
     model.load_hf_state_dict(weights)
     del weights
     model.to(ctx.device).eval()
-    if config.quantization != "none":
-        if ctx.device.type != "cpu":
-            raise ValueError(f"--quantization {config.quantization} needs a CPU worker, this one "
-                             f"runs on {ctx.device}")
-        quantize_linear_weights(model, config.quantization)
+    quantize_if_asked(config, model, ctx.device)
     log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
              config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
     max_model_len = model_config.max_position_embeddings
@@ -160,16 +150,13 @@ def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int,
     return "triton" if usable else ""
 
 
-def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorParallel:
-    """Every worker of the job is one rank of a single tensor-parallel group."""
-    chunks = config.row_parallel_chunks
-    if chunks == "auto":        # measured once the model's shapes are known (chunk_tuning.py)
-        chunks = 1
-    chunks = chunks or int(os.environ.get(SPMD_ROW_PARALLEL_CHUNKS, "1"))
-    threshold = config.row_parallel_chunk_threshold or int(
-        os.environ.get(SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, "8192"))
-    return TensorParallel(rank=ctx.rank, size=ctx.world_size, row_parallel_chunks=chunks,
-                          row_parallel_chunk_threshold=threshold)
+def quantize_if_asked(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
+    if config.quantization == "none":
+        return
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {config.quantization} needs a CPU worker, this one "
+                         f"runs on {device}")
+    quantize_linear_weights(model, config.quantization)
 
 
 def shared_sampling_seed(ctx: DistributedContext) -> int:
