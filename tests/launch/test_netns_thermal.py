@@ -20,7 +20,7 @@ import json, os, sys, threading, time
 from spmd_runtime.runtime import Client, SamplingParams
 
 address, token, temp_dir = sys.argv[1:4]
-params = SamplingParams(max_tokens=230, temperature=0.0, ignore_eos=True)
+params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(5 + 2 * i)] for i in range(6)]
 outputs = {}
 
@@ -94,4 +94,4 @@ def test_a_hot_device_on_node_2_caps_node_0s_batch_within_two_steps(tmp_path) ->
     assert result["hottest_rank"] == 2 and result["temps"] == [60.0, 60.0, 83.0], result
     assert result["evict_step"] <= result["written_at"] + 2, result
     assert result["cap"] == 5, result
-    assert result["lengths"] == [230] * 6 and result["same"], result
+    assert result["lengths"] == [120] * 6 and result["same"], result
