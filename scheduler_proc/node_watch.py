@@ -58,8 +58,7 @@ class NodeWatch:
             log.info("node %d joined (running generation %d)", node, message.generation)
         self.node_heard[node] = now
         self.node_generation[node] = message.generation
-        if message.generation < self.generation or (
-                message.generation < 0 and self.generation == 0):
+        if message.generation < self.generation:     # -1: a node that has just (re)joined
             if now - self._offered.get(node, 0.0) > OFFER_INTERVAL_S:
                 self._offered[node] = now
                 self._start(node)
