@@ -17,6 +17,12 @@ $(STAMP): setup.cfg pyproject.toml
 	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 >/dev/null 2>&1; } \
 		|| echo "make env: no iproute2: the tests on namespace hosts will skip"
+	@# tcmalloc: CPU workers preload it where present (launch/engine.py allocator_preload).
+	@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || { [ "$$(id -u)" = 0 ] \
+		&& command -v apt-get >/dev/null 2>&1 && { apt-get install -y -qq libtcmalloc-minimal4 \
+		>/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq \
+		libtcmalloc-minimal4 >/dev/null 2>&1; }; }; } \
+		|| echo "make env: no tcmalloc: CPU workers use glibc's allocator (slower prefill)"
 	touch $(STAMP)
 
 env: $(STAMP)

@@ -10,6 +10,7 @@ import torch
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk
+from spmd_runtime.runtime.layers.linear import weight_bytes
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 # The KV cache a CPU worker takes when not told: a laptop-sized bound (see size_kv_cache).
@@ -82,7 +83,7 @@ def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dt
     a full token budget, once that pass's activations are set aside, and with `graphs` the
     --graph-reserved-mem share of the usable memory."""
     per_block = bytes_per_block(model.config, config.block_size, dtype, tp_size)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
 
     def from_bytes(how: str, budget: int, **details) -> CacheSizing:
         wanted = max(0, budget) // per_block

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 import zmq
-from spmd_runtime.protocol.buckets import PhaseBuckets, graphs_enabled
+from spmd_runtime.protocol.buckets import PhaseBuckets, compiling, graphs_enabled
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.env_vars import (
@@ -33,6 +33,7 @@ from spmd_runtime.protocol.messages import (
 from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 from spmd_runtime.runtime.layers import cpu_attention, triton_attention
+from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
@@ -76,7 +77,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     model.load_hf_state_dict(weights)
     del weights
     model.to(ctx.device).eval()
-    quantize_if_asked(config, model, ctx.device)
+    prepare_weights(config, model, ctx.device, dtype)
     log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
              config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
     max_model_len = model_config.max_position_embeddings
@@ -150,8 +151,13 @@ def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int,
     return "triton" if usable else ""
 
 
-def quantize_if_asked(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
+def prepare_weights(config: EngineConfig, model: torch.nn.Module, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Quantize the projections if asked; otherwise, on a CPU worker that does not compile its
+    layers, pack the float32 ones for MKL's GEMM (runtime/layers/linear.py)."""
     if config.quantization == "none":
+        if can_pack(device, dtype) and not compiling(config, device.type):
+            pack_linear_weights(model)
         return
     if device.type != "cpu":
         raise ValueError(f"--quantization {config.quantization} needs a CPU worker, this one "

@@ -1,30 +1,23 @@
 // Decode attention on the CPU that reads the paged KV cache in place (runtime/layers/cpu_attention.py).
 //
-// One task per sequence: every query head scores every context token straight from its cache
-// slot (slot = block_table[t / block_size] * block_size + t % block_size), takes the softmax,
-// and sums the values from their slots. Nothing is gathered or copied; each context token's K
-// and V rows are read once per step.
+// One task per (sequence, KV head): the query heads of that KV head's group score every context
+// token straight from its cache slot (slot = block_table[t / block_size] * block_size +
+// t % block_size), take the softmax, and sum the values from their slots. Nothing is gathered
+// or copied; each context token's K and V rows of that head are read once per step. For the
+// usual head sizes (64, 128) and group sizes (1-8) the group's queries and value sums are
+// fixed-size arrays the compiler keeps in vector registers; other shapes take a generic loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
-
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline void add_scaled(float* __restrict acc, const float* __restrict x, float w, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * x[i];
-}
 
 struct Layout {
   int64_t kv_heads, group, head_dim, block_size;
@@ -33,53 +26,130 @@ struct Layout {
   float scale;
 };
 
-// Calls visit(t, row) for each context token t of a sequence with its cache row (all KV heads
-// side by side), walking the block table block by block.
+// Softmax weights of `length` scores in place; returns 1 / their sum.
+inline float softmax_weights(float* s, int64_t length) {
+  float peak = s[0];
+#pragma omp simd reduction(max : peak)
+  for (int64_t t = 0; t < length; ++t) peak = std::max(peak, s[t]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < length; ++t) {
+    s[t] = spmd_cpu::exp_vectorisable(s[t] - peak);
+    total += s[t];
+  }
+  return 1.f / total;
+}
+
+// Asks for one KV head's row of `n` slots (head_dim floats each) to be brought into cache.
+inline void prefetch_rows(const Layout& L, const float* first, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < L.head_dim; d += 16) __builtin_prefetch(first + i * L.slot_stride + d);
+}
+
+// Calls visit(t, row) for each context token t of a sequence with its cache row for one KV head,
+// walking the block table block by block. Blocks lie anywhere in the cache, which the hardware
+// prefetcher cannot follow: the next block's rows (and, with `also`, this block's rows of a
+// second cache, read in the next pass) are prefetched while this block is visited.
 template <typename index_t, typename Visit>
 inline void for_each_row(const Layout& L, const float* cache, const index_t* table, int64_t length,
-                         Visit visit) {
+                         Visit visit, const float* also = nullptr) {
+  const int64_t block_elems = L.block_size * L.slot_stride;
   for (int64_t t0 = 0, b = 0; t0 < length; t0 += L.block_size, ++b) {
-    const float* block = cache + static_cast<int64_t>(table[b]) * L.block_size * L.slot_stride;
+    const int64_t offset = static_cast<int64_t>(table[b]) * block_elems;
+    const float* block = cache + offset;
     const int64_t n = std::min(L.block_size, length - t0);
+    if (t0 + L.block_size < length)
+      prefetch_rows(L, cache + static_cast<int64_t>(table[b + 1]) * block_elems,
+                    std::min(L.block_size, length - t0 - L.block_size));
+    if (also != nullptr) prefetch_rows(L, also + offset, n);
     for (int64_t i = 0; i < n; ++i) visit(t0 + i, block + i * L.slot_stride);
   }
 }
 
-// One sequence, every head: its context is walked block by block and each token's K (then V)
-// row, all KV heads side by side, is read once, front to back, which the hardware prefetcher
-// follows (a task per KV head would read a third of each row, strided).
-template <typename index_t>
-void attend_sequence(const Layout& L, const float* q, const float* k_cache, const float* v_cache,
-                     const index_t* table, int64_t length, float* out, std::vector<float>& scores,
-                     std::vector<float>& acc) {
-  const int64_t G = L.group, D = L.head_dim;
-  const int64_t heads = L.kv_heads * G;
-  scores.resize(heads * length);
-  acc.assign(heads * D, 0.f);
-  for_each_row(L, k_cache, table, length, [&](int64_t t, const float* k_row) {
-    for (int64_t h = 0; h < heads; ++h)
-      scores[h * length + t] = dot(q + h * L.q_head_stride, k_row + (h / G) * D, D) * L.scale;
-  });
-  std::vector<float> inv_sum(heads);
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores.data() + h * length;
-    float peak = s[0];
-    for (int64_t t = 1; t < length; ++t) peak = std::max(peak, s[t]);
-    float total = 0.f;
-    for (int64_t t = 0; t < length; ++t) {
-      s[t] = std::exp(s[t] - peak);
-      total += s[t];
+// One KV head of one sequence with G query heads of D dimensions, sizes known at compile time.
+template <int G, int D, typename index_t>
+void attend_head_fixed(const Layout& L, const float* q, const float* k_cache, const float* v_cache,
+                       const index_t* table, int64_t length, float* out, float* scores) {
+  float query[G][D];
+  for (int g = 0; g < G; ++g) std::memcpy(query[g], q + g * L.q_head_stride, sizeof(float) * D);
+  for_each_row(L, k_cache, table, length, [&](int64_t t, const float* k) {
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int d = 0; d < D; ++d) sum += query[g][d] * k[d];
+      scores[g * length + t] = sum * L.scale;
     }
-    inv_sum[h] = 1.f / total;
-  }
-  for_each_row(L, v_cache, table, length, [&](int64_t t, const float* v_row) {
-    for (int64_t h = 0; h < heads; ++h)
-      add_scaled(acc.data() + h * D, v_row + (h / G) * D, scores[h * length + t], D);
+  }, v_cache);
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_weights(scores + g * length, length);
+  float acc[G][D] = {};
+  for_each_row(L, v_cache, table, length, [&](int64_t t, const float* v) {
+    for (int g = 0; g < G; ++g) {
+      const float w = scores[g * length + t];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] += w * v[d];
+    }
   });
-  for (int64_t h = 0; h < heads; ++h) {
-    float* o = out + h * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv_sum[h];
+  for (int g = 0; g < G; ++g) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv_sum[g];
   }
+}
+
+// The same for any group and head size (sums in a scratch buffer).
+template <typename index_t>
+void attend_head_generic(const Layout& L, const float* q, const float* k_cache,
+                         const float* v_cache, const index_t* table, int64_t length, float* out,
+                         float* scores, std::vector<float>& acc) {
+  const int64_t G = L.group, D = L.head_dim;
+  for_each_row(L, k_cache, table, length, [&](int64_t t, const float* k) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * L.q_head_stride;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < D; ++d) sum += qg[d] * k[d];
+      scores[g * length + t] = sum * L.scale;
+    }
+  }, v_cache);
+  std::vector<float> inv_sum(G);
+  for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_weights(scores + g * length, length);
+  acc.assign(G * D, 0.f);
+  for_each_row(L, v_cache, table, length, [&](int64_t t, const float* v) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * length + t];
+      float* a = acc.data() + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+    }
+  });
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv_sum[g];
+}
+
+template <typename index_t>
+using HeadFn = void (*)(const Layout&, const float*, const float*, const float*, const index_t*,
+                        int64_t, float*, float*);
+
+template <int D, typename index_t>
+HeadFn<index_t> fixed_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_head_fixed<1, D, index_t>;
+    case 2: return attend_head_fixed<2, D, index_t>;
+    case 3: return attend_head_fixed<3, D, index_t>;
+    case 4: return attend_head_fixed<4, D, index_t>;
+    case 5: return attend_head_fixed<5, D, index_t>;
+    case 6: return attend_head_fixed<6, D, index_t>;
+    case 7: return attend_head_fixed<7, D, index_t>;
+    case 8: return attend_head_fixed<8, D, index_t>;
+    default: return nullptr;
+  }
+}
+
+template <typename index_t>
+HeadFn<index_t> fixed_head_fn(const Layout& L) {
+  if (L.head_dim == 64) return fixed_for_group<64, index_t>(L.group);
+  if (L.head_dim == 128) return fixed_for_group<128, index_t>(L.group);
+  return nullptr;
 }
 
 template <typename index_t>
@@ -91,13 +161,30 @@ void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache, con
   const index_t* table_ptr = tables.data_ptr<index_t>();
   const int32_t* length_ptr = lengths.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
-  const int64_t row = L.kv_heads * L.group * L.head_dim;
-  at::parallel_for(0, q.size(0), 1, [&](int64_t begin, int64_t end) {
+  const int64_t D = L.head_dim, G = L.group, heads = L.kv_heads * G;
+  const HeadFn<index_t> fixed = fixed_head_fn<index_t>(L);
+  at::parallel_for(0, q.size(0) * L.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    for (int64_t seq = begin; seq < end; ++seq)
-      attend_sequence<index_t>(L, q_ptr + seq * L.q_seq_stride, k_ptr, v_ptr,
-                               table_ptr + seq * L.table_stride, length_ptr[seq], out_ptr + seq * row,
-                               scores, acc);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / L.kv_heads, kv = task % L.kv_heads;
+      const int64_t length = length_ptr[seq];
+      scores.resize(G * length);
+      const float* q_group = q_ptr + seq * L.q_seq_stride + kv * G * L.q_head_stride;
+      const index_t* table = table_ptr + seq * L.table_stride;
+      float* o = out_ptr + (seq * heads + kv * G) * D;
+      if (task + 1 < end) {     // the next task's first block, while this one runs
+        const int64_t next_seq = (task + 1) / L.kv_heads, next_kv = (task + 1) % L.kv_heads;
+        const index_t first = table_ptr[next_seq * L.table_stride];
+        prefetch_rows(L, k_ptr + next_kv * D + static_cast<int64_t>(first) * L.block_size * L.slot_stride,
+                      std::min<int64_t>(L.block_size, length_ptr[next_seq]));
+      }
+      if (fixed != nullptr) {
+        fixed(L, q_group, k_ptr + kv * D, v_ptr + kv * D, table, length, o, scores.data());
+      } else {
+        attend_head_generic<index_t>(L, q_group, k_ptr + kv * D, v_ptr + kv * D, table, length, o,
+                                     scores.data(), acc);
+      }
+    }
   });
 }
 

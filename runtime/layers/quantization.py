@@ -40,6 +40,9 @@ class Int8Weight:
     def shape(self) -> torch.Size:
         return torch.Size((self.weight_t.shape[1], self.weight_t.shape[0]))
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight_t, self.scale]
+
     def dequantize(self) -> torch.Tensor:
         return (self.weight_t.t().float() * self.scale[:, None])
 
@@ -108,6 +111,9 @@ class RescoredInt8Head:
     def shape(self) -> torch.Size:
         return self.weight.shape
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.scores.tensors(), self.weight]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         x_scale = token_scales(rows)
@@ -119,11 +125,12 @@ class RescoredInt8Head:
         return logits.scatter_(1, top, exact.to(logits.dtype)).view(*hidden.shape[:-1], -1)
 
 
-def _swap(module: nn.Module, name: str, quantized: Int8Weight | RescoredInt8Head) -> None:
-    # A registered parameter can only be replaced by another parameter: unregister it first.
+def swap_weight(module: nn.Module, name: str, replacement: object) -> None:
+    """Put a packed or quantized form in place of a weight parameter (a registered parameter can
+    only be replaced by another parameter: it is unregistered first)."""
     if name in module._parameters:
         del module._parameters[name]
-    object.__setattr__(module, name, quantized)
+    object.__setattr__(module, name, replacement)
 
 
 def quantize_linear_weights(model: nn.Module, method: str) -> int:
@@ -138,13 +145,11 @@ def quantize_linear_weights(model: nn.Module, method: str) -> int:
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {QUANTIZATION_METHODS}")
     count = 0
-    for layer in model.layers:
-        for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            _swap(module, name, Int8Weight.quantize(getattr(module, name)))
-            count += 1
+    for module, name in model.projection_slots():
+        swap_weight(module, name, Int8Weight.quantize(getattr(module, name)))
+        count += 1
     if model.tp.size == 1:
-        _swap(model, "lm_head", RescoredInt8Head(Int8Weight.quantize(model.lm_head),
+        swap_weight(model, "lm_head", RescoredInt8Head(Int8Weight.quantize(model.lm_head),
                                                  model.lm_head.detach()))
         count += 1
     return count

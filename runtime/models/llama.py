@@ -139,6 +139,13 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype)
 
+    def projection_slots(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every decoder-layer projection weight: attention QKV and
+        output, MLP gate/up and down (what packing and quantization replace)."""
+        return [(module, name) for layer in self.layers
+                for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                     (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 batch: AttentionBatch, pieces: LayerPieces = EAGER) -> torch.Tensor:
