@@ -15,6 +15,7 @@ from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, P
 from spmd_runtime.runtime.models.llama import (
     LayerPieces,
     LlamaForCausalLM,
+    eager_pieces,
 )
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
@@ -118,6 +119,7 @@ class ModelRunner(WarmupAndGraphs):
                               if scratch_block is None else scratch_block)
         # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
         self.compiled: LayerPieces | None = None
+        self.eager_pieces = eager_pieces(device, model.embed_tokens.dtype)
         self.compiled_shapes: set[int] = set()
         # Captured graphs by (phase, batch size, length); a bucket without one runs eagerly.
         self.graphs: dict[tuple[str, int, int], BucketGraph] = {}

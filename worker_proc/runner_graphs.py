@@ -13,7 +13,7 @@ from spmd_runtime.protocol.buckets import (
     plan_graph_captures,
 )
 from spmd_runtime.runtime.layers.attention import AttentionBatch
-from spmd_runtime.runtime.models.llama import EAGER, LayerPieces, attention_inputs, mlp_inputs
+from spmd_runtime.runtime.models.llama import LayerPieces, attention_inputs, mlp_inputs
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 
 log = logging.getLogger("spmd.worker")
@@ -36,7 +36,7 @@ class WarmupAndGraphs:
         """Compiled pieces for a bucketed batch, eager ones otherwise (a batch outside every
         bucket is not worth a compilation). Also: 1 if this shape compiles after warmup."""
         if self.compiled is None or bucket is None:
-            return EAGER, 0
+            return self.eager_pieces, 0
         new_shape = num_tokens not in self.compiled_shapes
         self.compiled_shapes.add(num_tokens)
         return self.compiled, int(new_shape and self.warmed_up)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
@@ -91,6 +92,43 @@ class LayerPieces:
 
 
 EAGER = LayerPieces()
+
+
+def fused_attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
+                           cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                           num_kv_heads: int, head_dim: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_inputs with the norm and the rotary embedding as single C++ passes (float32
+    CPU, runtime/layers/cpu_layers.cpp): rotary runs in place on the query and key columns."""
+    qkv = linear(torch.ops.spmd_cpu.rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+    torch.ops.spmd_cpu.rotary_(qkv, num_heads + num_kv_heads, head_dim,
+                               cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                        dim=-1)
+    return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+            v.view(-1, num_kv_heads, head_dim))
+
+
+def fused_mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, gate_up_weight: torch.Tensor,
+                     intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mlp_inputs with the residual add and the norm as one C++ pass (float32 CPU); SiLU x up
+    stays torch's (its SiLU is vectorised, the product done in place)."""
+    x, normed = torch.ops.spmd_cpu.add_rms_norm(x, attention_output, norm_weight, eps)
+    gate, up = linear(normed, gate_up_weight).split(intermediate_size, dim=-1)
+    return x, F.silu(gate).mul_(up)
+
+
+# The eager pieces of a float32 CPU worker whose C++ operators load (runtime/layers/cpu_ops.py).
+FUSED_CPU = LayerPieces(fused_attention_inputs, fused_mlp_inputs)
+
+
+def eager_pieces(device: torch.device, dtype: torch.dtype) -> LayerPieces:
+    """FUSED_CPU where it runs (float32 on the CPU, the operators built), EAGER elsewhere."""
+    if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load():
+        return FUSED_CPU
+    return EAGER
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -29,3 +29,46 @@ def test_onednn_meets_few_shapes_and_computes_the_same_product(monkeypatch) -> N
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     long_inputs = [rows for rows in seen if rows > ONEDNN_EXACT_ROWS]
     assert long_inputs and all(rows % ONEDNN_ROW_MULTIPLE == 0 for rows in long_inputs), seen
+
+
+@pytest.mark.skipif(not linear_mod.can_pack(torch.device("cpu"), torch.float32),
+                    reason="this torch has no MKL packed GEMM")
+def test_packed_weight_computes_the_same_product_at_every_row_count() -> None:
+    """One weight packed for MKL serves any number of rows (each call names its own), with and
+    without bias, for 3-D and strided inputs."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    packed = linear_mod.PackedWeight.pack(weight)
+    assert packed.shape == weight.shape
+    for rows in (1, 2, 7, 63, 64, 65, 300, 1000):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(3, 5, 100)[..., :40]
+    torch.testing.assert_close(linear(strided, packed), F.linear(strided, weight),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not linear_mod.can_pack(torch.device("cpu"), torch.float32),
+                    reason="this torch has no MKL packed GEMM")
+def test_packing_a_model_keeps_its_logits_and_counts_its_bytes() -> None:
+    from spmd_runtime.protocol.model_config import ModelConfig
+    from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_ids=(0,))
+    model = LlamaForCausalLM(config, torch.float32).eval()
+    for parameter in model.parameters():
+        parameter.copy_(torch.randn_like(parameter) * 0.1)
+    ids = torch.randint(0, 300, (20,)).tolist()
+    plain_bytes = linear_mod.weight_bytes(model)
+    expected = model.prompt_logits(ids)
+    assert linear_mod.pack_linear_weights(model) == 4 * config.num_hidden_layers + 1
+    torch.testing.assert_close(model.prompt_logits(ids), expected, rtol=1e-4, atol=1e-4)
+    # The packed forms replace the projections (2-4x their bytes); the tied table stays.
+    assert linear_mod.weight_bytes(model) > plain_bytes
