@@ -58,6 +58,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
              "this host, set to the interface that reaches the master",
              "runtime/network.py (workers)") for name in ("GLOO_SOCKET_IFNAME",
                                                           "NCCL_SOCKET_IFNAME")),
+    EnvVar("LD_PRELOAD", "set by the launcher for CPU workers: tcmalloc appended where the "
+           "machine has it (glibc's allocator faults a step's activations in anew)",
+           "launch/engine.py (allocator_preload)"),
     EnvVar("TRITON_INTERPRET", "1 runs the Triton attention kernel on the CPU (interpreter)",
            "runtime/layers/triton_attention.py"),
     EnvVar("XDG_CACHE_HOME", "where downloaded tokenizers are cached (default ~/.cache)",
