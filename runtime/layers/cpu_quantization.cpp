@@ -15,17 +15,14 @@ namespace {
 
 constexpr float kLoSteps = 254.f;   // hi's rounding error, in [-0.5, 0.5], times 254 fills int8
 
-// x [M, K] float32 -> (parts [2M, K] int8: hi rows then lo rows, scale [M, 1] float32).
-std::tuple<at::Tensor, at::Tensor> quantize_rows_two_part(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x [rows, features] float32 expected");
-  const at::Tensor rows = x.contiguous();
+// x [M, K] float32 -> (parts [2M, K]: hi rows then lo rows, scale [M, 1] float32). Parts are
+// int8, or with `shifted` uint8 holding code + 128 (the unsigned activations of oneDNN's
+// prepacked int8 linear, whose zero point 128 takes the shift off again).
+template <typename code_t>
+void quantize_into(const at::Tensor& rows, code_t* hi_dst, float* scale_dst, int offset) {
   const int64_t M = rows.size(0), K = rows.size(1);
-  at::Tensor parts = at::empty({2 * M, K}, rows.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({M, 1}, rows.options());
   const float* src = rows.data_ptr<float>();
-  int8_t* hi_dst = parts.data_ptr<int8_t>();
-  int8_t* lo_dst = hi_dst + M * K;
-  float* scale_dst = scale.data_ptr<float>();
+  code_t* lo_dst = hi_dst + M * K;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* in = src + r * K;
@@ -34,39 +31,49 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_two_part(const at::Tensor& x) {
       for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(in[k]));
       const float s = std::max(peak, 1e-12f) / 127.f;
       scale_dst[r] = s;
-      int8_t* hi = hi_dst + r * K;
-      int8_t* lo = lo_dst + r * K;
+      code_t* hi = hi_dst + r * K;
+      code_t* lo = lo_dst + r * K;
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) {
         const float t = in[k] / s;
         const float h = std::nearbyint(t);
-        hi[k] = static_cast<int8_t>(h);
-        lo[k] = static_cast<int8_t>(std::nearbyint((t - h) * kLoSteps));
+        hi[k] = static_cast<code_t>(static_cast<int>(h) + offset);
+        lo[k] = static_cast<code_t>(static_cast<int>(std::nearbyint((t - h) * kLoSteps)) + offset);
       }
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_two_part(const at::Tensor& x, bool shifted) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x [rows, features] float32 expected");
+  const at::Tensor rows = x.contiguous();
+  const int64_t M = rows.size(0), K = rows.size(1);
+  at::Tensor parts = at::empty({2 * M, K}, rows.options().dtype(shifted ? at::kByte : at::kChar));
+  at::Tensor scale = at::empty({M, 1}, rows.options());
+  if (shifted) {
+    quantize_into<uint8_t>(rows, parts.data_ptr<uint8_t>(), scale.data_ptr<float>(), 128);
+  } else {
+    quantize_into<int8_t>(rows, parts.data_ptr<int8_t>(), scale.data_ptr<float>(), 0);
+  }
   return {parts, scale};
 }
 
-// sums [2M, N] int32 (hi rows then lo rows), x_scale [M, 1], w_scale [N] -> float32 [M, N]:
+// sums [2M, N] (hi rows then lo rows; int32, or float32 holding the same integers as
+// oneDNN's int8 linear gives them), x_scale [M, 1], w_scale [N] -> float32 [M, N]:
 // (lo / 254 + hi) * x_scale * w_scale.
-at::Tensor dequantize_two_part(const at::Tensor& sums, const at::Tensor& x_scale,
-                               const at::Tensor& w_scale) {
-  TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == at::kInt && sums.is_contiguous(),
-              "sums [2 * rows, out] int32 expected");
+template <typename sum_t>
+void dequantize_into(const at::Tensor& sums, const at::Tensor& xs_t, const at::Tensor& ws_t,
+                     at::Tensor& out) {
   const int64_t M = sums.size(0) / 2, N = sums.size(1);
-  TORCH_CHECK(x_scale.numel() == M && w_scale.numel() == N, "one scale per row and per column");
-  const at::Tensor xs_t = x_scale.contiguous(), ws_t = w_scale.contiguous();
-  at::Tensor out = at::empty({M, N}, xs_t.options());
-  const int32_t* hi_src = sums.data_ptr<int32_t>();
-  const int32_t* lo_src = hi_src + M * N;
+  const sum_t* hi_src = sums.data_ptr<sum_t>();
+  const sum_t* lo_src = hi_src + M * N;
   const float* xs = xs_t.data_ptr<float>();
   const float* ws = ws_t.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const int32_t* hi = hi_src + r * N;
-      const int32_t* lo = lo_src + r * N;
+      const sum_t* hi = hi_src + r * N;
+      const sum_t* lo = lo_src + r * N;
       float* o = dst + r * N;
       const float row_scale = xs[r];
 #pragma omp simd
@@ -74,13 +81,29 @@ at::Tensor dequantize_two_part(const at::Tensor& sums, const at::Tensor& x_scale
         o[n] = (static_cast<float>(lo[n]) / kLoSteps + static_cast<float>(hi[n])) * row_scale * ws[n];
     }
   });
+}
+
+at::Tensor dequantize_two_part(const at::Tensor& sums, const at::Tensor& x_scale,
+                               const at::Tensor& w_scale) {
+  TORCH_CHECK(sums.dim() == 2 && sums.is_contiguous() &&
+                  (sums.scalar_type() == at::kInt || sums.scalar_type() == at::kFloat),
+              "sums [2 * rows, out] int32 or float32 expected");
+  const int64_t M = sums.size(0) / 2, N = sums.size(1);
+  TORCH_CHECK(x_scale.numel() == M && w_scale.numel() == N, "one scale per row and per column");
+  const at::Tensor xs_t = x_scale.contiguous(), ws_t = w_scale.contiguous();
+  at::Tensor out = at::empty({M, N}, xs_t.options());
+  if (sums.scalar_type() == at::kInt) {
+    dequantize_into<int32_t>(sums, xs_t, ws_t, out);
+  } else {
+    dequantize_into<float>(sums, xs_t, ws_t, out);
+  }
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
-  m.def("quantize_rows_two_part(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_rows_two_part(Tensor x, bool shifted=False) -> (Tensor, Tensor)");
   m.def("dequantize_two_part(Tensor sums, Tensor x_scale, Tensor w_scale) -> Tensor");
 }
 

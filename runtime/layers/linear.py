@@ -53,8 +53,8 @@ def _onednn_bounded_shapes(x: torch.Tensor, weight: torch.Tensor,
 
 
 # The hint MKL packs for (the rows it expects): one packed weight serves any row count when each
-# call names its own, and 64 measured best across decode batches and prefill chunks.
-PACK_ROWS_HINT = 64
+# call names its own, and 256 measured best across decode batches and prefill chunks.
+PACK_ROWS_HINT = 256
 
 
 def _mkl_packed_linear_op():

@@ -21,27 +21,57 @@ from torch import nn
 QUANTIZATION_METHODS = ("none", "int8")
 
 
+def _onednn_int8_ops() -> bool:
+    onednn = getattr(torch.ops, "onednn", None)
+    return (torch.backends.mkldnn.is_available() and onednn is not None
+            and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise"))
+
+
+_ONEDNN_INT8 = _onednn_int8_ops()
+
+
 @dataclass(frozen=True)
 class Int8Weight:
     """A [out, in] weight as int8, stored transposed ([in, out], the layout the GEMM reads), with
-    one float32 scale per output channel."""
+    one float32 scale per output channel. Where torch has oneDNN's int8 linear, also prepacked
+    for it (`packed`): the same integer sums, with the weight laid out once at load for the
+    machine's int8 units instead of on every call (2x faster gate/up and LM head products on an
+    AVX-512 VNNI/AMX VM, bench figures in docs/BENCHMARKS.md)."""
 
     weight_t: torch.Tensor      # [in, out] int8
     scale: torch.Tensor         # [out] float32
+    packed: torch.Tensor | None = None       # oneDNN's prepacked [out, in]
+    unit_scales: torch.Tensor | None = None  # [out] ones: scales are applied after the sums
+    zero_points: torch.Tensor | None = None  # [out] zeros (symmetric weights)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q.t().contiguous(), scale.contiguous())
+        if not (_ONEDNN_INT8 and q.device.type == "cpu"):
+            return cls(q.t().contiguous(), scale.contiguous())
+        out_features = q.shape[0]
+        return cls(q.t().contiguous(), scale.contiguous(),
+                   torch.ops.onednn.qlinear_prepack(q.contiguous(), None),
+                   torch.ones(out_features), torch.zeros(out_features, dtype=torch.int64))
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.weight_t.shape[1], self.weight_t.shape[0]))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.weight_t, self.scale]
+        return [t for t in (self.weight_t, self.scale, self.packed) if t is not None]
+
+    def integer_sums(self, codes: torch.Tensor) -> torch.Tensor:
+        """sum_k code[r, k] * q[n, k] for int8 codes (int32 sums, torch._int_mm), or for uint8
+        codes holding code + 128 through the prepacked weight (float32 holding the same
+        integers; oneDNN's zero point 128 takes the shift off)."""
+        if codes.dtype == torch.uint8:
+            return torch.ops.onednn.qlinear_pointwise(
+                codes, 1.0, 128, self.packed, self.unit_scales, self.zero_points, None, 1.0, 0,
+                torch.float32, "none", [], "")
+        return torch._int_mm(codes, self.weight_t)
 
     def dequantize(self) -> torch.Tensor:
         return (self.weight_t.t().float() * self.scale[:, None])
@@ -58,9 +88,10 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype == torch.float32 and rows.device.type == "cpu" and cpu_ops.load():
         # The same arithmetic in two C++ passes instead of two chains of torch operators.
-        parts, x_scale = torch.ops.spmd_cpu.quantize_rows_two_part(rows)
-        sums = torch._int_mm(parts, weight.weight_t)
-        out = torch.ops.spmd_cpu.dequantize_two_part(sums, x_scale, weight.scale)
+        parts, x_scale = torch.ops.spmd_cpu.quantize_rows_two_part(
+            rows, weight.packed is not None)
+        out = torch.ops.spmd_cpu.dequantize_two_part(weight.integer_sums(parts), x_scale,
+                                                     weight.scale)
         if bias is not None:
             out.add_(bias)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -117,8 +148,9 @@ class RescoredInt8Head:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         x_scale = token_scales(rows)
-        q = torch.round(rows / x_scale).to(torch.int8)
-        logits = torch._int_mm(q, self.scores.weight_t).to(torch.float32)
+        q = torch.round(rows / x_scale)
+        codes = q.add_(128).to(torch.uint8) if self.scores.packed is not None else q.to(torch.int8)
+        logits = self.scores.integer_sums(codes).to(torch.float32)
         logits.mul_(x_scale).mul_(self.scores.scale)
         top = logits.topk(min(self.candidates, logits.shape[-1]), dim=-1).indices
         exact = torch.bmm(self.weight[top], rows.unsqueeze(-1)).squeeze(-1)

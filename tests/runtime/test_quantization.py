@@ -9,7 +9,7 @@ from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime import LLM
-from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers import cpu_ops, quantization
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
@@ -120,3 +120,21 @@ def test_an_int8_engine_answers() -> None:
         out = llm.generate("The capital of France is",
                            SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert out.text.strip().startswith("Paris"), out.text
+
+
+@pytest.mark.skipif(not quantization._ONEDNN_INT8, reason="this torch has no oneDNN int8 linear")
+def test_prepacked_int8_weights_give_the_integer_gemms_bits() -> None:
+    """oneDNN's prepacked int8 linear (uint8 codes shifted by 128) and torch._int_mm on the
+    plain int8 weight: the same sums, so the same outputs to the bit, projections and head."""
+    torch.manual_seed(3)
+    weight = Int8Weight.quantize(torch.randn(200, 72) * 0.05)
+    assert weight.packed is not None
+    plain = Int8Weight(weight.weight_t, weight.scale)
+    for rows in (1, 6, 64, 130):
+        x = torch.randn(rows, 72) * 4
+        assert torch.equal(int8_linear(x, weight, None), int8_linear(x, plain, None))
+    table = torch.randn(500, 72)
+    head = RescoredInt8Head(Int8Weight.quantize(table), table)
+    plain_head = RescoredInt8Head(Int8Weight(head.scores.weight_t, head.scores.scale), table)
+    hidden = torch.randn(9, 72)
+    assert torch.equal(head.logits(hidden), plain_head.logits(hidden))
