@@ -95,8 +95,12 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
     """q: [T, heads, dim], k/v: [T, kv_heads, dim] for the new tokens. Returns [T, heads, dim]."""
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
+    if batch.decode_kernel == "cpp":
+        # The C++ decode kernel's library: both caches in one pass (the same copies).
+        torch.ops.spmd_cpu.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    else:
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
     if batch.prompt_rows:
         return _attend_rows(q, k, v, batch.prompt_rows, scale)
     out = torch.empty_like(q)

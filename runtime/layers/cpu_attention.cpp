@@ -215,11 +215,46 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// The step's new keys and values into their cache slots, both caches in one pass: k and v
+// [tokens, kv_heads, head_dim] (rows may be strided, as views of the fused QKV output), slots
+// [tokens] int64. The same copies as index_copy_ on each cache.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "write_kv: float32 k, v [tokens, kv_heads, dim] expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(1) * k_cache.size(2) == k.size(1) * k.size(2),
+              "write_kv: contiguous caches of the same row size expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0),
+              "write_kv: one int64 slot per token expected");
+  const at::Tensor kr = k.stride(2) == 1 && k.stride(1) == k.size(2) ? k : k.contiguous();
+  const at::Tensor vr = v.stride(2) == 1 && v.stride(1) == v.size(2) ? v : v.contiguous();
+  const at::Tensor sl = slots.contiguous();
+  const int64_t row = k.size(1) * k.size(2), num_slots = k_cache.size(0);
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  const float *ks = kr.data_ptr<float>(), *vs = vr.data_ptr<float>();
+  float *kd = k_cache.data_ptr<float>(), *vd = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t], " out of range");
+  at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kd + slot[t] * row, ks + t * kr.stride(0), sizeof(float) * row);
+      std::memcpy(vd + slot[t] * row, vs + t * vr.stride(0), sizeof(float) * row);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(spmd_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor lengths, int block_size, float scale) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv", &write_kv);
+}

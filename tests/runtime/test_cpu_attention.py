@@ -76,3 +76,19 @@ def test_a_cpu_worker_picks_the_kernel_where_it_builds_and_a_bad_request_says_wh
         use_decode_kernel(EngineConfig(attention_backend="cpp"), cpu, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="use --attention-backend torch or auto"):
         use_decode_kernel(EngineConfig(attention_backend="cpp"), torch.device("cuda"), 64)
+
+
+@needs_kernel
+def test_write_kv_makes_the_copies_index_copy_makes_and_refuses_bad_slots() -> None:
+    torch.manual_seed(2)
+    k_cache, v_cache = torch.randn(256, 3, 16), torch.randn(256, 3, 16)
+    qkv = torch.randn(40, 9 * 16)                 # k and v as strided views of a fused output
+    k, v = qkv[:, 48:96].view(40, 3, 16), qkv[:, 96:].view(40, 3, 16)
+    slots = torch.randperm(256)[:40]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.index_copy_(0, slots, k)
+    expected_v.index_copy_(0, slots, v)
+    torch.ops.spmd_cpu.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.spmd_cpu.write_kv(k[:1], v[:1], k_cache, v_cache, torch.tensor([256]))
