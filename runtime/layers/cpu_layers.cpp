@@ -1,14 +1,16 @@
 // The element-wise chains of a float32 decoder layer on the CPU (runtime/models/llama.py FUSED_CPU), each
 // one pass over its rows instead of a chain of 6-12 torch operators: RMSNorm (with the residual
-// add before it) and rotary embedding in place on the fused QKV rows. They
+// add before it), rotary embedding in place on the fused QKV rows, and SiLU(gate) * up. They
 // compute the same formulas as the torch chains in float32; sums of squares are added in
-// another order, a difference at float32 rounding.
+// another order and exp is a polynomial within a few ulp, differences at float32 rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <tuple>
+
+#include "cpu_math.h"
 
 namespace {
 
@@ -99,16 +101,36 @@ void rotary_(at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim, const at:
   });
 }
 
+// SiLU(gate) * up for gate_up [tokens, 2 * features] (gate columns first), with the vector exp
+// of cpu_math.h (torch's SiLU and product: two passes and a temporary).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: an even number of columns expected");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = src + r * gate_up.stride(0);
+      spmd_cpu::silu_mul_row(gate, gate + n, dst + r * n, n);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) qkv, int rotated_heads, int head_dim, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_", &rotary_);
+  m.impl("silu_mul", &silu_mul);
 }

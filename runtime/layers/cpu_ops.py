@@ -2,7 +2,7 @@
 
 cpu_attention.cpp (decode attention reading the paged KV cache in place),
 cpu_quantization.cpp (the element-wise ends of an int8 projection) and cpu_layers.cpp (a float32
-layer's element-wise chains: residual + RMSNorm, rotary) form one library (cpu_math.h: math they
+layer's element-wise chains: residual + RMSNorm, rotary, SiLU x up) form one library (cpu_math.h: math they
 share), compiled
 with torch's C++ extension builder (a C++ compiler and ninja) at -O3 -march=native and cached
 under TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions): the first worker on a machine waits a

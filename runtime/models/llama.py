@@ -113,11 +113,10 @@ def fused_attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
 def fused_mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weight: torch.Tensor,
                      eps: float, gate_up_weight: torch.Tensor,
                      intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """mlp_inputs with the residual add and the norm as one C++ pass (float32 CPU); SiLU x up
-    stays torch's (its SiLU is vectorised, the product done in place)."""
+    """mlp_inputs with the residual add and the norm as one C++ pass, and SiLU x up as another
+    (float32 CPU)."""
     x, normed = torch.ops.spmd_cpu.add_rms_norm(x, attention_output, norm_weight, eps)
-    gate, up = linear(normed, gate_up_weight).split(intermediate_size, dim=-1)
-    return x, F.silu(gate).mul_(up)
+    return x, torch.ops.spmd_cpu.silu_mul(linear(normed, gate_up_weight))
 
 
 # The eager pieces of a float32 CPU worker whose C++ operators load (runtime/layers/cpu_ops.py).

@@ -63,3 +63,16 @@ def test_eager_pieces_fuse_only_float32_on_the_cpu() -> None:
     assert eager_pieces(torch.device("cuda"), torch.float32) is EAGER
     expected = FUSED_CPU if cpu_ops.load() else EAGER
     assert eager_pieces(torch.device("cpu"), torch.float32) is expected
+
+
+@needs_ops
+@pytest.mark.parametrize("features", [1, 7, 37, 64, 200])
+def test_silu_mul_matches_torch_across_widths_and_extremes(features) -> None:
+    """Every width (vector body and scalar tail), and gates where exp under- or overflows."""
+    torch.manual_seed(features)
+    gate_up = torch.randn(5, 2 * features) * 6
+    gate_up[0, :min(features, 6)] = torch.tensor([-200.0, -88.0, -1e-3, 0.0, 88.0, 200.0])[
+        :min(features, 6)]
+    gate, up = gate_up.split(features, dim=-1)
+    torch.testing.assert_close(torch.ops.spmd_cpu.silu_mul(gate_up),
+                               torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
