@@ -1,10 +1,10 @@
 """This project's C++ operators for CPU workers, built for the machine on first use.
 
 cpu_attention.cpp (decode attention reading the paged KV cache in place),
-cpu_quantization.cpp (the element-wise ends of an int8 projection) and cpu_layers.cpp (a float32
-layer's element-wise chains: residual + RMSNorm, rotary, SiLU x up) form one library (cpu_math.h: math they
-share), compiled
-with torch's C++ extension builder (a C++ compiler and ninja) at -O3 -march=native and cached
+cpu_quantization.cpp (the element-wise ends of an int8 projection), cpu_layers.cpp (a float32
+layer's element-wise chains: residual + RMSNorm, rotary, SiLU x up) and cpu_decode_layers.cpp
+(a float32 decode step's whole layer stack in one call) form one library (cpu_math.h: math
+they share), compiled with torch's C++ extension builder (a C++ compiler and ninja) at -O3 -march=native and cached
 under TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions): the first worker on a machine waits a
 few seconds to half a minute, later ones load it at once. Its operators live under
 torch.ops.spmd_cpu. Where it cannot be built, load() says so once and the callers keep their
@@ -21,7 +21,8 @@ import torch
 log = logging.getLogger("spmd.cpu_ops")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
+                         "cpu_decode_layers.cpp")]
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
-from spmd_runtime.runtime.layers.linear import linear
+from spmd_runtime.runtime.layers.linear import PackedWeight, linear
 from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
 from spmd_runtime.runtime.layers.parallel import (
     ShardLayout,
@@ -191,9 +191,48 @@ class LlamaForCausalLM(nn.Module):
         x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.shards.vocab_start,
                                      self.tp)
         rope = self.rotary.tables(positions)
+        weights = self.fused_decode_weights(batch, x.shape[0]) if pieces is FUSED_CPU else None
+        if weights is not None:
+            return self.norm(self._fused_decode(x, rope, kv_caches, batch, weights))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, batch, pieces)
         return self.norm(x)
+
+    def fused_decode_weights(self, batch: AttentionBatch,
+                             num_tokens: int) -> list[torch.Tensor] | None:
+        """The tensors spmd_cpu::decode_layers takes, where it can run this step: a batch of
+        decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
+        for MKL and without bias; None otherwise (the layer loop runs)."""
+        if (self.tp.size != 1 or batch.decode_kernel != "cpp" or batch.prefills
+                or batch.prompt_rows or batch.pad_start is not None or len(batch.decodes) != 1
+                or batch.decodes[0].count != num_tokens):
+            return None
+        weights = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.qkv_bias is not None or not all(isinstance(p, PackedWeight)
+                                                    for p in projections):
+                return None
+            weights.append(layer.input_layernorm.weight)
+            weights += (attn.qkv_proj.packed, attn.qkv_proj.stand_in, attn.o_proj.packed,
+                        attn.o_proj.stand_in, layer.post_attention_layernorm.weight,
+                        mlp.gate_up_proj.packed, mlp.gate_up_proj.stand_in,
+                        mlp.down_proj.packed, mlp.down_proj.stand_in)
+        return weights
+
+    def _fused_decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: AttentionBatch,
+                      weights: list[torch.Tensor]) -> torch.Tensor:
+        """Every layer of a decode step in one C++ call: the operators of the layer loop's
+        FUSED_CPU path in the same order (the same hidden states), without its host time."""
+        group, attn = batch.decodes[0], self.layers[0].self_attn
+        cos, sin = (table.view(table.shape[0], -1) for table in rope)
+        return torch.ops.spmd_cpu.decode_layers(
+            x, weights, [cache[0] for cache in kv_caches], [cache[1] for cache in kv_caches],
+            cos, sin, batch.slot_mapping, group.blocks.view(group.count, -1), group.lengths,
+            batch.block_size, attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.layers[0].input_layernorm.eps)
 
     @torch.no_grad()
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:

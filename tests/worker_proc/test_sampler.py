@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.worker_proc.sampler import _filtered_probs, sample
+from spmd_runtime.worker_proc.sampler import _filtered_probs, greedy_tokens, sample
 
 VOCAB = 300
 
@@ -22,6 +22,19 @@ def test_greedy_is_argmax() -> None:
     logits = logits_batch(6)
     params = [SamplingParams(temperature=0.0)] * 6
     assert sample(logits, params, [5] * 6, gen()) == logits.argmax(-1).tolist()
+
+
+def test_greedy_picks_what_argmax_picks_on_ties_nan_and_infinities() -> None:
+    """The CPU's max reduction stands in for argmax: the first of equal maxima, the first NaN,
+    index 0 of a row of -inf."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (16, 5000), generator=g).float()     # ties everywhere
+    logits[3, 17] = logits[3, 4000] = float("nan")
+    logits[5] = float("-inf")
+    logits[6, 2500] = float("inf")
+    logits[6, 4999] = float("inf")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits)[[3, 5, 6]].tolist() == [17, 0, 2500]
 
 
 def test_greedy_rows_stay_argmax_in_a_mixed_batch() -> None:
