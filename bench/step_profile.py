@@ -90,7 +90,14 @@ def main() -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 run(decode_plan())
+        print("decode steps (3):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        step_id += 1
+        fresh = new_request(3000, args.prefill_tokens, args.prefill_tokens)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run(StepPlan(step_id, [fresh], [], [], [], ids))
+        print(f"prefill step ({args.prefill_tokens} tokens):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     return 0
 
 
