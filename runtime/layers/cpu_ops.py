@@ -2,11 +2,12 @@
 
 cpu_attention.cpp (decode attention reading the paged KV cache in place),
 cpu_quantization.cpp (the element-wise ends of an int8 projection), cpu_layers.cpp (a float32
-layer's element-wise chains: residual + RMSNorm, rotary, SiLU x up) and cpu_decode_layers.cpp
-(a float32 decode step's whole layer stack in one call) form one library (cpu_math.h: math
-they share), compiled with torch's C++ extension builder (a C++ compiler and ninja) at -O3
--march=native and cached under TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions): the first
-worker on a machine waits a few seconds to half a minute, later ones load it at once. Its operators live under
+layer's element-wise chains: residual + RMSNorm, rotary, SiLU x up), cpu_decode_layers.cpp (a
+float32 decode step's whole layer stack in one call) and cpu_prefill_attention.cpp (causal
+attention of a fresh prompt) form one library (cpu_math.h: math they share), compiled with
+torch's C++ extension builder (a C++ compiler and ninja) at -O3 -march=native and cached under
+TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions): the first worker on a machine waits a few
+seconds to half a minute, later ones load it at once. Its operators live under
 torch.ops.spmd_cpu. Where it cannot be built, load() says so once and the callers keep their
 torch paths.
 """
@@ -22,7 +23,7 @@ log = logging.getLogger("spmd.cpu_ops")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
-                         "cpu_decode_layers.cpp")]
+                         "cpu_decode_layers.cpp", "cpu_prefill_attention.cpp")]
 
 
 @functools.cache

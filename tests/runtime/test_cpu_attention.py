@@ -1,5 +1,5 @@
-"""The C++ decode-attention kernel (runtime/layers/cpu_attention.cpp) against SDPA, and how a
-worker picks it. The runner-level check (its tokens equal the torch path's, eager and through
+"""The C++ decode-attention kernel (runtime/layers/cpu_attention.cpp) and the causal prefill
+attention (cpu_prefill_attention.cpp) against SDPA, and how a worker picks them. The runner-level check (its tokens equal the torch path's, eager and through
 emulated bucket graphs) is in tests/worker_proc/test_graphs.py."""
 from __future__ import annotations
 
@@ -92,3 +92,43 @@ def test_write_kv_makes_the_copies_index_copy_makes_and_refuses_bad_slots() -> N
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.spmd_cpu.write_kv(k[:1], v[:1], k_cache, v_cache, torch.tensor([256]))
+
+
+needs_mkl_kernel = pytest.mark.skipif(
+    not (cpu_attention.load() and torch.backends.mkl.is_available()),
+    reason="the C++ prefill attention needs the library built and a torch with MKL")
+
+
+@needs_mkl_kernel
+@pytest.mark.parametrize("tokens", [1, 5, 31, 33, 100, 300])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128),
+                                                         (6, 2, 40)])
+def test_prefill_attention_equals_causal_sdpa(tokens, heads, kv_heads, dim) -> None:
+    """The C++ causal attention of a fresh prompt, on q/k/v views of one fused QKV output (as
+    the layer makes them), against SDPA with is_causal."""
+    torch.manual_seed(tokens * dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 2
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    scale = dim ** -0.5
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+        enable_gqa=True).squeeze(0).transpose(0, 1)
+    got = torch.ops.spmd_cpu.prefill_attention(q, k, v, scale)
+    assert got.shape == (tokens, heads, dim) and got.is_contiguous()
+    # Sharp softmaxes (scores of std ~20-45): float32 rounding of sums taken in another order.
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_mkl_kernel
+def test_prefill_attention_refuses_what_it_cannot_run() -> None:
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.spmd_cpu.prefill_attention(q.double(), k.double(), k.double(), 0.25)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        torch.ops.spmd_cpu.prefill_attention(torch.randn(8, 3, 16), k, k, 0.25)
+    with pytest.raises(RuntimeError, match="side by side"):
+        torch.ops.spmd_cpu.prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, k,
+                                             0.25)
