@@ -78,8 +78,8 @@ def tensor_parallel_problem(model: ModelConfig, size: int) -> str | None:
 
 
 def check_tensor_parallel(config: EngineConfig, source: ModelSource) -> None:
-    """The model's config against the world size. One GGUF rank needs no check, and its
-    metadata takes seconds to read, so it is then left to the worker."""
+    """The model's config against the world size (one GGUF rank needs no check: the worker
+    reads the same config)."""
     size = config.world_size
     if size == 1 and config_source_kind(source) == "gguf":
         return

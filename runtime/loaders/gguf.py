@@ -16,6 +16,7 @@ from spmd_runtime.protocol.model_config import (
     optional_bias_shapes,
     weight_shapes,
 )
+from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
 
 if TYPE_CHECKING:
     import torch
@@ -44,17 +45,17 @@ _BLOCK_NAMES = MappingProxyType(
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
 def read_gguf_config(path: str) -> ModelConfig:
     """ModelConfig from a GGUF file's metadata (and its tensor list, for tying)."""
-    return config_from_reader(gguf.GGUFReader(path, "r"), path)
+    return config_from_reader(GGUFFile(path), path)
 
 
-def config_from_reader(reader: gguf.GGUFReader, path: str) -> ModelConfig:
+def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -101,7 +102,7 @@ def config_from_reader(reader: gguf.GGUFReader, path: str) -> ModelConfig:
     )
 
 
-def _vocab_size(reader: gguf.GGUFReader, declared: Any) -> int:
+def _vocab_size(reader: GGUFFile, declared: Any) -> int:
     """The declared vocabulary size, else the tokenizer's, else the embedding table's."""
     if declared is not None:
         return int(declared)
@@ -149,18 +150,18 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf_model(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and weights from one parse of the file (parsing the vocabulary takes seconds)."""
-    reader = gguf.GGUFReader(path, "r")
+    """Config and weights from one read of the file's directory (gguf_file.GGUFFile)."""
+    reader = GGUFFile(path)
     config = config_from_reader(reader, path)
     return config, _weights_from_reader(reader, path, config, dtype)
 
 
 def load_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Dequantise every tensor of a GGUF file into a CPU state dict with HF Llama names."""
-    return _weights_from_reader(gguf.GGUFReader(path, "r"), path, config, dtype)
+    return _weights_from_reader(GGUFFile(path), path, config, dtype)
 
 
-def _weights_from_reader(reader: gguf.GGUFReader, path: str, config: ModelConfig,
+def _weights_from_reader(reader: GGUFFile, path: str, config: ModelConfig,
                          dtype: torch.dtype) -> dict[str, torch.Tensor]:
     import torch
 
