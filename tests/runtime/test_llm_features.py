@@ -142,6 +142,43 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm, tokenizer) -> None:
     assert_pool_free(wait_idle(llm.client))
 
 
+def hf_penalized_greedy(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy under the penalties, on transformers' logits: its repetition processor, then
+    OpenAI's presence / frequency formula over the output tokens."""
+    import torch
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for _ in range(params.max_tokens):
+            logits = model(torch.tensor([prompt + tokens])).logits[:, -1].float()
+            logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(
+                torch.tensor([prompt + tokens]), logits)[0]
+            for token in set(tokens):
+                logits[token] -= params.frequency_penalty * tokens.count(token) \
+                    + params.presence_penalty
+            tokens.append(int(logits.argmax()))
+    return tokens
+
+
+@pytest.mark.timeout(300)
+def test_penalties_steer_greedy_rows_as_transformers_and_leave_plain_rows_alone(
+        llm, hf_smollm2, tokenizer) -> None:
+    model, _ = hf_smollm2
+    prompt = ids(tokenizer, "one two one two one two one two one two")
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    penalized = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                repetition_penalty=1.5),
+                 SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                presence_penalty=0.5, frequency_penalty=1.0)]
+    (alone,) = llm.generate([prompt], plain)
+    outputs = llm.generate([prompt] * 3, [plain, *penalized])
+    assert outputs[0].token_ids == alone.token_ids
+    for output, params in zip(outputs[1:], penalized, strict=True):
+        assert output.token_ids != alone.token_ids
+        assert output.token_ids == hf_penalized_greedy(model, prompt, params)
+
+
 @pytest.mark.timeout(300)
 def test_chat_returns_an_answer(llm) -> None:
     (output,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
