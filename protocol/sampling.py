@@ -30,6 +30,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     presence_penalty: float = 0.0       # OpenAI's meaning, over output tokens
     frequency_penalty: float = 0.0
     min_p: float = 0.0
+    # The output ends before the first of these strings; its text never holds one.
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -54,6 +56,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < INT64:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")

@@ -171,12 +171,14 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
         raise APIError(f"top_k must be -1 (off) or at least 1, got {top_k}", param="top_k")
     # Choices of one request differ yet stay reproducible: choice i samples with seed + i.
     seed = None if body.seed is None else body.seed + choice
+    stops = stop_strings(body)
     # Left out when not sent, so that SamplingParams' neutral defaults apply.
     extras = {name: getattr(body, name) for name in SAMPLING_EXTRAS
               if getattr(body, name) is not None}
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, seed=seed, ignore_eos=body.ignore_eos, **extras)
+                              top_k=top_k, seed=seed, ignore_eos=body.ignore_eos,
+                              stop=stops, **extras)
     except ValueError as error:           # out of range, or past what the wire carries
         field = next((name for name in SAMPLING_EXTRAS if name in str(error)), None)
         raise APIError(str(error), param=field) from None

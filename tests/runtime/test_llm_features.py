@@ -233,6 +233,47 @@ def test_a_client_without_the_model_files_streams_text(llm, tokenizer) -> None:
     assert local.prompt_token_ids == prompt_ids
 
 
+def straddling_stop(tokenizer, token_ids: list[int], text: str) -> tuple[str, int]:
+    """A stop string made of the last two characters of one token's text and the first two of
+    the next's, first found where it straddles them; and where it starts."""
+    for i in range(2, len(token_ids) - 1):
+        boundary = len(tokenizer.decode(token_ids[:i], skip_special_tokens=True))
+        stop = text[boundary - 2:boundary + 2]
+        if boundary >= 4 and len(stop) == 4 and text.find(stop) == boundary - 2:
+            return stop, boundary - 2
+    raise AssertionError(f"no stop string straddles two tokens of {text!r}")
+
+
+@pytest.mark.timeout(300)
+def test_stop_strings_end_llm_client_and_async_client_at_the_same_character(llm,
+                                                                             tokenizer) -> None:
+    import asyncio
+
+    from spmd_runtime.runtime.async_client import AsyncClient
+
+    prompt = "The three largest cities of France are"
+    (full,) = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    stop, at = straddling_stop(tokenizer, full.token_ids, full.text)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                            stop=("never in this text", stop))
+    (local,) = llm.generate(prompt, params)
+    with Client(llm.config.rpc_address, timeout_s=60) as client:
+        deltas = list(client.stream(prompt, params))
+        (remote,) = client.generate(prompt, params)
+
+    async def generate():
+        async with AsyncClient(llm.config.rpc_address, timeout_s=60) as client:
+            return await client.generate([prompt], [params])
+    (async_output,) = asyncio.run(generate())
+    assert local.text == full.text[:at] and local.finish_reason == "stop"
+    assert len(local.token_ids) < len(full.token_ids)
+    assert "".join(d.text for d in deltas) == remote.text == async_output.text == local.text
+    assert deltas[-1].finish_reason == remote.finish_reason == async_output.finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop must be a list"):
+        SamplingParams(stop="x")
+    assert_pool_free(wait_idle(llm.client))
+
+
 @pytest.mark.timeout(300)
 def test_token_id_prompts_get_the_same_text_from_llm_and_client(llm, tokenizer) -> None:
     prompt = ids(tokenizer, PARAGRAPHS[2], 20)
