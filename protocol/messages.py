@@ -228,6 +228,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int
     num_scheduled_tokens: int
     params: SamplingParams
+    # How many of token_ids are the prompt (the rest were generated); -1: all of them.
+    num_prompt_tokens: int = -1
 
 
 class StepPlan(_Wire, tag="plan"):

@@ -25,6 +25,13 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     cache_salt: str | None = None
+    # Neutral defaults: a request that leaves these alone is sampled exactly as before.
+    repetition_penalty: float = 1.0     # transformers' meaning, over prompt and output tokens
+    presence_penalty: float = 0.0       # OpenAI's meaning, over output tokens
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    # The output ends before the first of these strings; its text never holds one.
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -44,6 +51,13 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
         if self.max_tokens >= INT32 or self.top_k >= INT32:
             raise ValueError(f"max_tokens and top_k must be below 2**31, got {self.max_tokens}, "
                              f"{self.top_k}")
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "> 0")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < INT64:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
@@ -51,3 +65,14 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _check_range(name: str, value: object, low: float, high: float, wanted: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high or (name == "repetition_penalty" and value <= 0):
+        raise ValueError(f"{name} must be a finite number {wanted}, got {value!r}")

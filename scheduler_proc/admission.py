@@ -22,6 +22,8 @@ def refusal(message: AddRequest, prompt: list[int], info: ModelInfo,
     if len(prompt) >= info.max_model_len:
         return (f"prompt has {len(prompt)} tokens but this engine's context is "
                 f"{info.max_model_len} tokens (prompt + output); shorten the prompt")
+    if message.params.stop and not message.detokenize:
+        return "stop strings are matched on the output's text: send detokenize=True or drop stop"
     if message.timeout_s is not None and not (
             math.isfinite(message.timeout_s) and message.timeout_s > 0):
         return f"timeout_s must be a number of seconds > 0, got {message.timeout_s}"

@@ -28,6 +28,10 @@ class RequestIntake:
         try:
             prompt = self.tokenizer.prompt_token_ids(message)
             error = refusal(message, prompt, self.model_info, self.scheduler)
+            if error is None and message.params.stop:
+                self.tokenizer.wait(lambda: None)
+                if not self.tokenizer.available:
+                    error = "stop strings need the model's tokenizer, and this model has none"
         except ValueError as refused:
             error = str(refused)
         if error is not None:
@@ -39,7 +43,7 @@ class RequestIntake:
         self.scheduler.add(Request(request_id, prompt, message.params, client, self._arrivals,
                                    message.priority))
         if message.detokenize:
-            self.tokenizer.start(request_id)
+            self.tokenizer.start(request_id, message.params.stop)
         if message.timeout_s is not None:
             heapq.heappush(self._deadlines, (time.monotonic() + message.timeout_s, request_id,
                                              self._arrivals))

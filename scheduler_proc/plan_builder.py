@@ -72,7 +72,8 @@ class PlanBuilder:
         draft.new_requests.append(NewRequestData(
             request_id=request.request_id, token_ids=request.all_token_ids,
             block_ids=list(request.block_ids), num_computed_tokens=request.num_computed_tokens,
-            num_scheduled_tokens=num_new, params=request.params))
+            num_scheduled_tokens=num_new, params=request.params,
+            num_prompt_tokens=len(request.prompt_token_ids)))
         request.num_blocks_sent = len(request.block_ids)
         request.known_to_workers = True
 

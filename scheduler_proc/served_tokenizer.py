@@ -14,7 +14,7 @@ from collections.abc import Callable
 from spmd_runtime.protocol.messages import AddRequest
 from spmd_runtime.protocol.model_source import resolve_model
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
-from spmd_runtime.scheduler_proc.detokenizer import IncrementalDetokenizer
+from spmd_runtime.scheduler_proc.text_stream import TextStream
 from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
 
 log = logging.getLogger("spmd.scheduler")
@@ -25,7 +25,7 @@ class ServedTokenizer:
         self._tokenizer = None
         self._missing = ""            # why there is no tokenizer, once loading failed
         # Requests whose outputs are decoded, by id (only while the tokenizer exists).
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._detokenizers: dict[int, TextStream] = {}
         self._thread = threading.Thread(target=self._load, args=(model,), name="tokenizer",
                                         daemon=True)
         self._thread.start()
@@ -76,18 +76,26 @@ class ServedTokenizer:
         except Exception as error:        # template errors (jinja) say what is wrong
             raise ValueError(f"cannot apply the chat template: {error}") from None
 
-    def start(self, request_id: int) -> None:
-        """Decode this request's output from now on (nothing happens without a tokenizer)."""
+    def start(self, request_id: int, stop: tuple[str, ...] = ()) -> None:
+        """Decode this request's output from now on, cut at its stop strings (nothing happens
+        without a tokenizer)."""
         if self._tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self._tokenizer)
+            self._detokenizers[request_id] = TextStream(self._tokenizer, stop)
 
-    def text(self, request_id: int, token_ids: list[int], final: bool) -> str:
-        """The text these new tokens add to the request's output ("" when it is not decoded)."""
+    def text(self, request_id: int, token_ids: list[int], final: bool) -> tuple[str, bool]:
+        """The text these new tokens add to the request's output ("" when it is not decoded),
+        and whether it reached a stop string: then it holds the text before it, and the request
+        should end."""
         if not final:
-            detokenizer = self._detokenizers.get(request_id) if token_ids else None
+            stream = self._detokenizers.get(request_id) if token_ids else None
         else:
-            detokenizer = self._detokenizers.pop(request_id, None)
-        return "" if detokenizer is None else detokenizer.add(token_ids, final)
+            stream = self._detokenizers.pop(request_id, None)
+        if stream is None:
+            return "", False
+        text = stream.add(token_ids, final)
+        if stream.stopped:
+            self._detokenizers.pop(request_id, None)
+        return text, stream.stopped
 
     def forget(self, request_id: int) -> None:
         self._detokenizers.pop(request_id, None)

@@ -273,7 +273,10 @@ class SchedulerServer:
         return AbortDone(tag=message.tag, request_id=message.request_id)
 
     def _stream(self, update: StepUpdate) -> None:
-        for client in stream_update(self.front, self.tokenizer, update):
+        unreachable, stopped = stream_update(self.front, self.tokenizer, update)
+        for request_id in stopped:
+            self.scheduler.abort(request_id, FinishReason.STOP)
+        for client in unreachable:
             self._abort_client(client)
 
     def _abort_client(self, client: bytes) -> None:

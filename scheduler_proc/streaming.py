@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from spmd_runtime.protocol.messages import Outputs, RequestDelta
+from spmd_runtime.scheduler_proc.request import FinishReason
 from spmd_runtime.scheduler_proc.rpc_front import RpcFront
 from spmd_runtime.scheduler_proc.scheduler import StepUpdate
 from spmd_runtime.scheduler_proc.served_tokenizer import ServedTokenizer
 
 
 def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
-                  update: StepUpdate) -> list[bytes]:
+                  update: StepUpdate) -> tuple[list[bytes], list[int]]:
     """Send what the update's requests produced since they were last streamed; returns the
-    clients that could not be reached (gone, or not reading)."""
+    clients that could not be reached (gone, or not reading), and the requests whose text
+    reached a stop string: they are reported finished ("stop") and should end now."""
+    stopped: list[int] = []
     by_client: dict[bytes, list[RequestDelta]] = {}
     seen: set[int] = set()
     for request in update.progressed + update.finished:
@@ -21,8 +24,12 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
         new_tokens = request.output_token_ids[request.num_tokens_streamed:]
         request.num_tokens_streamed = len(request.output_token_ids)
         reason = request.finish_reason.value if request.finish_reason else None
-        text = tokenizer.text(request.request_id, new_tokens, reason is not None)
+        text, hit_stop = tokenizer.text(request.request_id, new_tokens, reason is not None)
+        if hit_stop and reason is None:
+            reason = FinishReason.STOP.value
+            stopped.append(request.request_id)
         by_client.setdefault(request.client, []).append(
             RequestDelta(request.request_id, new_tokens, reason, text))
-    return [client for client, deltas in by_client.items()
-            if not front.reply(client, Outputs(deltas=deltas))]
+    unreachable = [client for client, deltas in by_client.items()
+                   if not front.reply(client, Outputs(deltas=deltas))]
+    return unreachable, stopped

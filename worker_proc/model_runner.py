@@ -6,19 +6,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-from spmd_runtime.protocol.buckets import (
-    bucket_tokens,
-)
+from spmd_runtime.protocol.buckets import bucket_tokens
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
-from spmd_runtime.runtime.models.llama import (
-    LayerPieces,
-    LlamaForCausalLM,
-    eager_pieces,
-)
+from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM, eager_pieces
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
+from spmd_runtime.worker_proc.penalties import penalize_requests
 from spmd_runtime.worker_proc.runner_graphs import WarmupAndGraphs
 from spmd_runtime.worker_proc.sampler import sample_on_device
 from spmd_runtime.worker_proc.swap_space import SwapSpace
@@ -43,6 +38,7 @@ class RequestState:
     token_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
+    num_prompt_tokens: int = -1         # -1: all of token_ids
     # (index in token_ids, row in the in-flight step's sampled tokens) of an UNREAD_TOKEN.
     unread: tuple[int, int] | None = None
 
@@ -146,7 +142,7 @@ class ModelRunner(WarmupAndGraphs):
         scheduled = []
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
-                list(new.token_ids), new.num_computed_tokens, new.params)
+                list(new.token_ids), new.num_computed_tokens, new.params, new.num_prompt_tokens)
             self.block_tables.add(new.request_id, new.block_ids)
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for request_id, num_tokens, new_blocks in zip(
@@ -230,7 +226,7 @@ class ModelRunner(WarmupAndGraphs):
             pieces, num_compilations = self._pieces_for(step.bucket, len(inputs.input_ids))
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
                                 pieces)
-        tokens, host_tokens, token_slots = self._sample(step, hidden, cuda)
+        tokens, host_tokens, token_slots = self._sample(step, hidden, cuda, in_flight)
         for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished_at = time.perf_counter()
@@ -248,7 +244,7 @@ class ModelRunner(WarmupAndGraphs):
         self._last_launched = launched
         return launched
 
-    def _sample(self, step: PreparedStep, hidden: torch.Tensor, cuda: bool):
+    def _sample(self, step: PreparedStep, hidden: torch.Tensor, cuda: bool, in_flight: LaunchedStep | None):
         """Sample the rows that end a request's known tokens, on the device; each such request
         gets an UNREAD_TOKEN placeholder until the step is finished."""
         token_slots: list[tuple[RequestState, int]] = []
@@ -257,6 +253,7 @@ class ModelRunner(WarmupAndGraphs):
         rows = torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[rows])
         states = [self.requests[r] for r in step.sample_ids]
+        logits = penalize_requests(logits, states, in_flight.tokens if in_flight else None)
         tokens = sample_on_device(logits, [s.params for s in states],
                                   [len(s.token_ids) for s in states], self.generator)
         host_tokens = tokens

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: greedy, temperature, top-k, min-p, top-p, with per-request seeds.
 
 A seeded request draws from a generator seeded by (seed, sequence length), so its samples do
 not depend on which other requests share the batch, on preemption, or on step boundaries.
@@ -54,6 +54,10 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         threshold = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0.0:
+        # Drop tokens less likely than min_p times the likeliest one (after temperature).
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(0)

@@ -40,9 +40,7 @@ from spmd_runtime.runtime.serving.schema import (
     check_supported,
     choice_count,
     sampling_params,
-    stop_strings,
 )
-from spmd_runtime.runtime.serving.text_stream import TextStream
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 log = logging.getLogger("spmd.http")
@@ -246,7 +244,6 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
         raise APIError(f"The model {body.model!r} does not exist: this server serves "
                        f"{state.model_name!r}", status=404, param="model", code="model_not_found")
     check_supported(body)
-    stops = stop_strings(body)
     n = choice_count(body)
     default_max_tokens = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
     plans = [(prompt, sampling_params(body, len(prompt), state.info.max_model_len,
@@ -255,11 +252,8 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     runs: list[ChoiceRun] = []
     try:
         for index, (prompt, params) in enumerate(plans):
-            # The front cuts stop strings in its own text stream, so the engine sends ids only.
-            stream = await state.client.submit(prompt, params, timeout_s=body.timeout,
-                                               detokenize=False)
-            runs.append(ChoiceRun(index, stream, TextStream(state.tokenizer, stops),
-                                  state.metrics, started))
+            stream = await state.client.submit(prompt, params, timeout_s=body.timeout)
+            runs.append(ChoiceRun(index, stream, state.metrics, started))
     except ValueError as error:
         close_all(runs)
         raise APIError(str(error), param="prompt" if not chat else "messages") from None

@@ -6,28 +6,27 @@ from collections.abc import AsyncIterator
 
 from spmd_runtime.runtime.async_client import RequestStream
 from spmd_runtime.runtime.serving.metrics import ServingMetrics
-from spmd_runtime.runtime.serving.text_stream import TextStream
 
 
 class ChoiceRun:
-    def __init__(self, index: int, stream: RequestStream, text: TextStream,
-                 metrics: ServingMetrics, started: float) -> None:
+    def __init__(self, index: int, stream: RequestStream, metrics: ServingMetrics,
+                 started: float) -> None:
         self.index = index
         self.stream = stream
-        self.text = text
+        self.num_tokens = 0
         self.metrics = metrics
         self.started = started       # time.perf_counter() when the HTTP request arrived
         self.finish_reason: str | None = None
 
     @property
     def completion_tokens(self) -> int:
-        return self.text.num_tokens
+        return self.num_tokens
 
     async def pieces(self) -> AsyncIterator[str]:
         """Non-empty text pieces until the choice finishes (finish_reason is then set).
 
-        Leaving early (a disconnect cancels the consumer) aborts the engine request, and so does
-        a stop string: the engine would otherwise keep generating what nobody reads.
+        The engine decodes the text and cuts it at the stop strings. Leaving early (a disconnect
+        cancels the consumer) aborts the engine request.
         """
         last_token_at: float | None = None
         try:
@@ -41,10 +40,9 @@ class ChoiceRun:
                         for _ in delta.token_ids:
                             self.metrics.inter_token_latency.observe(gap)
                     last_token_at = now
-                piece = self.text.add(delta.token_ids, delta.finish_reason is not None)
-                if self.text.stopped:
-                    self.finish_reason = "stop"
-                elif delta.finish_reason is not None:
+                self.num_tokens += len(delta.token_ids)
+                piece = delta.text
+                if delta.finish_reason is not None:
                     self.finish_reason = delta.finish_reason
                 if piece:
                     yield piece

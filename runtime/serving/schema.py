@@ -16,12 +16,12 @@ from spmd_runtime.runtime.serving.errors import APIError
 UNSUPPORTED_FIELDS = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
     "store": (None, False), "metadata": (None, {}),
-    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
 }
+SAMPLING_EXTRAS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 64
 
@@ -47,8 +47,12 @@ class GenerationBody(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions beyond the OpenAI API.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     top_k: int | None = None
     ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     # Seconds the request may run; then it ends with finish_reason "timeout".
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
@@ -167,11 +171,17 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
         raise APIError(f"top_k must be -1 (off) or at least 1, got {top_k}", param="top_k")
     # Choices of one request differ yet stay reproducible: choice i samples with seed + i.
     seed = None if body.seed is None else body.seed + choice
+    stops = stop_strings(body)
+    # Left out when not sent, so that SamplingParams' neutral defaults apply.
+    extras = {name: getattr(body, name) for name in SAMPLING_EXTRAS
+              if getattr(body, name) is not None}
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, seed=seed, ignore_eos=body.ignore_eos)
-    except ValueError as error:           # values past what the wire carries (64-bit seeds)
-        raise APIError(str(error)) from None
+                              top_k=top_k, seed=seed, ignore_eos=body.ignore_eos,
+                              stop=stops, **extras)
+    except ValueError as error:           # out of range, or past what the wire carries
+        field = next((name for name in SAMPLING_EXTRAS if name in str(error)), None)
+        raise APIError(str(error), param=field) from None
 
 
 def choice_count(body: GenerationBody) -> int:

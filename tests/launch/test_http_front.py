@@ -109,6 +109,17 @@ def test_completion_matches_the_rpc_client(oai, rpc) -> None:
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + len(expected.token_ids)
 
 
+def test_penalties_and_min_p_reach_the_engine(oai, rpc) -> None:
+    options = {"presence_penalty": 0.5, "frequency_penalty": 1.0}
+    reply = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0,
+                                   extra_body={"repetition_penalty": 1.3, "min_p": 0.1}, **options)
+    (expected,) = rpc.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
+                                                        repetition_penalty=1.3, min_p=0.1,
+                                                        **options))
+    assert reply.choices[0].text == expected.text
+    assert expected.token_ids != rpc.generate([PROMPT], greedy(12))[0].token_ids
+
+
 def test_streamed_completion_adds_up_to_the_same_text(oai, rpc) -> None:
     (expected,) = rpc.generate([PROMPT], greedy(12))
     chunks = list(oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12,
@@ -238,10 +249,12 @@ def test_errors_say_what_to_change(http, oai) -> None:
     assert_error(post("/v1/completions", prompt="x", logprobs=3), 400, "logprobs is not supported",
                  "logprobs")
     # Everything this server does not implement is refused by name, never silently ignored.
-    for field, value in (("repetition_penalty", 1.2), ("min_tokens", 4), ("presence_penalty", 0.5),
-                         ("frequency_penalty", 0.5), ("min_p", 0.1)):
+    assert_error(post("/v1/completions", prompt="x", min_tokens=4), 400,
+                 "min_tokens is not supported", "min_tokens")
+    for field, value in (("repetition_penalty", 0), ("presence_penalty", 3),
+                         ("frequency_penalty", -2.5), ("min_p", 1.5)):
         assert_error(post("/v1/completions", prompt="x", **{field: value}), 400,
-                     f"{field} is not supported", field)
+                     f"{field} must be", field)
     assert_error(post("/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
                       temprature=0.5), 400, "temprature is not a field this server knows",
                  "temprature")

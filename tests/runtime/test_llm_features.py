@@ -142,6 +142,43 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm, tokenizer) -> None:
     assert_pool_free(wait_idle(llm.client))
 
 
+def hf_penalized_greedy(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy under the penalties, on transformers' logits: its repetition processor, then
+    OpenAI's presence / frequency formula over the output tokens."""
+    import torch
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for _ in range(params.max_tokens):
+            logits = model(torch.tensor([prompt + tokens])).logits[:, -1].float()
+            logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(
+                torch.tensor([prompt + tokens]), logits)[0]
+            for token in set(tokens):
+                logits[token] -= params.frequency_penalty * tokens.count(token) \
+                    + params.presence_penalty
+            tokens.append(int(logits.argmax()))
+    return tokens
+
+
+@pytest.mark.timeout(300)
+def test_penalties_steer_greedy_rows_as_transformers_and_leave_plain_rows_alone(
+        llm, hf_smollm2, tokenizer) -> None:
+    model, _ = hf_smollm2
+    prompt = ids(tokenizer, "one two one two one two one two one two")
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    penalized = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                repetition_penalty=1.5),
+                 SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                presence_penalty=0.5, frequency_penalty=1.0)]
+    (alone,) = llm.generate([prompt], plain)
+    outputs = llm.generate([prompt] * 3, [plain, *penalized])
+    assert outputs[0].token_ids == alone.token_ids
+    for output, params in zip(outputs[1:], penalized, strict=True):
+        assert output.token_ids != alone.token_ids
+        assert output.token_ids == hf_penalized_greedy(model, prompt, params)
+
+
 @pytest.mark.timeout(300)
 def test_chat_returns_an_answer(llm) -> None:
     (output,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
@@ -194,6 +231,47 @@ def test_a_client_without_the_model_files_streams_text(llm, tokenizer) -> None:
     prompt_ids = list(tokenizer(TEXT_PROMPT).input_ids)
     assert remote["prompt_token_ids"] == remote["async_prompt_token_ids"] == prompt_ids
     assert local.prompt_token_ids == prompt_ids
+
+
+def straddling_stop(tokenizer, token_ids: list[int], text: str) -> tuple[str, int]:
+    """A stop string made of the last two characters of one token's text and the first two of
+    the next's, first found where it straddles them; and where it starts."""
+    for i in range(2, len(token_ids) - 1):
+        boundary = len(tokenizer.decode(token_ids[:i], skip_special_tokens=True))
+        stop = text[boundary - 2:boundary + 2]
+        if boundary >= 4 and len(stop) == 4 and text.find(stop) == boundary - 2:
+            return stop, boundary - 2
+    raise AssertionError(f"no stop string straddles two tokens of {text!r}")
+
+
+@pytest.mark.timeout(300)
+def test_stop_strings_end_llm_client_and_async_client_at_the_same_character(llm,
+                                                                             tokenizer) -> None:
+    import asyncio
+
+    from spmd_runtime.runtime.async_client import AsyncClient
+
+    prompt = "The three largest cities of France are"
+    (full,) = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    stop, at = straddling_stop(tokenizer, full.token_ids, full.text)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                            stop=("never in this text", stop))
+    (local,) = llm.generate(prompt, params)
+    with Client(llm.config.rpc_address, timeout_s=60) as client:
+        deltas = list(client.stream(prompt, params))
+        (remote,) = client.generate(prompt, params)
+
+    async def generate():
+        async with AsyncClient(llm.config.rpc_address, timeout_s=60) as client:
+            return await client.generate([prompt], [params])
+    (async_output,) = asyncio.run(generate())
+    assert local.text == full.text[:at] and local.finish_reason == "stop"
+    assert len(local.token_ids) < len(full.token_ids)
+    assert "".join(d.text for d in deltas) == remote.text == async_output.text == local.text
+    assert deltas[-1].finish_reason == remote.finish_reason == async_output.finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop must be a list"):
+        SamplingParams(stop="x")
+    assert_pool_free(wait_idle(llm.client))
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,7 @@
-"""The text of one choice as its tokens arrive, cut at the first OpenAI stop string.
+"""The text of one request's output as its tokens arrive, cut at the first stop string.
 
-The engine knows stop token ids only; stop strings are matched here on the detokenized text.
-Text that could be the start of a stop string is held back until the next tokens decide it.
+Stop strings are matched on the detokenized text, a string split across tokens included. Text
+that could be the start of a stop string is held back until the next tokens decide it.
 """
 from __future__ import annotations
 
