@@ -1,6 +1,7 @@
 """The C++ decode-attention kernel (runtime/layers/cpu_attention.cpp) and the causal prefill
-attention (cpu_prefill_attention.cpp) against SDPA, and how a worker picks them. The runner-level check (its tokens equal the torch path's, eager and through
-emulated bucket graphs) is in tests/worker_proc/test_graphs.py."""
+attention (cpu_prefill_attention.cpp) against SDPA, and how a worker picks them. The
+runner-level check (its tokens equal the torch path's, eager and through emulated bucket
+graphs) is in tests/worker_proc/test_graphs.py."""
 from __future__ import annotations
 
 import pytest
