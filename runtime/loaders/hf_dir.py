@@ -8,12 +8,17 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
+from spmd_runtime.protocol.model_config import (
+    ModelConfig,
+    hf_architecture,
+    optional_bias_shapes,
+    weight_shapes,
+)
+from spmd_runtime.runtime.models import check_architecture
 
 if TYPE_CHECKING:
     import torch
 
-_SUPPORTED_MODEL_TYPES = ("llama",)
 # Buffers some older checkpoints saved that are recomputed from the config.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -29,14 +34,13 @@ def read_hf_config(path: str) -> ModelConfig:
         d = json.loads(config_file.read_text())
     except FileNotFoundError:
         raise ValueError(f"config file not found: {str(config_file)!r}") from None
-    model_type = d.get("model_type")
-    if model_type is not None and model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{config_file}: model_type {model_type!r} is not supported (only {_SUPPORTED_MODEL_TYPES})"
-        )
-    gen_file = config_file.parent / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
-    return ModelConfig.from_hf_dict(d, gen)
+    try:
+        check_architecture(hf_architecture(d), d.get("architectures") or ())
+        gen_file = config_file.parent / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+        return ModelConfig.from_hf_dict(d, gen)
+    except ValueError as error:
+        raise ValueError(f"{config_file}: {error}") from None
 
 
 def safetensors_files(directory: str) -> list[Path]:

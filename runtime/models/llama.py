@@ -176,6 +176,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype)
 
+    @staticmethod
+    def shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
+        """This rank's shard of each checkpoint tensor (see llama_shard_spec)."""
+        return llama_shard_spec(config, tp)
+
     def projection_slots(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every decoder-layer projection weight: attention QKV and
         output, MLP gate/up and down (what packing and quantization replace)."""
@@ -257,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy this rank's shard of weights named as in Hugging Face Llama checkpoints, fusing
         QKV and gate/up. Weights may be whole (they are sliced here) or this rank's shards
         already (a loader that read only them, see llama_shard_spec)."""
-        spec = llama_shard_spec(self.config, self.tp)
+        spec = self.shard_spec(self.config, self.tp)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
