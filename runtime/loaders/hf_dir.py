@@ -8,13 +8,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spmd_runtime.protocol.model_config import (
-    ModelConfig,
-    hf_architecture,
-    optional_bias_shapes,
-    weight_shapes,
-)
-from spmd_runtime.runtime.models import check_architecture
+from spmd_runtime.protocol.model_config import ModelConfig, hf_architecture
+from spmd_runtime.runtime.models import check_architecture, model_class
 
 if TYPE_CHECKING:
     import torch
@@ -58,14 +53,14 @@ def safetensors_files(directory: str) -> list[Path]:
 
 def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
                     shard_spec=None) -> dict[str, torch.Tensor]:
-    """Load the safetensors tensors of an HF Llama checkpoint, cast to dtype, checked against
-    config. With `shard_spec` (name -> (dimension, start, count) or None, see
-    runtime.models.llama.llama_shard_spec) only that slice of each tensor is read from disk."""
+    """Load the safetensors tensors of an HF checkpoint, cast to dtype, checked against the
+    names and shapes config's family implies. With `shard_spec` (name -> (dimension, start,
+    count) or None, see runtime.models.shard_spec) only that slice of each tensor is read."""
     from safetensors import safe_open
     from spmd_runtime.runtime.layers.parallel import read_shard
 
-    expected = weight_shapes(config)
-    allowed = {**expected, **optional_bias_shapes(config)}
+    expected, optional = model_class(config).checkpoint_shapes(config)
+    allowed = {**expected, **optional}
     out: dict[str, torch.Tensor] = {}
     for f in safetensors_files(directory):
         with safe_open(str(f), framework="pt", device="cpu") as st:
@@ -76,7 +71,7 @@ def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
                     # Tied checkpoints sometimes store the shared matrix twice; HF ignores the copy.
                     continue
                 if name not in allowed:
-                    raise ValueError(f"{f}: unexpected tensor {name!r} for a Llama model")
+                    raise ValueError(f"{f}: unexpected tensor {name!r} for a {config.architecture} model")
                 tensor = st.get_slice(name)
                 shape = tuple(tensor.get_shape())
                 if shape != allowed[name]:

@@ -25,6 +25,7 @@ class Family:
 # Gemma and Mistral (sliding-window attention on all or some layers) are not implemented.
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType({
     "llama": Family("llama", "LlamaForCausalLM", ("LlamaForCausalLM",)),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", ("Qwen2ForCausalLM",)),
 })
 
 

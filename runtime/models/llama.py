@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
 from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
 from spmd_runtime.runtime.layers.linear import PackedWeight, linear
@@ -41,6 +41,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = _linear_weight(self.q_size + 2 * self.kv_size, config.hidden_size, dtype)
         self.qkv_bias: nn.Parameter | None = None
         self.o_proj = _linear_weight(config.hidden_size, self.q_size, dtype)
+        self.o_bias: nn.Parameter | None = None
         self.scale = self.head_dim ** -0.5
 
 
@@ -149,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
             attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)
         attention_output = row_parallel_linear(attended.reshape(x.shape[0], -1), attn.o_proj,
-                                               None, self.tp)
+                                               attn.o_bias, self.tp)
         x, activation = pieces.mlp_inputs(
             x, attention_output, self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.intermediate_size)
@@ -175,6 +176,14 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype)
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
+                                                         dict[str, tuple[int, ...]]]:
+        """Names and shapes of the tensors a Hugging Face checkpoint of this family holds: those
+        it must hold, and those it may hold besides (attention biases)."""
+        biases = optional_bias_shapes(config)
+        return {**weight_shapes(config), **(biases if config.attention_bias else {})}, biases
 
     @staticmethod
     def shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
@@ -216,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.qkv_bias is not None or not all(isinstance(p, PackedWeight)
+            if attn.qkv_bias is not None or attn.o_bias is not None or not all(isinstance(p, PackedWeight)
                                                     for p in projections):
                 return None
             weights.append(layer.input_layernorm.weight)
@@ -282,16 +291,22 @@ class LlamaForCausalLM(nn.Module):
             attn.qkv_proj.copy_(torch.cat([take(prefix + f"self_attn.{p}_proj.weight")
                                            for p in "qkv"]))
             if prefix + "self_attn.q_proj.bias" in weights:
-                attn.qkv_bias = nn.Parameter(torch.cat(
-                    [take(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]).to(
-                        attn.qkv_proj.dtype), requires_grad=False)
+                attn.qkv_bias = _loaded(torch.cat(
+                    [take(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]), attn.qkv_proj)
             attn.o_proj.copy_(take(prefix + "self_attn.o_proj.weight"))
+            if prefix + "self_attn.o_proj.bias" in weights:
+                attn.o_bias = _loaded(take(prefix + "self_attn.o_proj.bias"), attn.o_proj)
             layer.mlp.gate_up_proj.copy_(torch.cat([take(prefix + "mlp.gate_proj.weight"),
                                                     take(prefix + "mlp.up_proj.weight")]))
             layer.mlp.down_proj.copy_(take(prefix + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(prefix + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 take(prefix + "post_attention_layernorm.weight"))
+
+
+def _loaded(tensor: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+    """A weight the checkpoint may or may not carry (a bias), in `like`'s dtype."""
+    return nn.Parameter(tensor.to(like.dtype), requires_grad=False)
 
 
 ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
@@ -312,6 +327,8 @@ def llama_shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
 
     def spec(name: str) -> tuple[int, int, int] | None:
         parts = name.split(".")
-        return rules.get(parts[-2]) if len(parts) >= 2 else None
+        rule = rules.get(parts[-2]) if len(parts) >= 2 else None
+        # A row-parallel layer's bias is added whole, once, after the reduction.
+        return None if rule is None or (rule[0] == 1 and parts[-1] == "bias") else rule
 
     return spec
