@@ -26,8 +26,9 @@ def _random_matrix(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tor
 
 def random_weights(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named state dict of config's family: vectors (norms, biases) are ones, every matrix
-    N(0, 0.02); identical for equal seeds in every process. Tensors are drawn in parallel on torch's intra-op thread count (sampling
-    with a generator is single-threaded), about 1 s per 100M parameters and thread."""
+    N(0, 0.02); identical for equal seeds in every process. Tensors are drawn in parallel on
+    torch's intra-op thread count (sampling with a generator is single-threaded), about 1 s per
+    100M parameters and thread."""
     shapes = model_class(config).checkpoint_shapes(config)[0]
     matrices = {name: shape for name, shape in shapes.items() if len(shape) > 1}
     # Largest first, so that the embedding does not start last and run alone.
