@@ -26,6 +26,7 @@ class Family:
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType({
     "llama": Family("llama", "LlamaForCausalLM", ("LlamaForCausalLM",)),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", ("Qwen2ForCausalLM",)),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",)),
 })
 
 

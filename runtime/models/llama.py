@@ -42,6 +42,9 @@ class LlamaAttention(nn.Module):
         self.qkv_bias: nn.Parameter | None = None
         self.o_proj = _linear_weight(config.hidden_size, self.q_size, dtype)
         self.o_bias: nn.Parameter | None = None
+        # Per-head RMSNorm of queries and keys before the rotary embedding (Qwen3), if loaded.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         self.scale = self.head_dim ** -0.5
 
 
@@ -58,14 +61,18 @@ class LlamaMLP(nn.Module):
 
 def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, cos: torch.Tensor,
-                     sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, fused QKV projection and rotary embedding: q [T, heads, dim], k and v [T, kv, dim]."""
+                     sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused QKV projection, (with `qk_norm`, the query and key norm weights: per-head
+    RMSNorm of q and k) and rotary embedding: q [T, heads, dim], k and v [T, kv, dim]."""
     qkv = linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
                         dim=-1)
-    q, k = apply_rotary(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
-                        cos, sin)
+    q, k = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
+    q, k = apply_rotary(q, k, cos, sin)
     return q, k, v.view(-1, num_kv_heads, head_dim)
 
 
@@ -98,10 +105,15 @@ EAGER = LayerPieces()
 def fused_attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
                            cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                           num_kv_heads: int, head_dim: int
+                           num_kv_heads: int, head_dim: int,
+                           qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attention_inputs with the norm and the rotary embedding as single C++ passes (float32
-    CPU, runtime/layers/cpu_layers.cpp): rotary runs in place on the query and key columns."""
+    CPU, runtime/layers/cpu_layers.cpp): rotary runs in place on the query and key columns.
+    The C++ passes have no query/key norm: with one, the eager attention_inputs runs."""
+    if qk_norm is not None:
+        return attention_inputs(x, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, num_heads,
+                                num_kv_heads, head_dim, qk_norm)
     qkv = linear(torch.ops.spmd_cpu.rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     torch.ops.spmd_cpu.rotary_(qkv, num_heads + num_kv_heads, head_dim,
                                cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
@@ -145,9 +157,10 @@ class LlamaDecoderLayer(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 pieces: LayerPieces) -> torch.Tensor:
         attn, mlp = self.self_attn, self.mlp
+        qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         q, k, v = pieces.attention_inputs(
             x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj,
-            attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim, qk_norm)
         attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)
         attention_output = row_parallel_linear(attended.reshape(x.shape[0], -1), attn.o_proj,
                                                attn.o_bias, self.tp)
@@ -216,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
                              num_tokens: int) -> list[torch.Tensor] | None:
         """The tensors spmd_cpu::decode_layers takes, where it can run this step: a batch of
         decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
-        for MKL and without bias; None otherwise (the layer loop runs)."""
+        for MKL, without bias or query/key norm; None otherwise (the layer loop runs)."""
         if (self.tp.size != 1 or batch.decode_kernel != "cpp" or batch.prefills
                 or batch.prompt_rows or batch.pad_start is not None or len(batch.decodes) != 1
                 or batch.decodes[0].count != num_tokens):
@@ -225,8 +238,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.qkv_bias is not None or attn.o_bias is not None or not all(isinstance(p, PackedWeight)
-                                                    for p in projections):
+            if (attn.qkv_bias is not None or attn.o_bias is not None or attn.q_norm is not None
+                    or not all(isinstance(p, PackedWeight) for p in projections)):
                 return None
             weights.append(layer.input_layernorm.weight)
             weights += (attn.qkv_proj.packed, attn.qkv_proj.stand_in, attn.o_proj.packed,
@@ -296,6 +309,12 @@ class LlamaForCausalLM(nn.Module):
             attn.o_proj.copy_(take(prefix + "self_attn.o_proj.weight"))
             if prefix + "self_attn.o_proj.bias" in weights:
                 attn.o_bias = _loaded(take(prefix + "self_attn.o_proj.bias"), attn.o_proj)
+            if prefix + "self_attn.q_norm.weight" in weights:
+                attn.q_norm, attn.k_norm = (
+                    RMSNorm(attn.head_dim, self.config.rms_norm_eps, attn.qkv_proj.dtype)
+                    for _ in range(2))
+                attn.q_norm.weight.copy_(take(prefix + "self_attn.q_norm.weight"))
+                attn.k_norm.weight.copy_(take(prefix + "self_attn.k_norm.weight"))
             layer.mlp.gate_up_proj.copy_(torch.cat([take(prefix + "mlp.gate_proj.weight"),
                                                     take(prefix + "mlp.up_proj.weight")]))
             layer.mlp.down_proj.copy_(take(prefix + "mlp.down_proj.weight"))

@@ -27,10 +27,14 @@ def hf_checkpoint(family: str):
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
             **SHAPE, tie_word_embeddings=True)
+    if family == "qwen3":
+        # attention_bias (off in the released models) adds q, k, v and o biases to the norms.
+        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+            **SHAPE, head_dim=16, attention_bias=True)
     raise ValueError(family)
 
 
-FAMILIES = ["qwen2"]
+FAMILIES = ["qwen2", "qwen3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
