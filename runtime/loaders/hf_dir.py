@@ -57,11 +57,13 @@ def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
     names and shapes config's family implies. With `shard_spec` (name -> (dimension, start,
     count) or None, see runtime.models.shard_spec) only that slice of each tensor is read."""
     from safetensors import safe_open
-    from spmd_runtime.runtime.layers.parallel import read_shard
+    from spmd_runtime.runtime.layers.parallel import read_shard, read_stacked_parts
 
-    expected, optional = model_class(config).checkpoint_shapes(config)
-    allowed = {**expected, **optional}
+    family = model_class(config)
+    expected, optional = family.checkpoint_shapes(config)
+    allowed, stacked = {**expected, **optional}, family.stacked_tensors(config)
     out: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for f in safetensors_files(directory):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
@@ -78,9 +80,11 @@ def load_hf_weights(directory: str, config: ModelConfig, dtype: torch.dtype,
                     raise ValueError(
                         f"{f}: tensor {name!r} has shape {shape}, config implies {allowed[name]}"
                     )
-                out[name] = read_shard(tensor, shard_spec(name) if shard_spec else None).to(
-                    dtype).contiguous()
-    missing = sorted(set(expected) - set(out))
+                seen.add(name)
+                parts = (read_stacked_parts(tensor, stacked[name], shard_spec) if name in stacked
+                         else {name: read_shard(tensor, shard_spec(name) if shard_spec else None)})
+                out.update({part: value.to(dtype).contiguous() for part, value in parts.items()})
+    missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{directory}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return out

@@ -199,6 +199,12 @@ class LlamaForCausalLM(nn.Module):
         return {**weight_shapes(config), **(biases if config.attention_bias else {})}, biases
 
     @staticmethod
+    def stacked_tensors(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+        """Checkpoint tensors that stack several of the names load_hf_state_dict takes along
+        their rows: name -> [(part name, rows), ...] (none in Llama checkpoints)."""
+        return {}
+
+    @staticmethod
     def shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
         """This rank's shard of each checkpoint tensor (see llama_shard_spec)."""
         return llama_shard_spec(config, tp)

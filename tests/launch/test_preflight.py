@@ -67,13 +67,14 @@ def test_architectures_the_engine_does_not_build(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**shape, "model_type": "gemma"}))
     message = _problem(model=str(tmp_path))
     assert "architecture 'gemma' is not supported: supported architectures are llama " \
-           "(LlamaForCausalLM)" in message
+           "(LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), phi3 " \
+           "(Phi3ForCausalLM)" in message
     (tmp_path / "config.json").write_text(json.dumps(
-        {**shape, "model_type": "llama", "use_sliding_window": True, "sliding_window": 32,
+        {**shape, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32,
          "max_window_layers": 0}))
     assert "sliding-window attention on some layers" in _problem(model=str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(
-        {**shape, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
+        {**shape, "model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
     assert "rope scaling type 'longrope' is not implemented" in _problem(model=str(tmp_path))
 
 

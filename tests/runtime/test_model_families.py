@@ -31,10 +31,14 @@ def hf_checkpoint(family: str):
         # attention_bias (off in the released models) adds q, k, v and o biases to the norms.
         return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
             **SHAPE, head_dim=16, attention_bias=True)
+    if family == "phi3":
+        # A sliding window on every layer, longer than any sequence here: it caps the context.
+        return transformers.Phi3ForCausalLM, transformers.Phi3Config(
+            **SHAPE, sliding_window=100, pad_token_id=0)
     raise ValueError(family)
 
 
-FAMILIES = ["qwen2", "qwen3"]
+FAMILIES = ["qwen2", "qwen3", "phi3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -64,6 +68,7 @@ def transformers_greedy(model, prompt: list[int]) -> list[int]:
 def test_logits_equal_transformers(checkpoint) -> None:
     directory, hf = checkpoint
     config = read_hf_config(directory)
+    assert config.max_position_embeddings == (hf.config.sliding_window or 256)
     model = build_model(config, torch.float32)
     model.load_hf_state_dict(load_hf_weights(directory, config, torch.float32))
     ids = prompts()[2]
