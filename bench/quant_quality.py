@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from spmd_runtime.runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
+from spmd_runtime.runtime.models import build_model
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
 
@@ -28,10 +29,10 @@ SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
 def build(model: str, quantization: str) -> LlamaForCausalLM:
     config, weights = load_model(resolve_model(model), torch.float32)
-    llama = LlamaForCausalLM(config, torch.float32)
-    llama.load_hf_state_dict(weights)
-    quantize_linear_weights(llama.eval(), quantization)
-    return llama
+    model = build_model(config, torch.float32)
+    model.load_hf_state_dict(weights)
+    quantize_linear_weights(model.eval(), quantization)
+    return model
 
 
 def read_text(paths: list[Path]) -> str:

@@ -31,6 +31,10 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # every id that ends generation
     rope_scaling: dict | None = None  # HF-style dict as the source gives it, or None
+    # The family (a config.json's model_type, a GGUF general.architecture): runtime.models
+    # builds its model class. Family-specific: whether the attention projections carry biases.
+    architecture: str = "llama"
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists (e.g. after a JSON round trip of dataclasses.asdict) so equality holds.
@@ -58,6 +62,12 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
 
+        if float(rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope scaling type {rope_type!r} is not implemented "
+                             f"(supported: none, {', '.join(t for t in SUPPORTED_ROPE_TYPES if t)})")
         bos = d.get("bos_token_id")
         if bos is None:
             bos = gen.get("bos_token_id")
@@ -71,18 +81,22 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", _HF_DEFAULT_RMS_NORM_EPS)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(d.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS)),
+            max_position_embeddings=_full_attention_positions(
+                d, int(d.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS))),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=merge_token_ids(d.get("eos_token_id"), gen.get("eos_token_id")),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            architecture=hf_architecture(d),
+            attention_bias=bool(d.get("attention_bias", False)),
         )
 
     def to_hf_dict(self) -> dict:
-        """A Llama config.json dict (transformers 4 layout, which 5 reads too); inverse of from_hf_dict."""
+        """A config.json dict (transformers 4 layout, which 5 reads too); inverse of from_hf_dict."""
         return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
+            "model_type": self.architecture,
+            "architectures": [f"{self.architecture.capitalize()}ForCausalLM"],
+            "attention_bias": self.attention_bias,
             "hidden_act": "silu",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -99,6 +113,34 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or None,
         }
+
+
+# rope_scaling types RotaryEmbedding implements (None and "default": no scaling).
+SUPPORTED_ROPE_TYPES = (None, "default", "llama3")
+
+
+def hf_architecture(d: dict) -> str:
+    """The family of a config.json: its model_type, else its architectures' class name
+    ("Qwen2ForCausalLM" -> "qwen2"), else "llama"."""
+    if d.get("model_type"):
+        return str(d["model_type"])
+    classes = d.get("architectures") or ["LlamaForCausalLM"]
+    return str(classes[0]).removesuffix("ForCausalLM").lower()
+
+
+def _full_attention_positions(d: dict, max_positions: int) -> int:
+    """max_positions, capped where the config sets a sliding window on every layer (Phi-3): up to
+    the window's length, sliding-window attention is full causal attention. A window on some
+    layers only (Qwen2/Qwen3 with use_sliding_window) is refused."""
+    window = d.get("sliding_window")
+    if "sliding_attention" in (d.get("layer_types") or []) or (
+            d.get("use_sliding_window") and window
+            and int(d.get("max_window_layers", 0)) < int(d["num_hidden_layers"])):
+        raise ValueError("sliding-window attention on some layers (use_sliding_window) is not "
+                         "supported: set use_sliding_window to false")
+    if window and "use_sliding_window" not in d:
+        return min(max_positions, int(window))
+    return max_positions
 
 
 def merge_token_ids(*values: Any) -> tuple[int, ...]:

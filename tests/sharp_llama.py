@@ -1,5 +1,6 @@
-"""Tiny random Llamas whose logits are far from ties (weights scaled up), saved as Hugging Face
-directories: engine variants that compute the same thing must pick the same greedy tokens."""
+"""Tiny random Llamas (and models of the other families) whose logits are far from ties
+(weights scaled up), saved as Hugging Face directories: engine variants that compute the same
+thing must pick the same greedy tokens."""
 from __future__ import annotations
 
 import torch
@@ -15,11 +16,17 @@ def sharp_llama(directory, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB
     """(directory as a string, the transformers model) of a 2-layer Llama with these heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads,
                          intermediate_size=intermediate, max_position_embeddings=256)
-    model = LlamaForCausalLM(config).float().eval()
+    return save_sharp(directory, lambda: LlamaForCausalLM(config))
+
+
+def save_sharp(directory, build):
+    """Build a transformers model with `build()` (seeded), scale its weights up (norms near one,
+    every other weight N(0, 0.25)) and save it: (directory as a string, the model)."""
+    torch.manual_seed(0)
+    model = build().float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name

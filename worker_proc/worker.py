@@ -36,7 +36,7 @@ from spmd_runtime.runtime.layers import cpu_attention, triton_attention
 from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
-from spmd_runtime.runtime.models.llama import LlamaForCausalLM, llama_shard_spec
+from spmd_runtime.runtime.models import build_model, shard_spec
 from spmd_runtime.worker_proc.chunk_tuning import tensor_parallel, tuned_if_asked
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
@@ -71,9 +71,9 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     started = time.perf_counter()
     tp = tensor_parallel(config, ctx)
     model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,
-                                       shard_spec_for=lambda c: llama_shard_spec(c, tp))
+                                       shard_spec_for=lambda c: shard_spec(c, tp))
     tp = tuned_if_asked(config, tp, model_config, dtype, ctx.device)
-    model = LlamaForCausalLM(model_config, dtype, tp)
+    model = build_model(model_config, dtype, tp)
     model.load_hf_state_dict(weights)
     del weights
     model.to(ctx.device).eval()

@@ -82,6 +82,21 @@ def read_shard(source, shard: tuple[int, int, int] | None) -> torch.Tensor:
     return shard_rows(source, start, count) if dim == 0 else source[:, start:start + count]
 
 
+def read_stacked_parts(source, parts: list[tuple[str, int]], spec=None) -> dict[str, torch.Tensor]:
+    """The parts of a tensor that stacks several weights along its rows (a fused checkpoint's
+    QKV or gate/up), by name: each whole, or with `spec` (name -> (0, start, count) or None)
+    this rank's rows of each, so that a rank takes its rows of every part, not of the stack."""
+    out, offset = {}, 0
+    for name, rows in parts:
+        shard = spec(name) if spec else None
+        if shard is not None and shard[0] != 0:
+            raise ValueError(f"{name}: a stacked part can only be split along its rows")
+        start, count = (0, rows) if shard is None else shard[1:]
+        out[name] = source[offset + start:offset + start + count]
+        offset += rows
+    return out
+
+
 def shard_rows(weight, start: int, count: int) -> torch.Tensor:
     """Rows [start, start + count), zero-padded past the end (a vocabulary's last shard)."""
     part = weight[start:start + count]

@@ -6,7 +6,8 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from spmd_runtime.protocol.model_config import ModelConfig, weight_shapes
+from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.runtime.models import model_class
 
 _INIT_STD = 0.02  # HF Llama initializer_range: keeps activations and logits finite through many layers
 
@@ -24,10 +25,11 @@ def _random_matrix(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tor
 
 
 def random_weights(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named Llama state dict: norms are ones, every matrix N(0, 0.02); identical for equal seeds
-    in every process. Tensors are drawn in parallel on torch's intra-op thread count (sampling
-    with a generator is single-threaded), about 1 s per 100M parameters and thread."""
-    shapes = weight_shapes(config)
+    """HF-named state dict of config's family: vectors (norms, biases) are ones, every matrix
+    N(0, 0.02); identical for equal seeds in every process. Tensors are drawn in parallel on
+    torch's intra-op thread count (sampling with a generator is single-threaded), about 1 s per
+    100M parameters and thread."""
+    shapes = model_class(config).checkpoint_shapes(config)[0]
     matrices = {name: shape for name, shape in shapes.items() if len(shape) > 1}
     # Largest first, so that the embedding does not start last and run alone.
     order = sorted(matrices, key=lambda name: -torch.Size(matrices[name]).numel())

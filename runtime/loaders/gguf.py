@@ -99,6 +99,7 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
             *(_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
         ),
         rope_scaling=_rope_scaling(key, path),
+        architecture=arch,
     )
 
 

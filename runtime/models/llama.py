@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
 from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
 from spmd_runtime.runtime.layers.linear import PackedWeight, linear
@@ -41,6 +41,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = _linear_weight(self.q_size + 2 * self.kv_size, config.hidden_size, dtype)
         self.qkv_bias: nn.Parameter | None = None
         self.o_proj = _linear_weight(config.hidden_size, self.q_size, dtype)
+        self.o_bias: nn.Parameter | None = None
+        # Per-head RMSNorm of queries and keys before the rotary embedding (Qwen3), if loaded.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         self.scale = self.head_dim ** -0.5
 
 
@@ -57,14 +61,18 @@ class LlamaMLP(nn.Module):
 
 def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, cos: torch.Tensor,
-                     sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, fused QKV projection and rotary embedding: q [T, heads, dim], k and v [T, kv, dim]."""
+                     sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused QKV projection, (with `qk_norm`, the query and key norm weights: per-head
+    RMSNorm of q and k) and rotary embedding: q [T, heads, dim], k and v [T, kv, dim]."""
     qkv = linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
                         dim=-1)
-    q, k = apply_rotary(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
-                        cos, sin)
+    q, k = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
+    q, k = apply_rotary(q, k, cos, sin)
     return q, k, v.view(-1, num_kv_heads, head_dim)
 
 
@@ -97,10 +105,15 @@ EAGER = LayerPieces()
 def fused_attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
                            cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                           num_kv_heads: int, head_dim: int
+                           num_kv_heads: int, head_dim: int,
+                           qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attention_inputs with the norm and the rotary embedding as single C++ passes (float32
-    CPU, runtime/layers/cpu_layers.cpp): rotary runs in place on the query and key columns."""
+    CPU, runtime/layers/cpu_layers.cpp): rotary runs in place on the query and key columns.
+    The C++ passes have no query/key norm: with one, the eager attention_inputs runs."""
+    if qk_norm is not None:
+        return attention_inputs(x, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, num_heads,
+                                num_kv_heads, head_dim, qk_norm)
     qkv = linear(torch.ops.spmd_cpu.rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     torch.ops.spmd_cpu.rotary_(qkv, num_heads + num_kv_heads, head_dim,
                                cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
@@ -144,12 +157,13 @@ class LlamaDecoderLayer(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 pieces: LayerPieces) -> torch.Tensor:
         attn, mlp = self.self_attn, self.mlp
+        qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         q, k, v = pieces.attention_inputs(
             x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj,
-            attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim, qk_norm)
         attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)
         attention_output = row_parallel_linear(attended.reshape(x.shape[0], -1), attn.o_proj,
-                                               None, self.tp)
+                                               attn.o_bias, self.tp)
         x, activation = pieces.mlp_inputs(
             x, attention_output, self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.intermediate_size)
@@ -175,6 +189,25 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype)
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
+                                                         dict[str, tuple[int, ...]]]:
+        """Names and shapes of the tensors a Hugging Face checkpoint of this family holds: those
+        it must hold, and those it may hold besides (attention biases)."""
+        biases = optional_bias_shapes(config)
+        return {**weight_shapes(config), **(biases if config.attention_bias else {})}, biases
+
+    @staticmethod
+    def stacked_tensors(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+        """Checkpoint tensors that stack several of the names load_hf_state_dict takes along
+        their rows: name -> [(part name, rows), ...] (none in Llama checkpoints)."""
+        return {}
+
+    @staticmethod
+    def shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
+        """This rank's shard of each checkpoint tensor (see llama_shard_spec)."""
+        return llama_shard_spec(config, tp)
 
     def projection_slots(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every decoder-layer projection weight: attention QKV and
@@ -202,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
                              num_tokens: int) -> list[torch.Tensor] | None:
         """The tensors spmd_cpu::decode_layers takes, where it can run this step: a batch of
         decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
-        for MKL and without bias; None otherwise (the layer loop runs)."""
+        for MKL, without bias or query/key norm; None otherwise (the layer loop runs)."""
         if (self.tp.size != 1 or batch.decode_kernel != "cpp" or batch.prefills
                 or batch.prompt_rows or batch.pad_start is not None or len(batch.decodes) != 1
                 or batch.decodes[0].count != num_tokens):
@@ -211,8 +244,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.qkv_bias is not None or not all(isinstance(p, PackedWeight)
-                                                    for p in projections):
+            if (attn.qkv_bias is not None or attn.o_bias is not None or attn.q_norm is not None
+                    or not all(isinstance(p, PackedWeight) for p in projections)):
                 return None
             weights.append(layer.input_layernorm.weight)
             weights += (attn.qkv_proj.packed, attn.qkv_proj.stand_in, attn.o_proj.packed,
@@ -257,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy this rank's shard of weights named as in Hugging Face Llama checkpoints, fusing
         QKV and gate/up. Weights may be whole (they are sliced here) or this rank's shards
         already (a loader that read only them, see llama_shard_spec)."""
-        spec = llama_shard_spec(self.config, self.tp)
+        spec = self.shard_spec(self.config, self.tp)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -277,16 +310,28 @@ class LlamaForCausalLM(nn.Module):
             attn.qkv_proj.copy_(torch.cat([take(prefix + f"self_attn.{p}_proj.weight")
                                            for p in "qkv"]))
             if prefix + "self_attn.q_proj.bias" in weights:
-                attn.qkv_bias = nn.Parameter(torch.cat(
-                    [take(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]).to(
-                        attn.qkv_proj.dtype), requires_grad=False)
+                attn.qkv_bias = _loaded(torch.cat(
+                    [take(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]), attn.qkv_proj)
             attn.o_proj.copy_(take(prefix + "self_attn.o_proj.weight"))
+            if prefix + "self_attn.o_proj.bias" in weights:
+                attn.o_bias = _loaded(take(prefix + "self_attn.o_proj.bias"), attn.o_proj)
+            if prefix + "self_attn.q_norm.weight" in weights:
+                attn.q_norm, attn.k_norm = (
+                    RMSNorm(attn.head_dim, self.config.rms_norm_eps, attn.qkv_proj.dtype)
+                    for _ in range(2))
+                attn.q_norm.weight.copy_(take(prefix + "self_attn.q_norm.weight"))
+                attn.k_norm.weight.copy_(take(prefix + "self_attn.k_norm.weight"))
             layer.mlp.gate_up_proj.copy_(torch.cat([take(prefix + "mlp.gate_proj.weight"),
                                                     take(prefix + "mlp.up_proj.weight")]))
             layer.mlp.down_proj.copy_(take(prefix + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(prefix + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 take(prefix + "post_attention_layernorm.weight"))
+
+
+def _loaded(tensor: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+    """A weight the checkpoint may or may not carry (a bias), in `like`'s dtype."""
+    return nn.Parameter(tensor.to(like.dtype), requires_grad=False)
 
 
 ShardSpec = Callable[[str], "tuple[int, int, int] | None"]
@@ -307,6 +352,8 @@ def llama_shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
 
     def spec(name: str) -> tuple[int, int, int] | None:
         parts = name.split(".")
-        return rules.get(parts[-2]) if len(parts) >= 2 else None
+        rule = rules.get(parts[-2]) if len(parts) >= 2 else None
+        # A row-parallel layer's bias is added whole, once, after the reduction.
+        return None if rule is None or (rule[0] == 1 and parts[-1] == "bias") else rule
 
     return spec

@@ -61,6 +61,23 @@ def test_a_config_json_that_cannot_be_read(tmp_path) -> None:
         "pass another --model")
 
 
+def test_architectures_the_engine_does_not_build(tmp_path) -> None:
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "model_type": "gemma"}))
+    message = _problem(model=str(tmp_path))
+    assert "architecture 'gemma' is not supported: supported architectures are llama " \
+           "(LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), phi3 " \
+           "(Phi3ForCausalLM)" in message
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**shape, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32,
+         "max_window_layers": 0}))
+    assert "sliding-window attention on some layers" in _problem(model=str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**shape, "model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
+    assert "rope scaling type 'longrope' is not implemented" in _problem(model=str(tmp_path))
+
+
 def test_tensor_parallel_sizes_the_heads_do_not_split_into() -> None:
     message = _problem(model=TINY, nproc_per_node=3)
     assert message.startswith("tensor-parallel size 3 must divide the 4 attention heads of "

@@ -1,0 +1,16 @@
+"""Qwen2 and Qwen2.5: the Llama decoder with biases on the query, key and value projections
+(merged into the QKV bias, its rows sharded with the QKV rows under tensor parallelism)."""
+from __future__ import annotations
+
+from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
+                                                         dict[str, tuple[int, ...]]]:
+        required, optional = LlamaForCausalLM.checkpoint_shapes(config)
+        qkv_biases = {name: shape for name, shape in optional.items()
+                      if not name.endswith("o_proj.bias")}
+        return {**required, **qkv_biases}, optional
