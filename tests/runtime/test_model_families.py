@@ -13,10 +13,10 @@ from spmd_runtime.runtime.models import build_model
 # 4 query and 2 key/value heads of 16 dimensions: two ranks split both.
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-# Chunks of 16 tokens, and a pool of 7 blocks of 16 (no admission watermark) where the prompts
-# below need 12 at the end of their generation: requests are preempted and resumed. The two
-# longest prompts share 2 full blocks, which the later one finds in the prefix cache.
-ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=7, kv_admission_watermark=0.0,
+# Chunks of 16 tokens, and a pool of 6 blocks of 16 (no admission watermark): the two longest
+# prompts share 2 full blocks (the later one finds them in the prefix cache) and need 7 blocks
+# together at the end of their generation, so one is preempted and resumed.
+ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=6, kv_admission_watermark=0.0,
               max_model_len=128, enable_prefix_caching=True)
 
 
