@@ -38,10 +38,14 @@ def enc(value) -> bytes:
 
 def add(*fields) -> bytes:
     """The positional wire form of AddRequest: tag, prompt, params, request_id, priority,
-    timeout_s; params: max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
-    ignore_eos, cache_salt."""
+    timeout_s; params in SamplingParams' field order (max_tokens, temperature, top_p, top_k,
+    seed, stop_token_ids, ignore_eos, cache_salt, then the penalties, min_p and stop)."""
     return enc(["add", 7, *fields])
 
+
+# Every SamplingParams field at its default, in wire order: one more value is one too many.
+ALL_SAMPLING_FIELDS = [getattr(SamplingParams(max_tokens=4), name)
+                       for name in SamplingParams.__struct_fields__]
 
 # (case, frame, what the error message must contain)
 CASES = [
@@ -77,8 +81,7 @@ CASES = [
     ("seed a string", add([1], [4, 1.0, 1.0, -1, "abc"]), "invalid request"),
     ("negative stop token", add([1], [4, 1.0, 1.0, -1, None, [-3]]), "stop_token_ids"),
     ("ignore_eos a string", add([1], [4, 1.0, 1.0, -1, None, [], "yes"]), "invalid request"),
-    ("too many sampling fields", add([1], [4, 1.0, 1.0, -1, None, [], False, None, 9]),
-     "invalid request"),
+    ("too many sampling fields", add([1], [*ALL_SAMPLING_FIELDS, 9]), "invalid request"),
     ("negative request id", add([1], [4], -5), "request_id must be >= 0"),
     ("request id in use", add([1], [4], STREAM_ID), "already in use"),
     ("priority a string", add([1], [4], None, "high"), "invalid request"),
