@@ -120,6 +120,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     token_ids: list[int]
     finish_reason: str | None = None
     text: str = ""
+    # On a request's first delta: seconds from its arrival at the scheduler to its first
+    # scheduled step (Prometheus' request queue time).
+    queue_time_s: float | None = None
 
 
 class Outputs(_Wire, tag="outputs"):

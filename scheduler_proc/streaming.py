@@ -21,6 +21,7 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
         if request.request_id in seen:
             continue
         seen.add(request.request_id)
+        first = request.num_tokens_streamed == 0
         new_tokens = request.output_token_ids[request.num_tokens_streamed:]
         request.num_tokens_streamed = len(request.output_token_ids)
         reason = request.finish_reason.value if request.finish_reason else None
@@ -29,7 +30,8 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
             reason = FinishReason.STOP.value
             stopped.append(request.request_id)
         by_client.setdefault(request.client, []).append(
-            RequestDelta(request.request_id, new_tokens, reason, text))
+            RequestDelta(request.request_id, new_tokens, reason, text,
+                         request.queue_time_s if first else None))
     unreachable = [client for client, deltas in by_client.items()
                    if not front.reply(client, Outputs(deltas=deltas))]
     return unreachable, stopped
