@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-import time
 
 import httpx
 import openai
@@ -131,11 +130,11 @@ def create(oai, chat: bool, stream: bool, n: int, options: dict, stop=None):
 
 
 def wait_idle(rpc: Client):
-    deadline = time.monotonic() + 60
-    while (stats := rpc.stats()).num_running or stats.num_waiting:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
-    return stats
+    """Stats once nothing runs or waits."""
+    def idle():
+        stats = rpc.stats()
+        return None if stats.num_running or stats.num_waiting else stats
+    return wait_until(idle, 60, what="an idle engine")
 
 
 # ---------------------------------------------------------------------------- parameters
