@@ -42,11 +42,11 @@ BASE = {"temperature": 1.0, "seed": 11, "max_tokens": 12}
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 # Each parameter at a value that changes the output of BASE on this model.
-OPTIONS = {"temperature": 0.3, "top_p": 0.5, "seed": 12, "max_tokens": 5,
+OPTIONS = {"temperature": 0.3, "top_p": 0.5, "top_k": 2, "seed": 12, "max_tokens": 5,
            "presence_penalty": -2.0, "frequency_penalty": -2.0, "repetition_penalty": 0.5,
            "min_p": 0.2}
 # Not in the OpenAI API: the client sends them through extra_body.
-EXTENSIONS = ("repetition_penalty", "min_p", "stop_token_ids")
+EXTENSIONS = ("repetition_penalty", "min_p", "top_k", "stop_token_ids")
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +186,16 @@ def test_stop_token_ids_end_the_request(oai, rpc) -> None:
     reply = oai.completions.create(model=MODEL, prompt=PROMPT, **request_options(options))
     assert reply.choices[0].text == expected.text
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 4
+
+
+def test_chat_takes_max_completion_tokens(oai, rpc) -> None:
+    options = {**BASE, "max_tokens": 3}
+    (expected,) = reference(rpc, chat_prompt_ids(rpc.tokenizer, MESSAGES), options)
+    reply = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3,
+                                        seed=BASE["seed"], temperature=BASE["temperature"],
+                                        extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.completion_tokens == 3
 
 
 def test_best_of_equal_to_n_is_served_and_more_is_refused(oai) -> None:
