@@ -35,10 +35,15 @@ def hf_checkpoint(family: str):
         # A sliding window on every layer, longer than any sequence here: it caps the context.
         return transformers.Phi3ForCausalLM, transformers.Phi3Config(
             **SHAPE, sliding_window=100, pad_token_id=0)
+    if family == "mistral":
+        # A Llama with a sliding window (capping the context, as Phi-3's) and a head_dim that is
+        # not hidden_size / heads.
+        return transformers.MistralForCausalLM, transformers.MistralConfig(
+            **SHAPE, head_dim=24, sliding_window=100)
     raise ValueError(family)
 
 
-FAMILIES = ["qwen2", "qwen3", "phi3"]
+FAMILIES = ["qwen2", "qwen3", "phi3", "mistral"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
