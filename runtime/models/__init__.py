@@ -28,6 +28,7 @@ FAMILIES: MappingProxyType[str, Family] = MappingProxyType({
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", ("Qwen2ForCausalLM",)),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",)),
     "phi3": Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
+    "mistral": Family("llama", "LlamaForCausalLM", ("MistralForCausalLM",)),
 })
 
 
