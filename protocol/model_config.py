@@ -35,6 +35,12 @@ class ModelConfig:
     # builds its model class. Family-specific: whether the attention projections carry biases.
     architecture: str = "llama"
     attention_bias: bool = False
+    # Gemma 2: the MLP's gate activation, the attention scale's denominator (None: head_dim)
+    # and the tanh soft-caps of attention scores and final logits (None: no cap).
+    hidden_activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (e.g. after a JSON round trip of dataclasses.asdict) so equality holds.
@@ -48,9 +54,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict, generation_config: dict | None = None) -> ModelConfig:
         """Build from a config.json dict; generation_config (generation_config.json) adds eos ids."""
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: only Llama-style silu MLPs are supported")
+        architecture = hf_architecture(d)
+        act = d.get("hidden_activation") or d.get("hidden_act", "silu")
+        family_act = _GATE_ACTIVATIONS.get(architecture, "silu")
+        if act != family_act:
+            raise ValueError(f"unsupported hidden_act {act!r}: {architecture} models are built "
+                             f"with {family_act} MLPs")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         gen = generation_config or {}
@@ -87,8 +96,12 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=merge_token_ids(d.get("eos_token_id"), gen.get("eos_token_id")),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
-            architecture=hf_architecture(d),
+            architecture=architecture,
             attention_bias=bool(d.get("attention_bias", False)),
+            hidden_activation=act,
+            query_pre_attn_scalar=_optional_float(d.get("query_pre_attn_scalar")),
+            attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(d.get("final_logit_softcapping")),
         )
 
     def to_hf_dict(self) -> dict:
@@ -97,7 +110,7 @@ class ModelConfig:
             "model_type": self.architecture,
             "architectures": [f"{self.architecture.capitalize()}ForCausalLM"],
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_activation,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -112,7 +125,20 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or None,
+            **{name: value for name, value in (
+                ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+                ("attn_logit_softcapping", self.attn_logit_softcapping),
+                ("final_logit_softcapping", self.final_logit_softcapping)) if value is not None},
         }
+
+
+# The MLP gate activation each family computes (silu where not listed): a config.json asking
+# another is refused rather than silently computed with the family's.
+_GATE_ACTIVATIONS = MappingProxyType({"gemma2": "gelu_pytorch_tanh"})
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 # rope_scaling types RotaryEmbedding implements (None and "default": no scaling).
@@ -129,15 +155,21 @@ def hf_architecture(d: dict) -> str:
 
 
 def _full_attention_positions(d: dict, max_positions: int) -> int:
-    """max_positions, capped where the config sets a sliding window on every layer (Phi-3): up to
-    the window's length, sliding-window attention is full causal attention. A window on some
-    layers only (Qwen2/Qwen3 with use_sliding_window) is refused."""
+    """max_positions, capped at the sliding window where the config sets one on every layer
+    (Phi-3) or on the layers its layer_types name sliding_attention (Gemma 2's every other
+    layer): up to the window's length, sliding-window attention is full causal attention, so
+    every layer is exact full attention within the cap. A window Qwen2/Qwen3's
+    use_sliding_window puts on some layers is refused."""
     window = d.get("sliding_window")
-    if "sliding_attention" in (d.get("layer_types") or []) or (
-            d.get("use_sliding_window") and window
-            and int(d.get("max_window_layers", 0)) < int(d["num_hidden_layers"])):
+    if d.get("use_sliding_window") and window and int(d.get("max_window_layers", 0)) < int(
+            d["num_hidden_layers"]):
         raise ValueError("sliding-window attention on some layers (use_sliding_window) is not "
                          "supported: set use_sliding_window to false")
+    if "sliding_attention" in (d.get("layer_types") or []):
+        if not window:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is "
+                             "not set")
+        return min(max_positions, int(window))
     if window and "use_sliding_window" not in d:
         return min(max_positions, int(window))
     return max_positions
