@@ -13,6 +13,8 @@ from typing import Any
 _HF_DEFAULT_RMS_NORM_EPS = 1e-6
 _HF_DEFAULT_ROPE_THETA = 10000.0
 _HF_DEFAULT_MAX_POSITIONS = 2048
+# Gemma3TextConfig's rope base of the sliding-window layers, where a config.json omits it.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +43,15 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 3: the rope base of its sliding-window layers (None: rope_theta on every layer), and
+    # which layers those are; rope_scaling applies to the others only.
+    sliding_rope_theta: float | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (e.g. after a JSON round trip of dataclasses.asdict) so equality holds.
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -64,19 +71,7 @@ class ModelConfig:
         hidden = int(d["hidden_size"])
         gen = generation_config or {}
 
-        # transformers >= 5 writes rope_theta and the scaling inside rope_parameters.
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-
-        if float(rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope scaling type {rope_type!r} is not implemented "
-                             f"(supported: none, {', '.join(t for t in SUPPORTED_ROPE_TYPES if t)})")
+        rope_theta, rope_scaling, sliding_rope_theta = _rope(d)
         bos = d.get("bos_token_id")
         if bos is None:
             bos = gen.get("bos_token_id")
@@ -89,26 +84,28 @@ class ModelConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", _HF_DEFAULT_RMS_NORM_EPS)),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             max_position_embeddings=_full_attention_positions(
                 d, int(d.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS))),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=merge_token_ids(d.get("eos_token_id"), gen.get("eos_token_id")),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            rope_scaling=rope_scaling,
             architecture=architecture,
             attention_bias=bool(d.get("attention_bias", False)),
             hidden_activation=act,
             query_pre_attn_scalar=_optional_float(d.get("query_pre_attn_scalar")),
             attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(d.get("final_logit_softcapping")),
+            sliding_rope_theta=sliding_rope_theta,
+            sliding_layers=_sliding_layers(d) if sliding_rope_theta is not None else (),
         )
 
     def to_hf_dict(self) -> dict:
         """A config.json dict (transformers 4 layout, which 5 reads too); inverse of from_hf_dict."""
         return {
             "model_type": self.architecture,
-            "architectures": [f"{self.architecture.capitalize()}ForCausalLM"],
+            "architectures": [f"{self.architecture.removesuffix('_text').capitalize()}ForCausalLM"],
             "attention_bias": self.attention_bias,
             "hidden_act": self.hidden_activation,
             "vocab_size": self.vocab_size,
@@ -128,13 +125,19 @@ class ModelConfig:
             **{name: value for name, value in (
                 ("query_pre_attn_scalar", self.query_pre_attn_scalar),
                 ("attn_logit_softcapping", self.attn_logit_softcapping),
-                ("final_logit_softcapping", self.final_logit_softcapping)) if value is not None},
+                ("final_logit_softcapping", self.final_logit_softcapping),
+                ("rope_local_base_freq", self.sliding_rope_theta)) if value is not None},
+            # The window is the (already capped) context: reading this back caps nothing more.
+            **({"layer_types": ["sliding_attention" if i in self.sliding_layers
+                                else "full_attention" for i in range(self.num_hidden_layers)],
+                "sliding_window": self.max_position_embeddings} if self.sliding_layers else {}),
         }
 
 
 # The MLP gate activation each family computes (silu where not listed): a config.json asking
 # another is refused rather than silently computed with the family's.
-_GATE_ACTIVATIONS = MappingProxyType({"gemma2": "gelu_pytorch_tanh"})
+_GATE_ACTIVATIONS = MappingProxyType({"gemma2": "gelu_pytorch_tanh",
+                                       "gemma3_text": "gelu_pytorch_tanh"})
 
 
 def _optional_float(value: Any) -> float | None:
@@ -142,7 +145,43 @@ def _optional_float(value: Any) -> float | None:
 
 
 # rope_scaling types RotaryEmbedding implements (None and "default": no scaling).
-SUPPORTED_ROPE_TYPES = (None, "default", "llama3")
+SUPPORTED_ROPE_TYPES = (None, "default", "linear", "llama3")
+
+
+def _rope(d: dict) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding-window layers' rope base or None) of a config.json.
+    transformers >= 5 writes theta and scaling inside rope_parameters, per layer type where the
+    types differ (Gemma 3); 4 wrote them at the top, Gemma 3's local base as
+    rope_local_base_freq."""
+    rope_params = d.get("rope_parameters") or {}
+    sliding = rope_params.get("sliding_attention")
+    rope_params = rope_params.get("full_attention", rope_params)
+    rope_theta = d.get("rope_theta", rope_params.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if float(rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not implemented "
+                         f"(supported: none, {', '.join(t for t in SUPPORTED_ROPE_TYPES if t)})")
+    if sliding and sliding.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling of the sliding-window layers ({sliding['rope_type']!r}) "
+                         "is not implemented")
+    local = d.get("rope_local_base_freq", (sliding or {}).get("rope_theta"))
+    if local is None and hf_architecture(d) == "gemma3_text":
+        local = _GEMMA3_LOCAL_ROPE_THETA
+    return float(rope_theta), dict(rope_scaling) if rope_scaling else None, _optional_float(local)
+
+
+def _sliding_layers(d: dict) -> tuple[int, ...]:
+    """The layers a config.json's layer_types name sliding_attention; without layer_types,
+    Gemma 3's sliding_window_pattern (every layer but each pattern-th, 6 by default)."""
+    if d.get("layer_types"):
+        return tuple(i for i, kind in enumerate(d["layer_types"]) if kind == "sliding_attention")
+    pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6)))
+    return tuple(i for i in range(int(d["num_hidden_layers"])) if (i + 1) % pattern)
 
 
 def hf_architecture(d: dict) -> str:

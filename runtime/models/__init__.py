@@ -22,13 +22,14 @@ class Family:
     hf_classes: tuple[str, ...]     # the config.json `architectures` it reads
 
 
-# Mistral and Gemma 3 are not implemented.
+# Mistral is not implemented.
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType({
     "llama": Family("llama", "LlamaForCausalLM", ("LlamaForCausalLM",)),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", ("Qwen2ForCausalLM",)),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",)),
     "phi3": Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
     "gemma2": Family("gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",)),
+    "gemma3_text": Family("gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",)),
 })
 
 

@@ -110,6 +110,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             for name in LAYER_NORMS[2:]:
                 getattr(layer, name).weight.copy_(weights[f"model.layers.{i}.{name}.weight"])
             norms += [getattr(layer, name) for name in LAYER_NORMS]
+            if layer.self_attn.q_norm is not None:      # Gemma 3
+                norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         for norm in norms:
             weight = norm.weight
             norm.weight.copy_(weight.to(torch.promote_types(weight.dtype, torch.float32)) + 1.0)

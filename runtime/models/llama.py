@@ -255,13 +255,17 @@ class LlamaForCausalLM(nn.Module):
         the family's eager `pieces`)."""
         pieces = pieces or self.pieces
         x = self.embed(input_ids)
-        rope = self.rotary.tables(positions)
+        ropes = self.layer_ropes(positions)
         weights = self.fused_decode_weights(batch, x.shape[0]) if pieces is FUSED_CPU else None
         if weights is not None:
-            return self.norm(self._fused_decode(x, rope, kv_caches, batch, weights))
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            return self.norm(self._fused_decode(x, ropes[0], kv_caches, batch, weights))
+        for layer, kv_cache, rope in zip(self.layers, kv_caches, ropes, strict=True):
             x = layer(x, rope, kv_cache, batch, pieces)
         return self.norm(x)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rotary cos/sin tables at `positions` (one table shared by all here)."""
+        return [self.rotary.tables(positions)] * len(self.layers)
 
     def fused_decode_weights(self, batch: AttentionBatch,
                              num_tokens: int) -> list[torch.Tensor] | None:
