@@ -13,6 +13,8 @@ from typing import Any
 _HF_DEFAULT_RMS_NORM_EPS = 1e-6
 _HF_DEFAULT_ROPE_THETA = 10000.0
 _HF_DEFAULT_MAX_POSITIONS = 2048
+# Gemma3TextConfig's rope base of the sliding-window layers, where a config.json omits it.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +37,21 @@ class ModelConfig:
     # builds its model class. Family-specific: whether the attention projections carry biases.
     architecture: str = "llama"
     attention_bias: bool = False
+    # Gemma 2: the MLP's gate activation, the attention scale's denominator (None: head_dim)
+    # and the tanh soft-caps of attention scores and final logits (None: no cap).
+    hidden_activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the rope base of its sliding-window layers (None: rope_theta on every layer), and
+    # which layers those are; rope_scaling applies to the others only.
+    sliding_rope_theta: float | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (e.g. after a JSON round trip of dataclasses.asdict) so equality holds.
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -48,26 +61,17 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict, generation_config: dict | None = None) -> ModelConfig:
         """Build from a config.json dict; generation_config (generation_config.json) adds eos ids."""
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: only Llama-style silu MLPs are supported")
+        architecture = hf_architecture(d)
+        act = d.get("hidden_activation") or d.get("hidden_act", "silu")
+        family_act = _GATE_ACTIVATIONS.get(architecture, "silu")
+        if act != family_act:
+            raise ValueError(f"unsupported hidden_act {act!r}: {architecture} models are built "
+                             f"with {family_act} MLPs")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         gen = generation_config or {}
 
-        # transformers >= 5 writes rope_theta and the scaling inside rope_parameters.
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-
-        if float(rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope scaling type {rope_type!r} is not implemented "
-                             f"(supported: none, {', '.join(t for t in SUPPORTED_ROPE_TYPES if t)})")
+        rope_theta, rope_scaling, sliding_rope_theta = _rope(d)
         bos = d.get("bos_token_id")
         if bos is None:
             bos = gen.get("bos_token_id")
@@ -80,24 +84,30 @@ class ModelConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", _HF_DEFAULT_RMS_NORM_EPS)),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             max_position_embeddings=_full_attention_positions(
                 d, int(d.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS))),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=merge_token_ids(d.get("eos_token_id"), gen.get("eos_token_id")),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
-            architecture=hf_architecture(d),
+            rope_scaling=rope_scaling,
+            architecture=architecture,
             attention_bias=bool(d.get("attention_bias", False)),
+            hidden_activation=act,
+            query_pre_attn_scalar=_optional_float(d.get("query_pre_attn_scalar")),
+            attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(d.get("final_logit_softcapping")),
+            sliding_rope_theta=sliding_rope_theta,
+            sliding_layers=_sliding_layers(d) if sliding_rope_theta is not None else (),
         )
 
     def to_hf_dict(self) -> dict:
         """A config.json dict (transformers 4 layout, which 5 reads too); inverse of from_hf_dict."""
         return {
             "model_type": self.architecture,
-            "architectures": [f"{self.architecture.capitalize()}ForCausalLM"],
+            "architectures": [f"{self.architecture.removesuffix('_text').capitalize()}ForCausalLM"],
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_activation,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -112,11 +122,66 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or None,
+            **{name: value for name, value in (
+                ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+                ("attn_logit_softcapping", self.attn_logit_softcapping),
+                ("final_logit_softcapping", self.final_logit_softcapping),
+                ("rope_local_base_freq", self.sliding_rope_theta)) if value is not None},
+            # The window is the (already capped) context: reading this back caps nothing more.
+            **({"layer_types": ["sliding_attention" if i in self.sliding_layers
+                                else "full_attention" for i in range(self.num_hidden_layers)],
+                "sliding_window": self.max_position_embeddings} if self.sliding_layers else {}),
         }
 
 
+# The MLP gate activation each family computes (silu where not listed): a config.json asking
+# another is refused rather than silently computed with the family's.
+_GATE_ACTIVATIONS = MappingProxyType({"gemma2": "gelu_pytorch_tanh",
+                                       "gemma3_text": "gelu_pytorch_tanh"})
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 # rope_scaling types RotaryEmbedding implements (None and "default": no scaling).
-SUPPORTED_ROPE_TYPES = (None, "default", "llama3")
+SUPPORTED_ROPE_TYPES = (None, "default", "linear", "llama3")
+
+
+def _rope(d: dict) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding-window layers' rope base or None) of a config.json.
+    transformers >= 5 writes theta and scaling inside rope_parameters, per layer type where the
+    types differ (Gemma 3); 4 wrote them at the top, Gemma 3's local base as
+    rope_local_base_freq."""
+    rope_params = d.get("rope_parameters") or {}
+    sliding = rope_params.get("sliding_attention")
+    rope_params = rope_params.get("full_attention", rope_params)
+    rope_theta = d.get("rope_theta", rope_params.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if float(rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not implemented "
+                         f"(supported: none, {', '.join(t for t in SUPPORTED_ROPE_TYPES if t)})")
+    if sliding and sliding.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling of the sliding-window layers ({sliding['rope_type']!r}) "
+                         "is not implemented")
+    local = d.get("rope_local_base_freq", (sliding or {}).get("rope_theta"))
+    if local is None and hf_architecture(d) == "gemma3_text":
+        local = _GEMMA3_LOCAL_ROPE_THETA
+    return float(rope_theta), dict(rope_scaling) if rope_scaling else None, _optional_float(local)
+
+
+def _sliding_layers(d: dict) -> tuple[int, ...]:
+    """The layers a config.json's layer_types name sliding_attention; without layer_types,
+    Gemma 3's sliding_window_pattern (every layer but each pattern-th, 6 by default)."""
+    if d.get("layer_types"):
+        return tuple(i for i, kind in enumerate(d["layer_types"]) if kind == "sliding_attention")
+    pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6)))
+    return tuple(i for i in range(int(d["num_hidden_layers"])) if (i + 1) % pattern)
 
 
 def hf_architecture(d: dict) -> str:
@@ -129,15 +194,21 @@ def hf_architecture(d: dict) -> str:
 
 
 def _full_attention_positions(d: dict, max_positions: int) -> int:
-    """max_positions, capped where the config sets a sliding window on every layer (Phi-3): up to
-    the window's length, sliding-window attention is full causal attention. A window on some
-    layers only (Qwen2/Qwen3 with use_sliding_window) is refused."""
+    """max_positions, capped at the sliding window where the config sets one on every layer
+    (Phi-3) or on the layers its layer_types name sliding_attention (Gemma 2's every other
+    layer): up to the window's length, sliding-window attention is full causal attention, so
+    every layer is exact full attention within the cap. A window Qwen2/Qwen3's
+    use_sliding_window puts on some layers is refused."""
     window = d.get("sliding_window")
-    if "sliding_attention" in (d.get("layer_types") or []) or (
-            d.get("use_sliding_window") and window
-            and int(d.get("max_window_layers", 0)) < int(d["num_hidden_layers"])):
+    if d.get("use_sliding_window") and window and int(d.get("max_window_layers", 0)) < int(
+            d["num_hidden_layers"]):
         raise ValueError("sliding-window attention on some layers (use_sliding_window) is not "
                          "supported: set use_sliding_window to false")
+    if "sliding_attention" in (d.get("layer_types") or []):
+        if not window:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is "
+                             "not set")
+        return min(max_positions, int(window))
     if window and "use_sliding_window" not in d:
         return min(max_positions, int(window))
     return max_positions

@@ -443,7 +443,7 @@ def greedy_reference():
 # engine or loads a model is marked slow. `make test` and CI run both.
 FAST_TESTS = ("tests/protocol/", "tests/scheduler_proc/", "tests/worker_proc/",
               "tests/launch/test_preflight.py", "tests/launch/test_progress.py",
-              "tests/runtime/test_linear.py")
+              "tests/runtime/test_linear.py", "tests/runtime/test_capped_attention.py")
 SLOW_AMONG_FAST = ("tests/scheduler_proc/test_load.py", "tests/scheduler_proc/test_bad_input.py")
 
 

@@ -22,14 +22,15 @@ def sharp_llama(directory, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB
     return save_sharp(directory, lambda: LlamaForCausalLM(config))
 
 
-def save_sharp(directory, build):
-    """Build a transformers model with `build()` (seeded), scale its weights up (norms near one,
-    every other weight N(0, 0.25)) and save it: (directory as a string, the model)."""
+def save_sharp(directory, build, norm_center: float = 1.0):
+    """Build a transformers model with `build()` (seeded), scale its weights up (norms near
+    `norm_center`, every other weight N(0, 0.25)) and save it: (directory as a string, the
+    model). Gemma's norms scale by 1 + weight: a center of 0 keeps them near one."""
     torch.manual_seed(0)
     model = build().float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name
+            param.copy_(norm_center + 0.2 * torch.randn_like(param) if "norm" in name
                         else 0.25 * torch.randn_like(param))
     model.save_pretrained(directory, safe_serialization=True)
     return str(directory), model

@@ -10,7 +10,7 @@ from spmd_runtime.protocol.buckets import bucket_tokens
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
-from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM, eager_pieces
+from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
 from spmd_runtime.worker_proc.penalties import penalize_requests
@@ -115,7 +115,7 @@ class ModelRunner(WarmupAndGraphs):
                               if scratch_block is None else scratch_block)
         # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
         self.compiled: LayerPieces | None = None
-        self.eager_pieces = eager_pieces(device, model.embed_tokens.dtype)
+        self.eager_pieces = model.layer_pieces(device)
         self.compiled_shapes: set[int] = set()
         # Captured graphs by (phase, batch size, length); a bucket without one runs eagerly.
         self.graphs: dict[tuple[str, int, int], BucketGraph] = {}

@@ -13,7 +13,7 @@ from spmd_runtime.protocol.buckets import (
     plan_graph_captures,
 )
 from spmd_runtime.runtime.layers.attention import AttentionBatch
-from spmd_runtime.runtime.models.llama import LayerPieces, attention_inputs, mlp_inputs
+from spmd_runtime.runtime.models.llama import LayerPieces
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 
 log = logging.getLogger("spmd.worker")
@@ -28,8 +28,9 @@ class WarmupAndGraphs:
         # Every layer shares the pieces' code, so the limit is per shape, not per layer.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    num_shapes + 8)
-        self.compiled = LayerPieces(torch.compile(attention_inputs, dynamic=False),
-                                    torch.compile(mlp_inputs, dynamic=False))
+        eager = self.model.pieces
+        self.compiled = LayerPieces(torch.compile(eager.attention_inputs, dynamic=False),
+                                    torch.compile(eager.mlp_inputs, dynamic=False))
 
     def _pieces_for(self, bucket: tuple[str, int, int] | None, num_tokens: int
                     ) -> tuple[LayerPieces, int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from spmd_runtime.runtime.layers import cpu_attention, triton_attention
+from spmd_runtime.runtime.layers.capped_attention import capped_attention
 
 
 @dataclass
@@ -97,14 +98,19 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """q: [T, heads, dim], k/v: [T, kv_heads, dim] for the new tokens. Returns [T, heads, dim]."""
+                    v_cache: torch.Tensor, batch: AttentionBatch, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q: [T, heads, dim], k/v: [T, kv_heads, dim] for the new tokens. Returns [T, heads, dim].
+    With `softcap`, scores are soft-capped (cap * tanh(scores / cap)) in plain torch: no
+    kernel or SDPA path computes that."""
     if batch.decode_kernel == "cpp":
         # The C++ decode kernel's library: both caches in one pass (the same copies).
         torch.ops.spmd_cpu.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     else:
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
+    if softcap is not None:
+        return _capped_paged_attention(q, k, v, k_cache, v_cache, batch, scale, softcap)
     if batch.prompt_rows:
         return _attend_rows(q, k, v, batch.prompt_rows, scale)
     out = torch.empty_like(q)
@@ -157,3 +163,48 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_length: 
     attended = F.scaled_dot_product_attention(by_row(q), by_row(k), by_row(v), is_causal=True,
                                               scale=scale, enable_gqa=True)
     return attended.transpose(1, 2).reshape(q.shape)
+
+
+def _causal(length: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+
+def _capped_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                            scale: float, cap: float) -> torch.Tensor:
+    """paged_attention with soft-capped scores, every group and chunk through capped_attention:
+    the same cache, masks and (for decode groups built for a kernel) context lengths."""
+    if batch.prompt_rows:
+        rows = batch.prompt_rows
+
+        def by_row(x: torch.Tensor) -> torch.Tensor:             # [rows, heads, rows, dim]
+            return x.view(-1, rows, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        attended = capped_attention(by_row(q), by_row(k), by_row(v), _causal(rows, q.device),
+                                    scale, cap)
+        return attended.transpose(1, 2).reshape(q.shape)
+    out = torch.zeros_like(q)
+    bs, kv_heads, dim = batch.block_size, k.shape[1], k.shape[2]
+    for group in batch.decodes:
+        n = group.count
+        keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
+        values = _gather_blocks(v_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
+        mask = group.mask
+        if mask is None:        # built for a decode kernel: the context lengths tell
+            mask = torch.arange(keys.shape[1], device=q.device) < group.lengths.view(n, 1, 1, 1)
+        rows = slice(group.start, group.start + n)
+        out[rows] = capped_attention(q[rows].unsqueeze(2), keys.transpose(1, 2),
+                                     values.transpose(1, 2), mask, scale, cap).squeeze(2)
+    for chunk in batch.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        keys, values, mask = k[rows], v[rows], chunk.mask
+        if chunk.context_blocks is None:
+            mask = _causal(chunk.length, q.device)
+        else:
+            keys = _gather_blocks(k_cache, chunk.context_blocks, bs)
+            values = _gather_blocks(v_cache, chunk.context_blocks, bs)
+        attended = capped_attention(q[rows].transpose(0, 1).unsqueeze(0),
+                                    keys.transpose(0, 1).unsqueeze(0),
+                                    values.transpose(0, 1).unsqueeze(0), mask, scale, cap)
+        out[rows] = attended.squeeze(0).transpose(0, 1)
+    return out

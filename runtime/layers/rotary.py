@@ -1,4 +1,5 @@
-"""Rotary position embedding (the rotate-half layout of Hugging Face Llama), with llama3 scaling."""
+"""Rotary position embedding (the rotate-half layout of Hugging Face Llama), with linear and llama3
+scaling."""
 from __future__ import annotations
 
 import math
@@ -29,10 +30,14 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict | None, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope scaling {scaling!r}: only llama3 is implemented")
+        elif kind == "linear":          # positions divided by the factor
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind not in (None, "default"):
+            raise ValueError(f"unsupported rope scaling {scaling!r}: only linear and llama3 are "
+                             "implemented")
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq).float()
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)

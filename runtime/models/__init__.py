@@ -22,14 +22,15 @@ class Family:
     hf_classes: tuple[str, ...]     # the config.json `architectures` it reads
 
 
-# Mistral is Llama with a sliding window (which caps the context, see ModelConfig).
-# Gemma is not implemented.
+# Mistral is Llama with a sliding window; a sliding window caps the context (see ModelConfig).
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType({
     "llama": Family("llama", "LlamaForCausalLM", ("LlamaForCausalLM",)),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", ("Qwen2ForCausalLM",)),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",)),
     "phi3": Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
     "mistral": Family("llama", "LlamaForCausalLM", ("MistralForCausalLM",)),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",)),
+    "gemma3_text": Family("gemma3", "Gemma3ForCausalLM", ("Gemma3ForCausalLM",)),
 })
 
 

@@ -46,6 +46,7 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         self.scale = self.head_dim ** -0.5
+        self.softcap: float | None = None     # soft-cap of the attention scores (Gemma 2)
 
 
 class LlamaMLP(nn.Module):
@@ -76,13 +77,22 @@ def attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return q, k, v.view(-1, num_kv_heads, head_dim)
 
 
+def gate_and_up(x: torch.Tensor, attention_output: torch.Tensor, norm_weight: torch.Tensor,
+                eps: float, gate_up_weight: torch.Tensor,
+                intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual, norm and gate/up projection: (new residual, gate, up)."""
+    x = x + attention_output
+    gate, up = linear(rms_norm(x, norm_weight, eps), gate_up_weight).split(intermediate_size, dim=-1)
+    return x, gate, up
+
+
 def mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weight: torch.Tensor,
                eps: float, gate_up_weight: torch.Tensor,
                intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual, norm, gate/up projection and SwiGLU: (new residual, input of the down
     projection)."""
-    x = x + attention_output
-    gate, up = linear(rms_norm(x, norm_weight, eps), gate_up_weight).split(intermediate_size, dim=-1)
+    x, gate, up = gate_and_up(x, attention_output, norm_weight, eps, gate_up_weight,
+                              intermediate_size)
     return x, F.silu(gate) * up
 
 
@@ -156,22 +166,34 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 pieces: LayerPieces) -> torch.Tensor:
-        attn, mlp = self.self_attn, self.mlp
-        qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
-        q, k, v = pieces.attention_inputs(
-            x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj,
-            attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim, qk_norm)
-        attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)
-        attention_output = row_parallel_linear(attended.reshape(x.shape[0], -1), attn.o_proj,
-                                               attn.o_bias, self.tp)
+        mlp = self.mlp
+        attention_output = self.attend(x, rope, kv_cache, batch, pieces)
         x, activation = pieces.mlp_inputs(
             x, attention_output, self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.intermediate_size)
         return x + row_parallel_linear(activation, mlp.down_proj, None, self.tp)
 
+    def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+               pieces: LayerPieces) -> torch.Tensor:
+        """The attention block's output (all-reduced over the ranks), before the residual."""
+        attn = self.self_attn
+        qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        q, k, v = pieces.attention_inputs(
+            x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj,
+            attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim, qk_norm)
+        attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale,
+                                   attn.softcap)
+        return row_parallel_linear(attended.reshape(x.shape[0], -1), attn.o_proj, attn.o_bias,
+                                   self.tp)
+
 
 class LlamaForCausalLM(nn.Module):
     """The whole model, or with tensor parallelism (tp.size > 1) this rank's shard of it."""
+
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # The layers' dense pieces, eager (what --execution-mode compiled compiles).
+    pieces: LayerPieces = EAGER
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  tp: TensorParallel | None = None) -> None:
@@ -182,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = self.shards.vocab_per_rank
         self.embed_tokens = nn.Parameter(
             torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, self.shards, tp)
+        self.layers = nn.ModuleList(self.decoder_layer(config, dtype, self.shards, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
@@ -216,20 +238,34 @@ class LlamaForCausalLM(nn.Module):
                 for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                      (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
 
+    def layer_pieces(self, device: torch.device) -> LayerPieces:
+        """The eager pieces this model's layers run on `device` (see eager_pieces)."""
+        return eager_pieces(device, self.embed_tokens.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden] (every rank's vocabulary shard summed)."""
+        return vocab_parallel_embedding(input_ids, self.embed_tokens, self.shards.vocab_start,
+                                        self.tp)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                batch: AttentionBatch, pieces: LayerPieces = EAGER) -> torch.Tensor:
+                batch: AttentionBatch, pieces: LayerPieces | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm. `pieces`
-        computes the layers' dense parts (eager, or compiled for the batch's shape)."""
-        x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.shards.vocab_start,
-                                     self.tp)
-        rope = self.rotary.tables(positions)
+        computes the layers' dense parts (eager, or compiled for the batch's shape; by default
+        the family's eager `pieces`)."""
+        pieces = pieces or self.pieces
+        x = self.embed(input_ids)
+        ropes = self.layer_ropes(positions)
         weights = self.fused_decode_weights(batch, x.shape[0]) if pieces is FUSED_CPU else None
         if weights is not None:
-            return self.norm(self._fused_decode(x, rope, kv_caches, batch, weights))
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            return self.norm(self._fused_decode(x, ropes[0], kv_caches, batch, weights))
+        for layer, kv_cache, rope in zip(self.layers, kv_caches, ropes, strict=True):
             x = layer(x, rope, kv_cache, batch, pieces)
         return self.norm(x)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rotary cos/sin tables at `positions` (one table shared by all here)."""
+        return [self.rotary.tables(positions)] * len(self.layers)
 
     def fused_decode_weights(self, batch: AttentionBatch,
                              num_tokens: int) -> list[torch.Tensor] | None:

@@ -68,7 +68,13 @@ def test_architectures_the_engine_does_not_build(tmp_path) -> None:
     message = _problem(model=str(tmp_path))
     assert "architecture 'gemma' is not supported: supported architectures are llama " \
            "(LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), phi3 " \
-           "(Phi3ForCausalLM)" in message
+           "(Phi3ForCausalLM), gemma2 (Gemma2ForCausalLM), gemma3_text (Gemma3ForCausalLM)" \
+           in message
+    # A family computes its own MLP activation: a Llama asking for another is refused.
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**shape, "model_type": "llama", "hidden_act": "gelu_pytorch_tanh"}))
+    assert "unsupported hidden_act 'gelu_pytorch_tanh': llama models are built with silu MLPs" \
+        in _problem(model=str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(
         {**shape, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32,
          "max_window_layers": 0}))

@@ -13,6 +13,7 @@ from sharp_llama import (
     save_sharp,
     transformers_greedy,
 )
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime import LLM
 from spmd_runtime.runtime.loaders.hf_dir import load_hf_weights, read_hf_config
 from spmd_runtime.runtime.models import build_model
@@ -40,17 +41,71 @@ def hf_checkpoint(family: str):
         # not hidden_size / heads.
         return transformers.MistralForCausalLM, transformers.MistralConfig(
             **SHAPE, head_dim=24, sliding_window=100)
+    if family == "gemma2":
+        # head_dim * heads != hidden_size, a query scale other than head_dim's, soft-caps low
+        # enough to change the logits, and a window on every other layer, capping the context.
+        return transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+            **SHAPE, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=10.0,
+            final_logit_softcapping=15.0, sliding_window=100)
+    if family == "gemma3":
+        # Sliding layers with a rope base of their own, the others with linear rope scaling;
+        # no soft-caps (the released models' setting).
+        return transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+            **SHAPE, head_dim=32, query_pre_attn_scalar=24, sliding_window=100,
+            layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     raise ValueError(family)
 
 
-FAMILIES = ["qwen2", "qwen3", "phi3", "mistral"]
+FAMILIES = ["qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3"]
+# Gemma's norms scale by 1 + weight: weights near 0 keep them near one, as other families'.
+NORM_CENTER = {"gemma2": 0.0, "gemma3": 0.0}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     """(directory, transformers model) of one family's sharp tiny checkpoint."""
     model_class, config = hf_checkpoint(request.param)
-    return save_sharp(tmp_path_factory.mktemp(request.param), lambda: model_class(config))
+    return save_sharp(tmp_path_factory.mktemp(request.param), lambda: model_class(config),
+                      NORM_CENTER.get(request.param, 1.0))
+
+
+def test_gemma2_config_of_the_released_models() -> None:
+    """google/gemma-2-2b's config.json (transformers 4 layout: no layer_types, both activation
+    keys): its caps and query scale are read, and its window caps the context."""
+    config = ModelConfig.from_hf_dict({
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "bos_token_id": 2,
+        "eos_token_id": [1, 107], "cache_implementation": "hybrid", "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192,
+        "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+        "sliding_window": 4096, "vocab_size": 256000})
+    assert (config.max_position_embeddings, config.attn_logit_softcapping,
+            config.final_logit_softcapping, config.query_pre_attn_scalar) == (4096, 50.0, 30.0, 256)
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+def test_gemma3_config_of_the_released_models() -> None:
+    """google/gemma-3-1b-it's config.json (transformers 4 layout: rope_local_base_freq and
+    sliding_window_pattern, no layer_types): five layers in six slide, with their own rope
+    base, and the window of 512 caps the context."""
+    config = ModelConfig.from_hf_dict({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "bos_token_id": 2,
+        "eos_token_id": [1, 106], "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "vocab_size": 262144})
+    assert (config.max_position_embeddings, config.rope_theta, config.sliding_rope_theta) == (
+        512, 1e6, 1e4)
+    assert config.sliding_layers == tuple(i for i in range(26) if i not in (5, 11, 17, 23))
+    assert config.to_hf_dict()["architectures"] == ["Gemma3ForCausalLM"]
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
 def test_logits_equal_transformers(checkpoint) -> None:
