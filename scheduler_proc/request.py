@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 
+from spmd_runtime.protocol.logprobs import StepLogprobs, TokenLogprobs
 from spmd_runtime.protocol.sampling import SamplingParams
 
 
@@ -26,7 +27,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "client", "output_token_ids",
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
-                 "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority")
+                 "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority",
+                 "output_logprobs", "prompt_logprobs")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -51,6 +53,10 @@ class Request:
         self.num_cached_blocks = 0
         # While swapped out: the CPU blocks holding its computed KV, in block-table order.
         self.cpu_block_ids: list[int] = []
+        # With params.logprobs: one record per output token. With params.prompt_logprobs: one
+        # per prompt token, None for the first, filled as prefill chunks are computed.
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +65,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def note_logprobs(self, record: StepLogprobs | None) -> None:
+        """Keep what a step computed for this request. Prompt records of a recomputation (after
+        a preemption) replace the same positions' first ones."""
+        if record is None:
+            return
+        if record.prompt and record.prompt_start <= len(self.prompt_logprobs):
+            start = record.prompt_start
+            self.prompt_logprobs[start:start + len(record.prompt)] = record.prompt
+        if record.sampled is not None:
+            self.output_logprobs.append(record.sampled)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from spmd_runtime.protocol.config_fields import VictimPolicy
-from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.sampling import MAX_LOGPROBS, SamplingParams
 from spmd_runtime.runtime.serving.errors import APIError
 
 # Fields of the OpenAI API (and of vLLM's extensions) this server does not implement, with the
@@ -14,7 +14,7 @@ from spmd_runtime.runtime.serving.errors import APIError
 # as it asks for nothing else. Any other field the server does not know is refused too, so no
 # request is silently served differently from what it asked.
 UNSUPPORTED_FIELDS = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
@@ -64,6 +64,8 @@ class GenerationBody(BaseModel):
 class CompletionBody(GenerationBody):
     # Text, token ids, or a list of either (one choice group per prompt).
     prompt: str | list[int] | list[str] | list[list[int]]
+    # The top-k per generated token (bool: what some clients send for "off").
+    logprobs: int | bool | None = None
 
 
 class ContentPart(BaseModel):
@@ -82,6 +84,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionBody(GenerationBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class AdminBatchBody(BaseModel):
@@ -175,6 +179,9 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
     # Left out when not sent, so that SamplingParams' neutral defaults apply.
     extras = {name: getattr(body, name) for name in SAMPLING_EXTRAS
               if getattr(body, name) is not None}
+    logprobs = logprob_count(body)
+    if logprobs is not None:
+        extras["logprobs"] = logprobs
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, ignore_eos=body.ignore_eos,
@@ -188,3 +195,25 @@ def choice_count(body: GenerationBody) -> int:
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     return body.n
+
+
+def logprob_count(body: GenerationBody) -> int | None:
+    """The engine's SamplingParams.logprobs: completions' `logprobs` (the top-k), chat's
+    `top_logprobs` when `logprobs` is true; None when not asked."""
+    if isinstance(body, ChatCompletionBody):
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}",
+                           param="top_logprobs")
+        if not body.logprobs:
+            if top:
+                raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        return top or 0
+    value = getattr(body, "logprobs", None)
+    if value is None or value is False:
+        return None
+    if value is True or not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"logprobs must be an integer between 0 and {MAX_LOGPROBS}, got "
+                       f"{str(value).lower()}", param="logprobs")
+    return value
