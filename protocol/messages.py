@@ -121,6 +121,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     token_ids: list[int]
     finish_reason: str | None = None
     text: str = ""
+    # On a request's first delta: seconds from its arrival at the scheduler to its first
+    # scheduled step (Prometheus' request queue time).
+    queue_time_s: float | None = None
     # With SamplingParams.logprobs: one record per token of token_ids. With prompt_logprobs, on
     # a request's first delta: one per prompt token, None for the first (nothing precedes it).
     logprobs: list[TokenLogprobs] | None = None

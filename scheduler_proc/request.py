@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from spmd_runtime.protocol.logprobs import StepLogprobs, TokenLogprobs
 from spmd_runtime.protocol.sampling import SamplingParams
@@ -27,8 +28,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "client", "output_token_ids",
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
-                 "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority",
-                 "output_logprobs", "prompt_logprobs")
+                 "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority", "arrival_time",
+                 "queue_time_s", "output_logprobs", "prompt_logprobs")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -53,6 +54,9 @@ class Request:
         self.num_cached_blocks = 0
         # While swapped out: the CPU blocks holding its computed KV, in block-table order.
         self.cpu_block_ids: list[int] = []
+        # time.monotonic() on arrival, and the seconds it waited before its first step.
+        self.arrival_time = time.monotonic()
+        self.queue_time_s: float | None = None
         # With params.logprobs: one record per output token. With params.prompt_logprobs: one
         # per prompt token, None for the first, filled as prefill chunks are computed.
         self.output_logprobs: list[TokenLogprobs] = []

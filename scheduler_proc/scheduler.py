@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -279,6 +280,8 @@ class Scheduler:
     def _start(self, request: Request, num_new: int, draft: StepDraft) -> None:
         """A request joins the running batch; the workers get all they need to know about it."""
         request.status = RequestStatus.RUNNING
+        if request.queue_time_s is None:
+            request.queue_time_s = time.monotonic() - request.arrival_time
         self.running.append(request)
         self._note_length(request, num_new, draft)
         self.plans.add_new(request, num_new, draft)

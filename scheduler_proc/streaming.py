@@ -32,7 +32,8 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
             reason = FinishReason.STOP.value
             stopped.append(request.request_id)
         by_client.setdefault(request.client, []).append(
-            RequestDelta(request.request_id, new_tokens, reason, text, logprobs,
+            RequestDelta(request.request_id, new_tokens, reason, text,
+                         request.queue_time_s if first else None, logprobs,
                          request.prompt_logprobs if first and request.params.prompt_logprobs
                          is not None else None))
     unreachable = [client for client, deltas in by_client.items()

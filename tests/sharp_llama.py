@@ -38,3 +38,33 @@ def save_sharp(directory, build):
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 30, 70)]
+
+
+# The tiny shape of the family tests (test_model_families, test_gguf): 4 query and 2 key/value
+# heads of 16 dimensions, which two ranks split.
+FAMILY_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+# Chunks of 16 tokens, and a pool of 6 blocks of 16 (no admission watermark): the two longest
+# family_prompts share 2 full blocks (the later one finds them in the prefix cache) and need 7
+# blocks together at the end of their generation, so one is preempted and resumed.
+FAMILY_ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=6, kv_admission_watermark=0.0,
+                     max_model_len=128, enable_prefix_caching=True)
+
+
+def family_prompts() -> list[list[int]]:
+    """Token-id prompts for FAMILY_ENGINE: a short one, and three sharing a 40-token prefix."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    return [torch.randint(0, VOCAB, (3,), generator=g).tolist(), shared[:20],
+            shared + torch.randint(0, VOCAB, (30,), generator=g).tolist(),
+            shared[:36] + torch.randint(0, VOCAB, (12,), generator=g).tolist()]
+
+
+def transformers_greedy(model, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation of `prompt` (GREEDY's length, no end token)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=GREEDY.max_tokens,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

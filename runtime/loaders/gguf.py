@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) support: config from metadata and dequantised weights under Hugging Face Llama names.
+"""GGUF (llama.cpp) support: config from metadata and dequantised weights under Hugging Face names.
+Architectures: llama (Mistral too: llama.cpp converts it as llama), qwen2, qwen3 and phi3.
 torch is imported only inside load_gguf_weights so that reading the config stays torch-free.
 """
 
@@ -10,18 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-from spmd_runtime.protocol.model_config import (
-    ModelConfig,
-    merge_token_ids,
-    optional_bias_shapes,
-    weight_shapes,
-)
+from spmd_runtime.protocol.model_config import ModelConfig, merge_token_ids
 from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
+from spmd_runtime.runtime.models import model_class
 
 if TYPE_CHECKING:
     import torch
 
-_SUPPORTED_ARCHITECTURES = ("llama",)
+_SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 _GLOBAL_NAMES = MappingProxyType(
     {
         "token_embd": "model.embed_tokens",
@@ -35,6 +32,9 @@ _BLOCK_NAMES = MappingProxyType(
         "attn_q": "self_attn.q_proj",
         "attn_k": "self_attn.k_proj",
         "attn_v": "self_attn.v_proj",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
         "attn_output": "self_attn.o_proj",
         "ffn_norm": "post_attention_layernorm",
         "ffn_gate": "mlp.gate_proj",
@@ -42,6 +42,8 @@ _BLOCK_NAMES = MappingProxyType(
         "ffn_down": "mlp.down_proj",
     }
 )
+# Phi-3's ffn_up holds the stacked gate and up rows (Hugging Face's gate_up_proj).
+_ARCH_BLOCK_NAMES = MappingProxyType({"phi3": MappingProxyType({"ffn_up": "mlp.gate_up_proj"})})
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -68,6 +70,8 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
         raise ValueError(
             f"{path}: GGUF rope_freqs (Llama-3 style rope scaling) is not supported; use the HF directory"
         )
+    if "rope_factors_long.weight" in tensor_names:
+        raise ValueError(f"{path}: GGUF rope_factors_long (Phi-3 longrope scaling) is not supported")
 
     def key(suffix: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{suffix}", default)
@@ -92,7 +96,8 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length")),
+        max_position_embeddings=_full_attention_positions(
+            int(key("context_length")), int(key("attention.sliding_window", 0))),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=merge_token_ids(
@@ -100,7 +105,15 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
         ),
         rope_scaling=_rope_scaling(key, path),
         architecture=arch,
+        # Hugging Face's attention_bias: biases on the output projection too (Qwen2 has q/k/v only).
+        attention_bias="blk.0.attn_output.bias" in tensor_names,
     )
+
+
+def _full_attention_positions(context_length: int, sliding_window: int) -> int:
+    """The context, capped at a sliding window (llama.cpp writes one for Phi-3, on every
+    layer): up to the window's length, sliding-window attention is full causal attention."""
+    return min(context_length, sliding_window) if sliding_window > 0 else context_length
 
 
 def _vocab_size(reader: GGUFFile, declared: Any) -> int:
@@ -129,14 +142,15 @@ def _rope_scaling(key, path: str) -> dict | None:
     raise ValueError(f"{path}: unsupported GGUF rope scaling type {scaling_type!r}")
 
 
-def hf_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name to its Hugging Face Llama name; ValueError if unknown."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a llama.cpp tensor name of `arch` to its Hugging Face name; ValueError if unknown."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -158,38 +172,51 @@ def load_gguf_model(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
 
 
 def load_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dequantise every tensor of a GGUF file into a CPU state dict with HF Llama names."""
+    """Dequantise every tensor of a GGUF file into a CPU state dict with Hugging Face names."""
     return _weights_from_reader(GGUFFile(path), path, config, dtype)
 
 
 def _weights_from_reader(reader: GGUFFile, path: str, config: ModelConfig,
                          dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor under its Hugging Face name, checked against the names and shapes that
+    config's family reads (as a safetensors checkpoint's are), stacked ones split into parts."""
     import torch
+    from spmd_runtime.runtime.layers.parallel import read_stacked_parts
 
-    expected = weight_shapes(config)
-    allowed = {**expected, **optional_bias_shapes(config)}
-    if config.tie_word_embeddings:
-        allowed.pop("lm_head.weight", None)
+    family = model_class(config)
+    expected, optional = family.checkpoint_shapes(config)
+    allowed, stacked = {**expected, **optional}, family.stacked_tensors(config)
     out: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         if name not in allowed:
             raise ValueError(f"{path}: tensor {t.name!r} ({name}) does not fit the model config")
-        # GGUF lists dims innermost first; HF/numpy order is the reverse ([out, in]).
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        # A plain ndarray view avoids np.memmap's per-slice overhead inside dequantize (~2x faster).
-        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
-        if ".attn_q." in t.name:
-            w = unpermute_rotary(w, config.num_attention_heads)
-        elif ".attn_k." in t.name:
-            w = unpermute_rotary(w, config.num_key_value_heads)
-        if not w.flags.writeable:
-            # F32 tensors come back as views of the read-only file mapping.
-            w = w.copy()
-        if shape != allowed[name]:
-            raise ValueError(f"{path}: tensor {t.name!r} has shape {shape}, config implies {allowed[name]}")
-        out[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
-    missing = sorted(set(expected) - set(out))
+        w = _dequantised(t, config)
+        if w.shape != allowed[name]:
+            raise ValueError(f"{path}: tensor {t.name!r} has shape {w.shape}, config implies {allowed[name]}")
+        seen.add(name)
+        tensor = torch.from_numpy(w).to(dtype)
+        out.update(read_stacked_parts(tensor, stacked[name]) if name in stacked else {name: tensor})
+    missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{path}: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    return out
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def _dequantised(t, config: ModelConfig) -> np.ndarray:
+    """A tensor as a writable float array in Hugging Face's [out, in] order and, for the llama
+    architecture, with llama.cpp's Q/K row permutation undone (the other architectures keep
+    Hugging Face's rotary layout)."""
+    # GGUF lists dims innermost first; HF/numpy order is the reverse ([out, in]).
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    # A plain ndarray view avoids np.memmap's per-slice overhead inside dequantize (~2x faster).
+    w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+    if config.architecture == "llama" and ".attn_q." in t.name:
+        w = unpermute_rotary(w, config.num_attention_heads)
+    elif config.architecture == "llama" and ".attn_k." in t.name:
+        w = unpermute_rotary(w, config.num_key_value_heads)
+    if not w.flags.writeable:
+        # F32 tensors come back as views of the read-only file mapping.
+        w = w.copy()
+    return np.ascontiguousarray(w)

@@ -22,12 +22,14 @@ class Family:
     hf_classes: tuple[str, ...]     # the config.json `architectures` it reads
 
 
-# Gemma and Mistral (sliding-window attention on all or some layers) are not implemented.
+# Mistral is Llama with a sliding window (which caps the context, see ModelConfig).
+# Gemma is not implemented.
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType({
     "llama": Family("llama", "LlamaForCausalLM", ("LlamaForCausalLM",)),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", ("Qwen2ForCausalLM",)),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",)),
     "phi3": Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
+    "mistral": Family("llama", "LlamaForCausalLM", ("MistralForCausalLM",)),
 })
 
 

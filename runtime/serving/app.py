@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import rpc_server_key
 from spmd_runtime.protocol.messages import ModelInfo
+from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.async_client import AsyncClient
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.serving.choice import ChoiceRun
@@ -76,7 +77,8 @@ def build_app(config: EngineConfig) -> FastAPI:
         try:
             info = await client.wait_ready()
             tokenizer = await asyncio.to_thread(_load_tokenizer, info.model)
-            app.state.serving = ServingState(config, client, info, tokenizer, ServingMetrics(),
+            metrics = ServingMetrics(info.served_model_name or info.model)
+            app.state.serving = ServingState(config, client, info, tokenizer, metrics,
                                              int(time.time()))
             log.info("HTTP front ready on http://%s:%d for %s", config.http_host, config.http_port,
                      info.served_model_name or info.model)
@@ -150,7 +152,8 @@ async def models(request: Request) -> dict:
     state = _state(request)
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.created,
-        "owned_by": "spmd-runtime", "max_model_len": state.info.max_model_len,
+        "owned_by": "spmd-runtime", "root": state.info.model, "parent": None,
+        "max_model_len": state.info.max_model_len,
         "vocab_size": state.info.vocab_size}]}
 
 
@@ -247,14 +250,12 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     check_supported(body)
     n = choice_count(body)
     default_max_tokens = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
-    plans = [(prompt, sampling_params(body, len(prompt), state.info.max_model_len,
-                                      default_max_tokens, k))
-             for prompt in prompts for k in range(n)]
+    plans = [[sampling_params(body, len(prompt), state.info.max_model_len, default_max_tokens, k)
+              for k in range(n)] for prompt in prompts]
     runs: list[ChoiceRun] = []
     try:
-        for index, (prompt, params) in enumerate(plans):
-            stream = await state.client.submit(prompt, params, timeout_s=body.timeout)
-            runs.append(ChoiceRun(index, stream, state.metrics, started))
+        for prompt, choices in zip(prompts, plans, strict=True):
+            await _submit_choices(state, body, prompt, choices, started, runs)
     except ValueError as error:
         close_all(runs)
         raise APIError(str(error), param="prompt" if not chat else "messages") from None
@@ -264,11 +265,32 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     except BaseException:
         close_all(runs)
         raise
-    logprobs = LogprobFormat(state.tokenizer, chat) if plans[0][1].logprobs is not None else None
+    logprobs = LogprobFormat(state.tokenizer, chat) if plans[0][0].logprobs is not None else None
     response = ResponseShape(chat, state.model_name, sum(map(len, prompts)), logprobs)
     if body.stream:
         return ChoiceStreamResponse(runs, stream_events(runs, response, body.include_usage))
     return await complete(request, runs, response)
+
+
+async def _submit_choices(state: ServingState, body: GenerationBody, prompt: list[int],
+                          choices: list[SamplingParams], started: float,
+                          runs: list[ChoiceRun]) -> None:
+    """Add the runs of one prompt's choices to `runs`. The first is submitted now; where the
+    prompt has a full KV block to share (and prefix caching is on), the others are submitted
+    once its prompt is computed, so that they reuse its blocks instead of computing them again."""
+    def opener(params: SamplingParams):
+        return lambda: state.client.submit(prompt, params, timeout_s=body.timeout)
+
+    leader = ChoiceRun(len(runs), await opener(choices[0])(), state.metrics, started)
+    runs.append(leader)
+    shared_blocks = (len(prompt) - 1) // state.info.block_size
+    share = state.config.enable_prefix_caching and shared_blocks > 0
+    for params in choices[1:]:
+        if share:
+            runs.append(ChoiceRun(len(runs), None, state.metrics, started,
+                                  open_after=(leader.prefilled, opener(params))))
+        else:
+            runs.append(ChoiceRun(len(runs), await opener(params)(), state.metrics, started))
 
 
 def serve_forever(config: EngineConfig, listener) -> None:

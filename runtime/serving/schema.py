@@ -53,6 +53,7 @@ class GenerationBody(BaseModel):
     ignore_eos: bool = False
     repetition_penalty: float | None = None
     min_p: float | None = None
+    stop_token_ids: list[int] | None = None
     # Seconds the request may run; then it ends with finish_reason "timeout".
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
@@ -64,6 +65,8 @@ class GenerationBody(BaseModel):
 class CompletionBody(GenerationBody):
     # Text, token ids, or a list of either (one choice group per prompt).
     prompt: str | list[int] | list[str] | list[list[int]]
+    # Candidates per prompt of which the n best are returned; only n itself for now.
+    best_of: int | None = None
     # The top-k per generated token (bool: what some clients send for "off").
     logprobs: int | bool | None = None
 
@@ -185,15 +188,25 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, ignore_eos=body.ignore_eos,
-                              stop=stops, **extras)
+                              stop=stops, stop_token_ids=tuple(body.stop_token_ids or ()),
+                              **extras)
     except ValueError as error:           # out of range, or past what the wire carries
-        field = next((name for name in SAMPLING_EXTRAS if name in str(error)), None)
+        field = next((name for name in (*SAMPLING_EXTRAS, "stop_token_ids")
+                      if name in str(error)), None)
         raise APIError(str(error), param=field) from None
 
 
 def choice_count(body: GenerationBody) -> int:
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of < body.n:
+        raise APIError(f"best_of must be at least n ({body.n}), got {best_of}", param="best_of")
+    if best_of is not None and best_of > body.n:
+        # Ranking candidates by their cumulative logprob is not implemented.
+        raise APIError(f"best_of greater than n is not supported: ranking candidates by their "
+                       f"cumulative logprob is not implemented; send best_of equal to n "
+                       f"({body.n}) or leave it out", param="best_of", code="unsupported_parameter")
     return body.n
 
 

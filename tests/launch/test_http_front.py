@@ -401,26 +401,35 @@ def scrape(http) -> dict[str, float]:
 
 
 def test_metrics_parse_and_move_as_requests_complete(http, oai, rpc) -> None:
+    """Names follow vLLM's (spmd: for vllm:, labelled with the model) where it has them."""
     wait_idle(rpc)
     before = scrape(http)
-    for name in ("spmd_num_requests_running", "spmd_num_requests_waiting",
-                 "spmd_num_requests_swapped", "spmd_kv_cache_usage_ratio",
-                 "spmd_prefix_cache_hit_rate", "spmd_num_preemptions_total",
-                 "spmd_time_to_first_token_seconds_count", "spmd_inter_token_latency_seconds_count",
-                 "spmd_thermal_throttling", "spmd_running_cap"):
-        assert name in before, name
+    model = "model_name=smollm2"
+    for name in ("spmd:num_requests_running", "spmd:num_requests_waiting",
+                 "spmd:kv_cache_usage_perc", "spmd:num_preemptions_total",
+                 "spmd:time_to_first_token_seconds_count", "spmd:inter_token_latency_seconds_count",
+                 "spmd:request_queue_time_seconds_count"):
+        assert f"{name}{{{model}}}" in before, name
+    for name in ("spmd_num_requests_swapped", "spmd_prefix_cache_hit_rate", "spmd_thermal_throttling",
+                 "spmd_running_cap"):
+        assert f"{name}{{{model}}}" in before, name
     list(oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, temperature=0,
                                 stream=True, extra_body={"ignore_eos": True}))
     after = scrape(http)
-    assert after["spmd_generation_tokens_total"] == before["spmd_generation_tokens_total"] + 5
-    assert after["spmd_prompt_tokens_total"] > before["spmd_prompt_tokens_total"]
-    assert after["spmd_time_to_first_token_seconds_count"] == \
-        before["spmd_time_to_first_token_seconds_count"] + 1
-    assert after["spmd_inter_token_latency_seconds_count"] == \
-        before["spmd_inter_token_latency_seconds_count"] + 4
-    key = "spmd_http_choices_finished_total{finish_reason=length}"
+
+    def moved(name: str) -> float:
+        key = f"{name}{{{model}}}"
+        return after[key] - before.get(key, 0)
+
+    assert moved("spmd:generation_tokens_total") == 5
+    assert moved("spmd:prompt_tokens_total") > 0
+    assert moved("spmd:time_to_first_token_seconds_count") == 1
+    assert moved("spmd:request_queue_time_seconds_count") == 1
+    assert moved("spmd:inter_token_latency_seconds_count") == 4
+    key = f"spmd:request_success_total{{finished_reason=length,{model}}}"
     assert after[key] == before.get(key, 0) + 1
-    assert after["spmd_num_requests_running"] == 0 and after["spmd_kv_cache_usage_ratio"] == 0
+    assert after[f"spmd:num_requests_running{{{model}}}"] == 0
+    assert after[f"spmd:kv_cache_usage_perc{{{model}}}"] == 0
 
 
 # ---------------------------------------------------------------------------- admin

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sharp_llama import GREEDY, VOCAB, save_sharp
+from sharp_llama import (
+    FAMILY_ENGINE,
+    FAMILY_SHAPE,
+    GREEDY,
+    family_prompts,
+    save_sharp,
+    transformers_greedy,
+)
 from spmd_runtime.runtime import LLM
 from spmd_runtime.runtime.loaders.hf_dir import load_hf_weights, read_hf_config
 from spmd_runtime.runtime.models import build_model
 
-# 4 query and 2 key/value heads of 16 dimensions: two ranks split both.
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-# Chunks of 16 tokens, and a pool of 6 blocks of 16 (no admission watermark): the two longest
-# prompts share 2 full blocks (the later one finds them in the prefix cache) and need 7 blocks
-# together at the end of their generation, so one is preempted and resumed.
-ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=6, kv_admission_watermark=0.0,
-              max_model_len=128, enable_prefix_caching=True)
+SHAPE, ENGINE = FAMILY_SHAPE, FAMILY_ENGINE
 
 
 def hf_checkpoint(family: str):
@@ -35,10 +35,15 @@ def hf_checkpoint(family: str):
         # A sliding window on every layer, longer than any sequence here: it caps the context.
         return transformers.Phi3ForCausalLM, transformers.Phi3Config(
             **SHAPE, sliding_window=100, pad_token_id=0)
+    if family == "mistral":
+        # A Llama with a sliding window (capping the context, as Phi-3's) and a head_dim that is
+        # not hidden_size / heads.
+        return transformers.MistralForCausalLM, transformers.MistralConfig(
+            **SHAPE, head_dim=24, sliding_window=100)
     raise ValueError(family)
 
 
-FAMILIES = ["qwen2", "qwen3", "phi3"]
+FAMILIES = ["qwen2", "qwen3", "phi3", "mistral"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -48,30 +53,13 @@ def checkpoint(request, tmp_path_factory):
     return save_sharp(tmp_path_factory.mktemp(request.param), lambda: model_class(config))
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
-    return [torch.randint(0, VOCAB, (3,), generator=g).tolist(), shared[:20],
-            shared + torch.randint(0, VOCAB, (30,), generator=g).tolist(),
-            shared[:36] + torch.randint(0, VOCAB, (12,), generator=g).tolist()]
-
-
-def transformers_greedy(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=GREEDY.max_tokens,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def test_logits_equal_transformers(checkpoint) -> None:
     directory, hf = checkpoint
     config = read_hf_config(directory)
     assert config.max_position_embeddings == (hf.config.sliding_window or 256)
     model = build_model(config, torch.float32)
     model.load_hf_state_dict(load_hf_weights(directory, config, torch.float32))
-    ids = prompts()[2]
+    ids = family_prompts()[2]
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0]
     diff = float((model.eval().prompt_logits(ids) - expected).abs().max())
@@ -84,7 +72,7 @@ def test_logits_equal_transformers(checkpoint) -> None:
 def test_engine_greedy_equals_transformers(checkpoint, tp) -> None:
     directory, hf = checkpoint
     with LLM(directory, nproc_per_node=tp, **ENGINE) as llm:
-        outputs = llm.generate(prompts(), GREEDY)
+        outputs = llm.generate(family_prompts(), GREEDY)
         stats = llm.client.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
-    assert [o.token_ids for o in outputs] == [transformers_greedy(hf, p) for p in prompts()]
+    assert [o.token_ids for o in outputs] == [transformers_greedy(hf, p) for p in family_prompts()]

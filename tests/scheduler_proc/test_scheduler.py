@@ -105,6 +105,21 @@ def test_max_num_seqs_is_respected() -> None:
     assert_pool_full(scheduler)
 
 
+def test_queue_time_runs_from_arrival_to_the_first_scheduled_step() -> None:
+    scheduler, loop = make(budget=1000, max_num_seqs=1)
+    first, second = (add(scheduler, rid, prompt_len=4, max_tokens=3) for rid in range(2))
+    step(scheduler, loop)
+    assert first.queue_time_s is not None and first.queue_time_s >= 0
+    assert second.queue_time_s is None, "still waiting"
+    while second.status is not RequestStatus.RUNNING:
+        step(scheduler, loop)
+    # It waited for the first to finish: three steps more.
+    assert second.queue_time_s >= first.queue_time_s
+    measured = second.queue_time_s
+    run_to_completion(scheduler, loop)
+    assert second.queue_time_s == measured
+
+
 # ---------------------------------------------------------------------------- preemption
 
 def test_preemption_when_blocks_run_out() -> None:

@@ -114,6 +114,10 @@ def test_completions_logprobs_whole_and_streamed(oai, engine_records, tokenizer)
         whole.logprobs.tokens, whole.logprobs.token_logprobs, whole.logprobs.top_logprobs,
         whole.logprobs.text_offset)
 
+    # n choices: each carries its own records.
+    for choice in oai.completions.create(**request, n=2).choices:
+        check_completion(choice.logprobs, records, tokenizer)
+
 
 @pytest.mark.timeout(300)
 def test_chat_logprobs_whole_and_streamed(oai, engine_records, tokenizer) -> None:

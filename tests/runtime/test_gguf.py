@@ -1,0 +1,170 @@
+"""GGUF files of the families beside Llama (runtime/loaders/gguf.py). Tiny random checkpoints are
+written the way llama.cpp's converter writes them for their architecture (tensor names from the
+gguf package's own map, float32, Q/K rows permuted for the llama architecture, which Mistral
+converts to) and load to transformers' logits on the Hugging Face checkpoint, and to those
+transformers computes from the GGUF file itself; the engine serves one at two ranks under
+prefix caching, chunked prefill and preemption. Prompts are token ids: the files carry no
+tokenizer."""
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from sharp_llama import (
+    FAMILY_ENGINE,
+    FAMILY_SHAPE,
+    GREEDY,
+    family_prompts,
+    save_sharp,
+    transformers_greedy,
+)
+from spmd_runtime.runtime import LLM
+from spmd_runtime.runtime.loaders.gguf import load_gguf_model, read_gguf_config
+from spmd_runtime.runtime.loaders.hf_dir import read_hf_config
+from spmd_runtime.runtime.models import build_model
+
+# The GGUF architecture llama.cpp writes each family as.
+ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mistral": "llama"}
+
+
+def hf_model(family: str):
+    """A tiny transformers model of `family` (unsaved)."""
+    import transformers
+
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**FAMILY_SHAPE, tie_word_embeddings=True))
+    if family == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**FAMILY_SHAPE, head_dim=128))
+    if family == "phi3":
+        return transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(**FAMILY_SHAPE, sliding_window=100, pad_token_id=0))
+    return transformers.MistralForCausalLM(
+        transformers.MistralConfig(**FAMILY_SHAPE, head_dim=24, sliding_window=100))
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row order for its llama architecture (rotary pairs interleaved)."""
+    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_metadata(writer: gguf.GGUFWriter, arch: str, config, token_list: bool) -> None:
+    """The keys llama.cpp's converter writes for `arch` (convert_hf_to_gguf.py), but of the
+    tokenizer only its special token ids and, with `token_list`, a list of placeholder tokens."""
+    head_dim = config.to_dict().get("head_dim") or config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if config.to_dict().get("head_dim"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch in ("llama", "phi3"):
+        writer.add_rope_dimension_count(head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+    if arch == "phi3":
+        writer.add_sliding_window(config.sliding_window or 0)
+    for token, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                       ("pad", writer.add_pad_token_id)):
+        if getattr(config, f"{token}_token_id", None) is not None:
+            add(getattr(config, f"{token}_token_id"))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if token_list:
+        # Where no vocab_size is written (every architecture but llama), transformers takes the
+        # vocabulary's size from the token list.
+        writer.add_token_list([f"<{i}>" for i in range(config.vocab_size)])
+
+
+def write_gguf(path: str, model, arch: str, token_list: bool = True) -> str:
+    """`model` as a float32 GGUF file of llama.cpp's `arch` (see write_metadata)."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    write_metadata(writer, arch, config, token_list)
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy().copy()
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, config.num_key_value_heads)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    """(family, Hugging Face directory, its GGUF file, the transformers model)."""
+    family, directory = request.param, tmp_path_factory.mktemp(request.param)
+    directory, hf = save_sharp(directory, lambda: hf_model(family))
+    return family, directory, write_gguf(f"{directory}/{family}.gguf", hf, ARCHITECTURES[family]), hf
+
+
+def test_gguf_config_is_the_checkpoints(checkpoint) -> None:
+    family, directory, path, _ = checkpoint
+    expected = read_hf_config(directory)
+    if family == "mistral":
+        # llama.cpp converts Mistral as llama and writes no sliding window for it.
+        expected = dataclasses.replace(expected, architecture="llama", max_position_embeddings=256)
+    config = read_gguf_config(path)
+    assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)    # a float32 in GGUF
+    assert dataclasses.replace(config, rms_norm_eps=expected.rms_norm_eps) == expected
+
+
+def test_gguf_logits_equal_transformers(checkpoint) -> None:
+    import transformers
+
+    family, directory, path, hf = checkpoint
+    config, weights = load_gguf_model(path, torch.float32)
+    model = build_model(config, torch.float32)
+    model.load_hf_state_dict(weights)
+    ids = family_prompts()[2]
+    from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+        theirs = from_gguf(torch.tensor([ids])).logits[0]
+    diff = float((model.eval().prompt_logits(ids) - expected).abs().max())
+    print(f"{family} GGUF: max |logit difference| {diff:.2e}")
+    assert diff < 1e-4
+    # transformers reads the file as llama.cpp's layout too: the same model.
+    assert float((theirs - expected).abs().max()) < 1e-4
+
+
+def test_longrope_factors_are_refused(tmp_path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "long.gguf"), "phi3")
+    write_metadata(writer, "phi3", hf_model("phi3").config, token_list=False)
+    writer.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="longrope"):
+        read_gguf_config(str(tmp_path / "long.gguf"))
+
+
+@pytest.mark.timeout(300)
+def test_engine_serves_a_phi3_gguf_at_two_ranks(tmp_path) -> None:
+    directory, hf = save_sharp(tmp_path, lambda: hf_model("phi3"))
+    # Without a token list the engine does not try to build a tokenizer from the file.
+    path = write_gguf(f"{directory}/phi3.gguf", hf, "phi3", token_list=False)
+    with LLM(path, nproc_per_node=2, **FAMILY_ENGINE) as llm:
+        outputs = llm.generate(family_prompts(), GREEDY)
+        stats = llm.client.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    assert [o.token_ids for o in outputs] == [transformers_greedy(hf, p) for p in family_prompts()]
