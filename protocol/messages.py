@@ -10,6 +10,7 @@ from spmd_runtime.protocol.buckets import PhaseBuckets
 from spmd_runtime.protocol.config_fields import VictimPolicy as VictimPolicy  # re-exported
 from spmd_runtime.protocol.engine_stats import EngineStats
 from spmd_runtime.protocol.engine_stats import ThermalEvent as ThermalEvent  # re-exported
+from spmd_runtime.protocol.logprobs import StepLogprobs, TokenLogprobs
 from spmd_runtime.protocol.sampling import SamplingParams
 
 
@@ -123,6 +124,10 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # On a request's first delta: seconds from its arrival at the scheduler to its first
     # scheduled step (Prometheus' request queue time).
     queue_time_s: float | None = None
+    # With SamplingParams.logprobs: one record per token of token_ids. With prompt_logprobs, on
+    # a request's first delta: one per prompt token, None for the first (nothing precedes it).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Outputs(_Wire, tag="outputs"):
@@ -281,6 +286,8 @@ class StepResult(_Wire, tag="result"):
     idle_ms: float | None = None
     # Launched behind the step before it, before that one was finished (--step-pipelining overlap).
     overlapped: bool = False
+    # For the requests that asked for logprobs or prompt_logprobs (SamplingParams).
+    logprobs: list[StepLogprobs] = []
 
 
 class WorkerError(_Wire, tag="worker_error"):

@@ -7,6 +7,8 @@ import msgspec
 
 INT32 = 2**31
 INT64 = 2**63
+# The most top alternatives a request may ask for, per generated or prompt token.
+MAX_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
@@ -32,6 +34,11 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     min_p: float = 0.0
     # The output ends before the first of these strings; its text never holds one.
     stop: tuple[str, ...] = ()
+    # Log-probabilities of the raw model distribution (before penalties, temperature and
+    # filtering): with logprobs=k each generated token's own and the k likeliest; with
+    # prompt_logprobs=k the same for every prompt token after the first. None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -58,6 +65,12 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                 f"got {value!r}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < INT64:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")

@@ -5,6 +5,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from spmd_runtime.protocol.logprobs import TokenLogprobs
     from spmd_runtime.protocol.sampling import SamplingParams
     from spmd_runtime.runtime.client import Client, StreamDelta
     from spmd_runtime.runtime.llm import LLM
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "SamplingParams": "spmd_runtime.protocol.sampling",
+    "TokenLogprobs": "spmd_runtime.protocol.logprobs",
     "Client": "spmd_runtime.runtime.client",
     "StreamDelta": "spmd_runtime.runtime.client",
     "LLM": "spmd_runtime.runtime.llm",
@@ -20,7 +22,8 @@ _LAZY = {
     "EngineError": "spmd_runtime.runtime.rpc",
 }
 
-__all__ = ["LLM", "Client", "EngineError", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = ["LLM", "Client", "EngineError", "RequestOutput", "SamplingParams", "StreamDelta",
+           "TokenLogprobs"]
 
 
 def __getattr__(name: str):

@@ -171,9 +171,7 @@ class AsyncClient(RpcCore):
             async def collect(prompt: Prompt, stream: RequestStream) -> RequestOutput:
                 output = RequestOutput(stream.request_id, stream.prompt_token_ids or list(prompt))
                 async for delta in stream:
-                    output.token_ids.extend(delta.token_ids)
-                    output.text += delta.text
-                    output.finish_reason = delta.finish_reason
+                    output.add(delta)
                 if on_finished is not None:
                     on_finished(output)
                 return output

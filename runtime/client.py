@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+from spmd_runtime.protocol.logprobs import TokenLogprobs
 from spmd_runtime.protocol.messages import (
     AbortRequest,
     AddRequest,
@@ -42,6 +43,10 @@ class StreamDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    # As RequestOutput's: one record per token (with SamplingParams.logprobs); the prompt's on
+    # the first delta (with prompt_logprobs).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Client(RpcCore):
@@ -130,11 +135,8 @@ class Client(RpcCore):
                     self._abort_quietly(pending - {request_id})
                     raise EngineError(self._failures.pop(request_id), address=self.address)
                 for delta in self._deltas.pop(request_id, []):
-                    output = outputs[request_id]
-                    output.token_ids.extend(delta.token_ids)
-                    output.text += delta.text
+                    outputs[request_id].add(delta)
                     if delta.finish_reason is not None:
-                        output.finish_reason = delta.finish_reason
                         pending.discard(request_id)
         return list(outputs.values())
 
@@ -158,7 +160,8 @@ class Client(RpcCore):
                     raise EngineError(self._failures.pop(request_id), address=self.address)
                 for delta in self._deltas.pop(request_id, []):
                     finished = delta.finish_reason is not None
-                    yield StreamDelta(request_id, delta.token_ids, delta.text, delta.finish_reason)
+                    yield StreamDelta(request_id, delta.token_ids, delta.text, delta.finish_reason,
+                                      delta.logprobs, delta.prompt_logprobs)
         finally:
             if not finished:
                 self._abort_quietly({request_id})

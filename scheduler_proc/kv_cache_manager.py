@@ -36,8 +36,9 @@ class KVCacheManager:
         """Cached blocks holding a prefix of the request's tokens (changes nothing).
 
         Stops at the first miss, and never covers the last token: its logits must be computed.
+        None for a request with prompt_logprobs, which needs the logits of every prompt position.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
         tokens = request.all_token_ids
         extend_block_hashes(request.block_hashes, tokens, self.block_size, request.params.cache_salt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from spmd_runtime.protocol.logprobs import StepLogprobs, TokenLogprobs
 from spmd_runtime.protocol.sampling import SamplingParams
 
 
@@ -28,7 +29,7 @@ class Request:
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
                  "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority", "arrival_time",
-                 "queue_time_s")
+                 "queue_time_s", "output_logprobs", "prompt_logprobs")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -56,6 +57,10 @@ class Request:
         # time.monotonic() on arrival, and the seconds it waited before its first step.
         self.arrival_time = time.monotonic()
         self.queue_time_s: float | None = None
+        # With params.logprobs: one record per output token. With params.prompt_logprobs: one
+        # per prompt token, None for the first, filled as prefill chunks are computed.
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +69,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def note_logprobs(self, record: StepLogprobs | None) -> None:
+        """Keep what a step computed for this request. Prompt records of a recomputation (after
+        a preemption) replace the same positions' first ones."""
+        if record is None:
+            return
+        if record.prompt and record.prompt_start <= len(self.prompt_logprobs):
+            start = record.prompt_start
+            self.prompt_logprobs[start:start + len(record.prompt)] = record.prompt
+        if record.sampled is not None:
+            self.output_logprobs.append(record.sampled)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "

@@ -295,6 +295,7 @@ class Scheduler:
         """Apply a step result: advance computed tokens, append samples, check stop conditions."""
         self.counters.num_steps += 1
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
+        logprobs = {record.request_id: record for record in result.logprobs}
         update = StepUpdate()
         if result.thermal is not None:
             self.thermal.observe(result.thermal, self.plans.next_step_id, self.running_cap,
@@ -304,6 +305,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.num_computed_tokens += num_tokens
+            request.note_logprobs(logprobs.get(request_id))
             token = sampled.get(request_id)
             if token is None:
                 continue  # a prefill chunk that has not reached the end of the prompt yet

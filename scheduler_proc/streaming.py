@@ -23,6 +23,8 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
         seen.add(request.request_id)
         first = request.num_tokens_streamed == 0
         new_tokens = request.output_token_ids[request.num_tokens_streamed:]
+        logprobs = request.output_logprobs[request.num_tokens_streamed:] \
+            if request.params.logprobs is not None else None
         request.num_tokens_streamed = len(request.output_token_ids)
         reason = request.finish_reason.value if request.finish_reason else None
         text, hit_stop = tokenizer.text(request.request_id, new_tokens, reason is not None)
@@ -31,7 +33,9 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
             stopped.append(request.request_id)
         by_client.setdefault(request.client, []).append(
             RequestDelta(request.request_id, new_tokens, reason, text,
-                         request.queue_time_s if first else None))
+                         request.queue_time_s if first else None, logprobs,
+                         request.prompt_logprobs if first and request.params.prompt_logprobs
+                         is not None else None))
     unreachable = [client for client, deltas in by_client.items()
                    if not front.reply(client, Outputs(deltas=deltas))]
     return unreachable, stopped

@@ -3,19 +3,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 from spmd_runtime.protocol.buckets import bucket_tokens
 from spmd_runtime.protocol.messages import StepPlan
-from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
+from spmd_runtime.worker_proc.logprobs import prompt_logprobs, read_logprobs, sampled_logprobs
 from spmd_runtime.worker_proc.penalties import penalize_requests
 from spmd_runtime.worker_proc.runner_graphs import WarmupAndGraphs
 from spmd_runtime.worker_proc.sampler import sample_on_device
+from spmd_runtime.worker_proc.step_state import (
+    UNREAD_TOKEN,
+    LaunchedStep,
+    PreparedStep,
+    RequestState,
+    StepOutput,
+)
 from spmd_runtime.worker_proc.swap_space import SwapSpace
 
 log = logging.getLogger("spmd.worker")
@@ -23,80 +29,6 @@ log = logging.getLogger("spmd.worker")
 # Single-token queries are attended in groups of this many, longest context first.
 DECODE_GROUP_SIZE = 8
 HOST = torch.device("cpu")
-
-# Stands in token_ids for a token sampled by a step still in flight: its value is on the device
-# (LaunchedStep.tokens), where the next step's inputs take it from, and reaches the host only
-# when that step is finished. An input left holding it fails the embedding lookup.
-UNREAD_TOKEN = -1
-
-
-@dataclass
-class RequestState:
-    """What a worker keeps per request between steps (the scheduler sends only deltas); its
-    block ids are kept by ModelRunner.block_tables."""
-
-    token_ids: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-    num_prompt_tokens: int = -1         # -1: all of token_ids
-    # (index in token_ids, row in the in-flight step's sampled tokens) of an UNREAD_TOKEN.
-    unread: tuple[int, int] | None = None
-
-
-@dataclass
-class StepOutput:
-    request_ids: list[int]
-    sampled_token_ids: list[int]
-    prepare_ms: float
-    # Device time of the step: CUDA events from its first input copy to the sampled tokens'
-    # copy back; on CPU, the forward pass and sampling.
-    forward_ms: float
-    num_compilations: int = 0
-    # The device's idle time between the end of the step launched before it and its start.
-    idle_ms: float | None = None
-    overlapped: bool = False
-
-
-@dataclass
-class PreparedStep:
-    """A step's inputs, built on the host (possibly while the step before it still runs)."""
-
-    scheduled: list[tuple[int, int]]
-    bucket: tuple[str, int, int] | None
-    graph: BucketGraph | None
-    inputs: StaticInputs | None
-    sample_rows: list[int]
-    sample_ids: list[int]
-    # Inputs that are tokens sampled by the step in flight: their positions in input_ids and
-    # their rows in that step's sampled tokens. Filled on the device at launch.
-    unread_positions: list[int]
-    unread_rows: list[int]
-    prepare_ms: float
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device; `ModelRunner.finish` waits for it and reads its tokens."""
-
-    sample_ids: list[int]
-    # Where each sampled token goes: its request's state and the index of its UNREAD_TOKEN.
-    token_slots: list[tuple[RequestState, int]]
-    tokens: torch.Tensor | None         # sampled, on the device
-    host_tokens: torch.Tensor | None    # their copy on the host, valid once the step is done
-    prepare_ms: float
-    num_compilations: int
-    launched_at: float                  # perf_counter() when its first input was queued
-    # CUDA: events around the step's device work; None on CPU, where launching runs it.
-    started: torch.cuda.Event | None = None
-    done: torch.cuda.Event | None = None
-    finished_at: float = 0.0            # CPU: perf_counter() when its tokens were sampled
-    idle_ms: float | None = None        # device idle time before it (CPU: known at launch)
-    previous: LaunchedStep | None = None  # the step launched before it (CUDA idle time)
-    overlapped: bool = False            # launched before the step before it was finished
-
-    def is_done(self) -> bool:
-        return self.done is None or self.done.query()
-
 
 class ModelRunner(WarmupAndGraphs):
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -226,7 +158,9 @@ class ModelRunner(WarmupAndGraphs):
             pieces, num_compilations = self._pieces_for(step.bucket, len(inputs.input_ids))
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
                                 pieces)
-        tokens, host_tokens, token_slots = self._sample(step, hidden, cuda, in_flight)
+        row_length = step.bucket[2] if step.graph is not None and step.bucket[0] == "prompt" else None
+        prompt = prompt_logprobs(self.model, hidden, step.scheduled, self.requests, row_length)
+        tokens, host_tokens, token_slots, sampled = self._sample(step, hidden, cuda, in_flight)
         for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished_at = time.perf_counter()
@@ -240,7 +174,8 @@ class ModelRunner(WarmupAndGraphs):
         launched = LaunchedStep(step.sample_ids, token_slots, tokens, host_tokens, step.prepare_ms,
                                 num_compilations, launched_at, started, done, finished_at,
                                 idle_ms, previous=previous if cuda else None,
-                                overlapped=in_flight is not None)
+                                overlapped=in_flight is not None,
+                                logprobs=[sampled, prompt])
         self._last_launched = launched
         return launched
 
@@ -249,13 +184,14 @@ class ModelRunner(WarmupAndGraphs):
         gets an UNREAD_TOKEN placeholder until the step is finished."""
         token_slots: list[tuple[RequestState, int]] = []
         if not step.sample_rows:
-            return None, None, token_slots
+            return None, None, token_slots, None
         rows = torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[rows])
+        raw_logits = self.model.compute_logits(hidden[rows])
         states = [self.requests[r] for r in step.sample_ids]
-        logits = penalize_requests(logits, states, in_flight.tokens if in_flight else None)
+        logits = penalize_requests(raw_logits, states, in_flight.tokens if in_flight else None)
         tokens = sample_on_device(logits, [s.params for s in states],
                                   [len(s.token_ids) for s in states], self.generator)
+        logprobs = sampled_logprobs(raw_logits, states, step.sample_ids, tokens)
         host_tokens = tokens
         if cuda:
             host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -264,7 +200,7 @@ class ModelRunner(WarmupAndGraphs):
             state.unread = (len(state.token_ids), row)
             token_slots.append((state, len(state.token_ids)))
             state.token_ids.append(UNREAD_TOKEN)
-        return tokens, host_tokens, token_slots
+        return tokens, host_tokens, token_slots, logprobs
 
     def _fill_unread(self, input_ids: torch.Tensor, step: PreparedStep,
                      in_flight: LaunchedStep | None) -> None:
@@ -294,7 +230,8 @@ class ModelRunner(WarmupAndGraphs):
                 idle_ms = max(0.0, previous.done.elapsed_time(step.started))
             step.previous = None        # keep no chain of earlier steps alive
         return StepOutput(step.sample_ids, tokens, step.prepare_ms, device_ms,
-                          step.num_compilations, idle_ms, step.overlapped)
+                          step.num_compilations, idle_ms, step.overlapped,
+                          read_logprobs(step.logprobs))
 
     def _decode_group(self, first: int, rows: list[int], lengths: list[int],
                       num_blocks: int, device: torch.device) -> DecodeGroup:

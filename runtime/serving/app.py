@@ -24,6 +24,7 @@ from spmd_runtime.runtime.async_client import AsyncClient
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.serving.choice import ChoiceRun
 from spmd_runtime.runtime.serving.errors import APIError, api_error_handler, validation_error_handler
+from spmd_runtime.runtime.serving.logprobs import LogprobFormat
 from spmd_runtime.runtime.serving.metrics import ServingMetrics
 from spmd_runtime.runtime.serving.responses import (
     ChoiceStreamResponse,
@@ -264,7 +265,8 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     except BaseException:
         close_all(runs)
         raise
-    response = ResponseShape(chat, state.model_name, sum(map(len, prompts)))
+    logprobs = LogprobFormat(state.tokenizer, chat) if plans[0][0].logprobs is not None else None
+    response = ResponseShape(chat, state.model_name, sum(map(len, prompts)), logprobs)
     if body.stream:
         return ChoiceStreamResponse(runs, stream_events(runs, response, body.include_usage))
     return await complete(request, runs, response)

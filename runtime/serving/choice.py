@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from spmd_runtime.protocol.logprobs import TokenLogprobs
 from spmd_runtime.runtime.async_client import RequestStream
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.serving.metrics import ServingMetrics
@@ -34,6 +35,10 @@ class ChoiceRun:
         # Set once this choice's prompt is computed (its first delta), or once it ended anyhow.
         self.prefilled = asyncio.Event()
         self.closed = False
+        # With logprobs: the records of every token so far, and where the next token's text
+        # starts in the choice's text (legacy completions' text_offset).
+        self.logprobs: list[TokenLogprobs] = []
+        self.text_offset = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -55,8 +60,9 @@ class ChoiceRun:
                 self.stream.close()
         return self.stream
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Non-empty text pieces until the choice finishes (finish_reason is then set).
+    async def pieces(self) -> AsyncIterator[tuple[str, list[TokenLogprobs]]]:
+        """(text, the logprob records of its tokens) pieces, each with text or records (when
+        asked for), until the choice finishes (finish_reason is then set).
 
         The engine decodes the text and cuts it at the stop strings. Leaving early (a disconnect
         cancels the consumer) aborts the engine request.
@@ -73,7 +79,8 @@ class ChoiceRun:
         self.metrics.request_latency.observe(time.perf_counter() - self.started)
         self.metrics.count_finished(self.finish_reason)
 
-    async def _stream_pieces(self, stream: RequestStream) -> AsyncIterator[str]:
+    async def _stream_pieces(self, stream: RequestStream
+                             ) -> AsyncIterator[tuple[str, list[TokenLogprobs]]]:
         last_token_at: float | None = None
         async for delta in stream:
             now = time.perf_counter()
@@ -89,15 +96,17 @@ class ChoiceRun:
                 last_token_at = now
             self.prefilled.set()
             self.num_tokens += len(delta.token_ids)
+            records = delta.logprobs or []
+            self.logprobs.extend(records)
             if delta.finish_reason is not None:
                 self.finish_reason = delta.finish_reason
-            if delta.text:
-                yield delta.text
+            if delta.text or records:
+                yield delta.text, records
             if self.finish_reason is not None:
                 break
 
     async def collect(self) -> str:
-        return "".join([piece async for piece in self.pieces()])
+        return "".join([piece async for piece, _ in self.pieces()])
 
     def close(self) -> None:
         """Abort the engine request unless it finished; a sibling not submitted yet never is."""

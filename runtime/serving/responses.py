@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.serving.choice import ChoiceRun
 from spmd_runtime.runtime.serving.errors import APIError
+from spmd_runtime.runtime.serving.logprobs import LogprobFormat
 
 log = logging.getLogger("spmd.http")
 
@@ -44,8 +45,10 @@ class ChoiceStreamResponse(StreamingResponse):
 class ResponseShape:
     """The JSON of a completion or chat completion, whole or as stream chunks."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+    def __init__(self, chat: bool, model: str, prompt_tokens: int,
+                 logprobs: LogprobFormat | None = None) -> None:
         self.chat = chat
+        self.logprobs = logprobs        # None: the request asked for none
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -60,14 +63,23 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
+    def choice_logprobs(self, run: ChoiceRun, records: list) -> dict | None:
+        """The `logprobs` object of these next tokens of the run (None when not asked)."""
+        if self.logprobs is None:
+            return None
+        shaped, run.text_offset = self.logprobs.choice(records, run.text_offset)
+        return shaped
+
     def whole(self, runs: list[ChoiceRun], texts: list[str]) -> dict:
         if self.chat:
             choices = [{"index": run.index, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": run.finish_reason}
+                        "logprobs": self.choice_logprobs(run, run.logprobs),
+                        "finish_reason": run.finish_reason}
                        for run, text in zip(runs, texts, strict=True)]
             body = self._envelope("chat.completion", choices)
         else:
-            choices = [{"index": run.index, "text": text, "logprobs": None,
+            choices = [{"index": run.index, "text": text,
+                        "logprobs": self.choice_logprobs(run, run.logprobs),
                         "finish_reason": run.finish_reason}
                        for run, text in zip(runs, texts, strict=True)]
             body = self._envelope("text_completion", choices)
@@ -75,14 +87,14 @@ class ResponseShape:
         return body
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None,
-              role: bool = False) -> dict:
+              role: bool = False, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else \
                 ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text or "", "logprobs": None,
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
@@ -131,7 +143,7 @@ def _sse(data: dict | str) -> str:
 async def stream_events(runs: list[ChoiceRun], shape: ResponseShape,
                          include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: chunks of every choice as they come, usage if asked, then [DONE]."""
-    queue: asyncio.Queue[tuple[ChoiceRun, str | None | EngineError]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[ChoiceRun, tuple | None | EngineError]] = asyncio.Queue()
 
     async def pump(run: ChoiceRun) -> None:
         try:
@@ -156,7 +168,9 @@ async def stream_events(runs: list[ChoiceRun], shape: ResponseShape,
                 remaining -= 1
                 yield _sse(shape.chunk(run.index, None, run.finish_reason))
             else:
-                yield _sse(shape.chunk(run.index, item, None))
+                text, records = item
+                yield _sse(shape.chunk(run.index, text, None,
+                                       logprobs=shape.choice_logprobs(run, records)))
         else:
             if include_usage:
                 yield _sse(shape.usage_chunk(runs))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from spmd_runtime.protocol.config_fields import VictimPolicy
-from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.sampling import MAX_LOGPROBS, SamplingParams
 from spmd_runtime.runtime.serving.errors import APIError
 
 # Fields of the OpenAI API (and of vLLM's extensions) this server does not implement, with the
@@ -14,7 +14,7 @@ from spmd_runtime.runtime.serving.errors import APIError
 # as it asks for nothing else. Any other field the server does not know is refused too, so no
 # request is silently served differently from what it asked.
 UNSUPPORTED_FIELDS = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
@@ -67,6 +67,8 @@ class CompletionBody(GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     # Candidates per prompt of which the n best are returned; only n itself for now.
     best_of: int | None = None
+    # The top-k per generated token (bool: what some clients send for "off").
+    logprobs: int | bool | None = None
 
 
 class ContentPart(BaseModel):
@@ -85,6 +87,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionBody(GenerationBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class AdminBatchBody(BaseModel):
@@ -178,6 +182,9 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
     # Left out when not sent, so that SamplingParams' neutral defaults apply.
     extras = {name: getattr(body, name) for name in SAMPLING_EXTRAS
               if getattr(body, name) is not None}
+    logprobs = logprob_count(body)
+    if logprobs is not None:
+        extras["logprobs"] = logprobs
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, ignore_eos=body.ignore_eos,
@@ -196,8 +203,30 @@ def choice_count(body: GenerationBody) -> int:
     if best_of is not None and best_of < body.n:
         raise APIError(f"best_of must be at least n ({body.n}), got {best_of}", param="best_of")
     if best_of is not None and best_of > body.n:
-        # Ranking candidates by cumulative logprob needs the sampled tokens' logprobs.
-        raise APIError(f"best_of greater than n is not supported: this engine does not compute "
-                       f"the logprobs that rank candidates; send best_of equal to n "
+        # Ranking candidates by their cumulative logprob is not implemented.
+        raise APIError(f"best_of greater than n is not supported: ranking candidates by their "
+                       f"cumulative logprob is not implemented; send best_of equal to n "
                        f"({body.n}) or leave it out", param="best_of", code="unsupported_parameter")
     return body.n
+
+
+def logprob_count(body: GenerationBody) -> int | None:
+    """The engine's SamplingParams.logprobs: completions' `logprobs` (the top-k), chat's
+    `top_logprobs` when `logprobs` is true; None when not asked."""
+    if isinstance(body, ChatCompletionBody):
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}",
+                           param="top_logprobs")
+        if not body.logprobs:
+            if top:
+                raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        return top or 0
+    value = getattr(body, "logprobs", None)
+    if value is None or value is False:
+        return None
+    if value is True or not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"logprobs must be an integer between 0 and {MAX_LOGPROBS}, got "
+                       f"{str(value).lower()}", param="logprobs")
+    return value

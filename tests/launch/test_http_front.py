@@ -246,8 +246,8 @@ def test_errors_say_what_to_change(http, oai) -> None:
     assert_error(post("/v1/completions", prompt=[5, 10 ** 6]), 400, "outside the vocabulary")
     assert_error(post("/v1/completions", prompt="x", max_tokens="many"), 400, "max_tokens",
                  "max_tokens")
-    assert_error(post("/v1/completions", prompt="x", logprobs=3), 400, "logprobs is not supported",
-                 "logprobs")
+    assert_error(post("/v1/completions", prompt="x", logprobs=21), 400,
+                 "logprobs must be an integer between 0 and 20, got 21", "logprobs")
     # Everything this server does not implement is refused by name, never silently ignored.
     assert_error(post("/v1/completions", prompt="x", min_tokens=4), 400,
                  "min_tokens is not supported", "min_tokens")

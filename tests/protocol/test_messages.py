@@ -174,6 +174,10 @@ INVALID_PARAMS = [
     ("top_k", {"top_k": 0}, [16, 1.0, 1.0, 0]),
     ("top_k", {"top_k": -2}, [16, 1.0, 1.0, -2]),
     ("stop_token_ids", {"stop_token_ids": (-1,)}, [16, 1.0, 1.0, -1, None, [-1]]),
+    ("logprobs", {"logprobs": 21},
+     [16, 1.0, 1.0, -1, None, [], False, None, 1.0, 0.0, 0.0, 0.0, [], 21]),
+    ("prompt_logprobs", {"prompt_logprobs": -1},
+     [16, 1.0, 1.0, -1, None, [], False, None, 1.0, 0.0, 0.0, 0.0, [], None, -1]),
 ]
 
 
