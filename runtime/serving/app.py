@@ -42,6 +42,7 @@ from spmd_runtime.runtime.serving.schema import (
     check_supported,
     choice_count,
     sampling_params,
+    with_sampled_logprobs,
 )
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
@@ -248,10 +249,13 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
         raise APIError(f"The model {body.model!r} does not exist: this server serves "
                        f"{state.model_name!r}", status=404, param="model", code="model_not_found")
     check_supported(body)
-    n = choice_count(body)
+    n, candidates = choice_count(body)
     default_max_tokens = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
     plans = [[sampling_params(body, len(prompt), state.info.max_model_len, default_max_tokens, k)
-              for k in range(n)] for prompt in prompts]
+              for k in range(candidates)] for prompt in prompts]
+    logprobs = LogprobFormat(state.tokenizer, chat) if plans[0][0].logprobs is not None else None
+    if candidates > n:     # ranked by the sampled tokens' logprobs, whether asked for or not
+        plans = [[with_sampled_logprobs(params) for params in plan] for plan in plans]
     runs: list[ChoiceRun] = []
     try:
         for prompt, choices in zip(prompts, plans, strict=True):
@@ -265,11 +269,10 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     except BaseException:
         close_all(runs)
         raise
-    logprobs = LogprobFormat(state.tokenizer, chat) if plans[0][0].logprobs is not None else None
     response = ResponseShape(chat, state.model_name, sum(map(len, prompts)), logprobs)
     if body.stream:
         return ChoiceStreamResponse(runs, stream_events(runs, response, body.include_usage))
-    return await complete(request, runs, response)
+    return await complete(request, runs, response, keep=(n, candidates))
 
 
 async def _submit_choices(state: ServingState, body: GenerationBody, prompt: list[int],

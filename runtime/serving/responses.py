@@ -104,7 +104,10 @@ class ResponseShape:
         return body
 
 
-async def complete(request: Request, runs: list[ChoiceRun], shape: ResponseShape) -> Response:
+async def complete(request: Request, runs: list[ChoiceRun], shape: ResponseShape,
+                   keep: tuple[int, int] = (1, 1)) -> Response:
+    """The whole response once every choice finished. keep = (n, candidates per prompt): with
+    more candidates than n, each prompt's n with the highest cumulative logprob (best_of)."""
     tasks = [asyncio.create_task(run.collect()) for run in runs]
     watcher = asyncio.create_task(_cancel_on_disconnect(request, tasks))
     try:
@@ -120,7 +123,29 @@ async def complete(request: Request, runs: list[ChoiceRun], shape: ResponseShape
         for task in tasks:
             task.cancel()
         close_all(runs)
+    if keep[1] > keep[0]:
+        body = shape.whole(*best_of(runs, texts, *keep))
+        body["usage"] = shape.usage(runs)       # every candidate's tokens were generated
+        return JSONResponse(body)
     return JSONResponse(shape.whole(runs, texts))
+
+
+def cumulative_logprob(run: ChoiceRun) -> float:
+    return sum(record.logprob for record in run.logprobs)
+
+
+def best_of(runs: list[ChoiceRun], texts: list[str], n: int, candidates: int
+            ) -> tuple[list[ChoiceRun], list[str]]:
+    """Of each prompt's consecutive `candidates` runs, the n with the highest cumulative logprob
+    of their sampled tokens (in candidate order on ties), renumbered as choices 0, 1, ..."""
+    kept: list[tuple[ChoiceRun, str]] = []
+    for first in range(0, len(runs), candidates):
+        group = list(zip(runs[first:first + candidates], texts[first:first + candidates],
+                         strict=True))
+        kept += sorted(group, key=lambda pair: -cumulative_logprob(pair[0]))[:n]
+    for index, (run, _) in enumerate(kept):
+        run.index = index
+    return [run for run, _ in kept], [text for _, text in kept]
 
 
 async def _cancel_on_disconnect(request: Request, tasks: list[asyncio.Task]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 from spmd_runtime.protocol.config_fields import VictimPolicy
 from spmd_runtime.protocol.sampling import MAX_LOGPROBS, SamplingParams
@@ -196,18 +197,27 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
         raise APIError(str(error), param=field) from None
 
 
-def choice_count(body: GenerationBody) -> int:
+def with_sampled_logprobs(params: SamplingParams) -> SamplingParams:
+    """params with the sampled tokens' logprobs asked for (best_of ranks candidates by them)."""
+    return params if params.logprobs is not None else msgspec.structs.replace(params, logprobs=0)
+
+
+def choice_count(body: GenerationBody) -> tuple[int, int]:
+    """(n, the candidates to run per prompt): best_of candidates of which the n with the
+    highest cumulative logprob are returned, or n when best_of is not above it."""
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     best_of = getattr(body, "best_of", None)
-    if best_of is not None and best_of < body.n:
+    if best_of is None or best_of == body.n:
+        return body.n, body.n
+    if best_of < body.n:
         raise APIError(f"best_of must be at least n ({body.n}), got {best_of}", param="best_of")
-    if best_of is not None and best_of > body.n:
-        # Ranking candidates by their cumulative logprob is not implemented.
-        raise APIError(f"best_of greater than n is not supported: ranking candidates by their "
-                       f"cumulative logprob is not implemented; send best_of equal to n "
-                       f"({body.n}) or leave it out", param="best_of", code="unsupported_parameter")
-    return body.n
+    if best_of > MAX_CHOICES:
+        raise APIError(f"best_of must be at most {MAX_CHOICES}, got {best_of}", param="best_of")
+    if body.stream:
+        raise APIError("best_of greater than n cannot be streamed: the best candidates are known "
+                       "only when all have finished; set stream to false", param="best_of")
+    return body.n, best_of
 
 
 def logprob_count(body: GenerationBody) -> int | None:

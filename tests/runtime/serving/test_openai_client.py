@@ -198,13 +198,33 @@ def test_chat_takes_max_completion_tokens(oai, rpc) -> None:
     assert reply.usage.completion_tokens == 3
 
 
-def test_best_of_equal_to_n_is_served_and_more_is_refused(oai) -> None:
+def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(oai, rpc) -> None:
+    """best_of=4, n=2: the server samples candidates with seeds seed..seed+3 and returns the two
+    whose sampled tokens have the highest summed logprob, as choices 0 and 1, counting every
+    candidate's tokens in usage; logprobs only when asked for."""
+    candidates = reference(rpc, PROMPT, {**BASE, "logprobs": 0}, n=4)
+    scores = [sum(record.logprob for record in c.logprobs) for c in candidates]
+    assert len({c.text for c in candidates}) == 4, "seeded candidates differ"
+    best = sorted(range(4), key=lambda k: -scores[k])[:2]
+    reply = oai.completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=4,
+                                   **request_options(BASE))
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.text for c in reply.choices] == [candidates[k].text for k in best]
+    assert all(c.logprobs is None for c in reply.choices)
+    assert reply.usage.completion_tokens == 4 * BASE["max_tokens"]
+    with_logprobs = oai.completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=4,
+                                           logprobs=1, **request_options(BASE))
+    assert [sum(c.logprobs.token_logprobs) for c in with_logprobs.choices] == pytest.approx(
+        [scores[k] for k in best], abs=1e-4)
+
+
+def test_best_of_equal_to_n_is_served_and_bad_values_are_refused(oai) -> None:
     reply = oai.completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=2, **BASE)
     assert len(reply.choices) == 2
-    with pytest.raises(openai.BadRequestError, match="best_of greater than n is not supported"):
-        oai.completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=3, **BASE)
     with pytest.raises(openai.BadRequestError, match="best_of must be at least n"):
         oai.completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=1, **BASE)
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        oai.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=2, stream=True, **BASE)
 
 
 # ---------------------------------------------------------------------------- shared prompt
