@@ -140,6 +140,14 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: fl
         time.sleep(interval_s)
 
 
+def openai_client(server, api_key: str = "unused"):
+    """The official openai client of a server started with --http-port (its base_url)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=api_key, timeout=120,
+                         max_retries=0)
+
+
 def wait_until_gone(procs: Sequence[psutil.Process], timeout_s: float) -> list[psutil.Process]:
     """Processes of `procs` still alive (zombies count as gone) after waiting up to timeout_s."""
     deadline = time.monotonic() + timeout_s

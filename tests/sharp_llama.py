@@ -22,6 +22,21 @@ def sharp_llama(directory, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB
     return save_sharp(directory, lambda: LlamaForCausalLM(config))
 
 
+SMOLLM2_VOCAB = 49152
+
+
+def sharp_chat_llama(directory, smollm2_gguf) -> str:
+    """A 2-layer sharp Llama with smollm2's vocabulary, and smollm2's tokenizer (and chat
+    template) saved with it: text and chat prompts at next to no cost. smollm2_gguf: conftest's
+    fixture of that name."""
+    from transformers import AutoTokenizer
+
+    sharp_llama(directory, vocab=SMOLLM2_VOCAB)
+    gguf_dir, name = smollm2_gguf
+    AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=name).save_pretrained(directory)
+    return str(directory)
+
+
 def save_sharp(directory, build, norm_center: float = 1.0):
     """Build a transformers model with `build()` (seeded), scale its weights up (norms near
     `norm_center`, every other weight N(0, 0.25)) and save it: (directory as a string, the

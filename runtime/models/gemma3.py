@@ -10,6 +10,7 @@ from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.parallel import TensorParallel
 from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
 from spmd_runtime.runtime.models.gemma2 import Gemma2ForCausalLM
+from spmd_runtime.runtime.models.qwen3 import qk_norm_shapes
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
@@ -24,9 +25,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def checkpoint_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
                                                          dict[str, tuple[int, ...]]]:
         required, optional = Gemma2ForCausalLM.checkpoint_shapes(config)
-        norms = {f"model.layers.{i}.self_attn.{name}.weight": (config.head_dim,)
-                 for i in range(config.num_hidden_layers) for name in ("q_norm", "k_norm")}
-        return {**required, **norms}, optional
+        return {**required, **qk_norm_shapes(config)}, optional
 
     def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         full, sliding = self.rotary.tables(positions), self.sliding_rotary.tables(positions)

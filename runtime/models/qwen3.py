@@ -7,11 +7,15 @@ from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
+def qk_norm_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The per-head query and key RMSNorm weights of every layer (Qwen3, Gemma 3)."""
+    return {f"model.layers.{i}.self_attn.{name}.weight": (config.head_dim,)
+            for i in range(config.num_hidden_layers) for name in ("q_norm", "k_norm")}
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
                                                          dict[str, tuple[int, ...]]]:
         required, optional = LlamaForCausalLM.checkpoint_shapes(config)
-        norms = {f"model.layers.{i}.self_attn.{name}.weight": (config.head_dim,)
-                 for i in range(config.num_hidden_layers) for name in ("q_norm", "k_norm")}
-        return {**required, **norms}, optional
+        return {**required, **qk_norm_shapes(config)}, optional

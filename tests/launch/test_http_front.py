@@ -15,7 +15,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import descendants
+from conftest import descendants, openai_client
 from prometheus_client.parser import text_string_to_metric_families
 from spmd_runtime.runtime import LLM, Client, SamplingParams
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
@@ -48,8 +48,7 @@ def rpc(server):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=AUTH_TOKEN, timeout=120,
-                       max_retries=0) as client:
+    with openai_client(server, AUTH_TOKEN) as client:
         yield client
 
 

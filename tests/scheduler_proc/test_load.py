@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from sharp_llama import sharp_llama
+from sharp_llama import sharp_chat_llama
 from spmd_runtime.runtime import Client, SamplingParams
 
 CLIENTS = 10
@@ -19,19 +19,11 @@ PER_CLIENT = 100
 SHORT = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
-SMOLLM2_VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, smollm2_gguf) -> str:
-    """A 2-layer sharp Llama with smollm2's vocabulary, and smollm2's tokenizer saved with it."""
-    from transformers import AutoTokenizer
-
-    directory = tmp_path_factory.mktemp("load-llama")
-    sharp_llama(directory, vocab=SMOLLM2_VOCAB)
-    gguf_dir, name = smollm2_gguf
-    AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=name).save_pretrained(directory)
-    return str(directory)
+    return sharp_chat_llama(tmp_path_factory.mktemp("load-llama"), smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

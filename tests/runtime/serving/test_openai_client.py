@@ -17,9 +17,9 @@ import threading
 import httpx
 import openai
 import pytest
-from conftest import wait_until
+from conftest import openai_client, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from sharp_llama import sharp_llama
+from sharp_llama import sharp_chat_llama
 from spmd_runtime.runtime import Client, SamplingParams
 from spmd_runtime.runtime.serving.metrics import (
     INTER_TOKEN_BUCKETS,
@@ -28,7 +28,6 @@ from spmd_runtime.runtime.serving.metrics import (
 )
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
-SMOLLM2_VOCAB = 49152
 MODEL = "tiny-chat"
 MAX_MODEL_LEN = 128
 BLOCK_SIZE = 16
@@ -51,13 +50,7 @@ EXTENSIONS = ("repetition_penalty", "min_p", "top_k", "stop_token_ids")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, smollm2_gguf) -> str:
-    from transformers import AutoTokenizer
-
-    directory = tmp_path_factory.mktemp("openai-llama")
-    sharp_llama(directory, vocab=SMOLLM2_VOCAB)
-    gguf_dir, name = smollm2_gguf
-    AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=name).save_pretrained(directory)
-    return str(directory)
+    return sharp_chat_llama(tmp_path_factory.mktemp("openai-llama"), smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +73,7 @@ def rpc(server):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=120,
-                       max_retries=0) as client:
+    with openai_client(server) as client:
         yield client
 
 

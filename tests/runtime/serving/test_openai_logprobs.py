@@ -10,6 +10,7 @@ import math
 
 import openai
 import pytest
+from conftest import openai_client
 from sharp_llama import save_sharp
 from spmd_runtime.runtime import Client, SamplingParams
 from spmd_runtime.runtime.loaders import resolve_model
@@ -48,8 +49,7 @@ def server(spmd_serve, free_port, tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120,
-                       max_retries=0) as client:
+    with openai_client(server, "none") as client:
         yield client
 
 
