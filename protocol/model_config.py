@@ -63,7 +63,7 @@ class ModelConfig:
         """Build from a config.json dict; generation_config (generation_config.json) adds eos ids."""
         architecture = hf_architecture(d)
         act = d.get("hidden_activation") or d.get("hidden_act", "silu")
-        family_act = _GATE_ACTIVATIONS.get(architecture, "silu")
+        family_act = GATE_ACTIVATIONS.get(architecture, "silu")
         if act != family_act:
             raise ValueError(f"unsupported hidden_act {act!r}: {architecture} models are built "
                              f"with {family_act} MLPs")
@@ -136,7 +136,7 @@ class ModelConfig:
 
 # The MLP gate activation each family computes (silu where not listed): a config.json asking
 # another is refused rather than silently computed with the family's.
-_GATE_ACTIVATIONS = MappingProxyType({"gemma2": "gelu_pytorch_tanh",
+GATE_ACTIVATIONS = MappingProxyType({"gemma2": "gelu_pytorch_tanh",
                                        "gemma3_text": "gelu_pytorch_tanh"})
 
 

@@ -1,5 +1,6 @@
 """GGUF (llama.cpp) support: config from metadata and dequantised weights under Hugging Face names.
-Architectures: llama (Mistral too: llama.cpp converts it as llama), qwen2, qwen3 and phi3.
+Architectures: llama (Mistral too: llama.cpp converts it as llama), qwen2, qwen3, phi3, gemma2
+and gemma3 (its text model).
 torch is imported only inside load_gguf_weights so that reading the config stays torch-free.
 """
 
@@ -11,14 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-from spmd_runtime.protocol.model_config import ModelConfig, merge_token_ids
+from spmd_runtime.protocol.model_config import GATE_ACTIVATIONS, ModelConfig, merge_token_ids
 from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
 from spmd_runtime.runtime.models import model_class
 
 if TYPE_CHECKING:
     import torch
 
-_SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+_SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# The family (ModelConfig.architecture) a llama.cpp architecture loads as, where the names differ.
+_FAMILIES = MappingProxyType({"gemma3": "gemma3_text"})
 _GLOBAL_NAMES = MappingProxyType(
     {
         "token_embd": "model.embed_tokens",
@@ -42,8 +45,17 @@ _BLOCK_NAMES = MappingProxyType(
         "ffn_down": "mlp.down_proj",
     }
 )
-# Phi-3's ffn_up holds the stacked gate and up rows (Hugging Face's gate_up_proj).
-_ARCH_BLOCK_NAMES = MappingProxyType({"phi3": MappingProxyType({"ffn_up": "mlp.gate_up_proj"})})
+# Phi-3's ffn_up holds the stacked gate and up rows (Hugging Face's gate_up_proj); Gemma's four
+# norms a layer: ffn_norm is the one before the MLP.
+_GEMMA_NORMS = MappingProxyType({"post_attention_norm": "post_attention_layernorm",
+                                 "ffn_norm": "pre_feedforward_layernorm",
+                                 "post_ffw_norm": "post_feedforward_layernorm"})
+_ARCH_BLOCK_NAMES = MappingProxyType({"phi3": MappingProxyType({"ffn_up": "mlp.gate_up_proj"}),
+                                      "gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS})
+# llama.cpp's converter stores Gemma's norm weights as 1 + weight (the factor they scale by).
+_SHIFTED_NORMS = ("gemma2", "gemma3_text")
+# Gemma 2's window where a file gives none (llama.cpp's default, src/models/gemma2.cpp).
+_GEMMA2_WINDOW = 4096
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -86,6 +98,8 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
         )
 
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    window = int(key("attention.sliding_window", _GEMMA2_WINDOW if arch == "gemma2" else 0))
+    family = _FAMILIES.get(arch, arch)
     return ModelConfig(
         vocab_size=_vocab_size(reader, key("vocab_size")),
         hidden_size=hidden,
@@ -96,18 +110,56 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=_full_attention_positions(
-            int(key("context_length")), int(key("attention.sliding_window", 0))),
+        max_position_embeddings=_full_attention_positions(int(key("context_length")), window),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=merge_token_ids(
             *(_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
         ),
         rope_scaling=_rope_scaling(key, path),
-        architecture=arch,
+        architecture=family,
         # Hugging Face's attention_bias: biases on the output projection too (Qwen2 has q/k/v only).
         attention_bias="blk.0.attn_output.bias" in tensor_names,
+        hidden_activation=GATE_ACTIVATIONS.get(family, "silu"),
+        **(_gemma_fields(arch, key, head_dim, window, path) if arch in ("gemma2", "gemma3") else {}),
     )
+
+
+def _gemma_fields(arch: str, key, head_dim: int, window: int, path: str) -> dict[str, Any]:
+    """ModelConfig's Gemma fields as llama.cpp reads them (src/models/gemma2.cpp, gemma3.cpp).
+    Soft-caps: the file's, else Gemma 2's 50 (scores) and 30 (logits), Gemma 3's none (0: off).
+    No key carries query_pre_attn_scalar: llama.cpp scales queries by head_dim ** -0.5, by
+    (hidden / heads) ** -0.5 for the 27B models (as gemma_pytorch), told by their layer count.
+    Gemma 3 with a window: every layer but each pattern-th slides (a pattern key, 6 by default,
+    or a per-layer list of flags), at rope base rope.freq_base_swa (10000 by default), unscaled.
+    Gemma 2's sliding layers take rope.freq_base, as its every layer here."""
+    layers, hidden = int(key("block_count")), int(key("embedding_length"))
+    is_27b = layers == {"gemma2": 46, "gemma3": 62}[arch]
+    fields: dict[str, Any] = {
+        "query_pre_attn_scalar": float(hidden // int(key("attention.head_count")) if is_27b
+                                       else head_dim),
+        "final_logit_softcapping": _cap(key("final_logit_softcapping",
+                                            30.0 if arch == "gemma2" else 0.0)),
+    }
+    if arch == "gemma2":
+        swa_theta = key("rope.freq_base_swa")
+        if swa_theta is not None and float(swa_theta) != float(key("rope.freq_base", 10000.0)):
+            raise ValueError(f"{path}: a Gemma 2 rope base of its own on sliding layers is not supported")
+        return {**fields, "attn_logit_softcapping": _cap(key("attn_logit_softcapping", 50.0))}
+    if window <= 0:
+        return fields
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):       # a flag per layer
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:                               # every n-th layer full (n = 0: none)
+        n = int(pattern)
+        sliding = tuple(i for i in range(layers) if n == 0 or i % n < n - 1)
+    return {**fields, "sliding_rope_theta": float(key("rope.freq_base_swa", 10000.0)),
+            "sliding_layers": sliding}
+
+
+def _cap(value: Any) -> float | None:
+    return float(value) if value else None
 
 
 def _full_attention_positions(context_length: int, sliding_window: int) -> int:
@@ -205,14 +257,17 @@ def _weights_from_reader(reader: GGUFFile, path: str, config: ModelConfig,
 
 
 def _dequantised(t, config: ModelConfig) -> np.ndarray:
-    """A tensor as a writable float array in Hugging Face's [out, in] order and, for the llama
-    architecture, with llama.cpp's Q/K row permutation undone (the other architectures keep
-    Hugging Face's rotary layout)."""
+    """A tensor as a writable float array in Hugging Face's [out, in] order: for the llama
+    architecture with llama.cpp's Q/K row permutation undone (the other architectures keep
+    Hugging Face's rotary layout), for Gemma's norms with the converter's + 1 undone."""
     # GGUF lists dims innermost first; HF/numpy order is the reverse ([out, in]).
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     # A plain ndarray view avoids np.memmap's per-slice overhead inside dequantize (~2x faster).
     w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
-    if config.architecture == "llama" and ".attn_q." in t.name:
+    if config.architecture in _SHIFTED_NORMS and t.name.endswith("norm.weight"):
+        # The model adds the 1 back at load time, as for a Hugging Face checkpoint.
+        w = w.astype(np.float32) - 1.0
+    elif config.architecture == "llama" and ".attn_q." in t.name:
         w = unpermute_rotary(w, config.num_attention_heads)
     elif config.architecture == "llama" and ".attn_k." in t.name:
         w = unpermute_rotary(w, config.num_key_value_heads)

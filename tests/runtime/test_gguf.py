@@ -4,7 +4,9 @@ gguf package's own map, float32, Q/K rows permuted for the llama architecture, w
 converts to) and load to transformers' logits on the Hugging Face checkpoint, and to those
 transformers computes from the GGUF file itself; the engine serves one at two ranks under
 prefix caching, chunked prefill and preemption. Prompts are token ids: the files carry no
-tokenizer."""
+tokenizer. Gemma 2 and 3 are written with their norms as 1 + weight, as the converter does; their
+files are checked against transformers on the Hugging Face checkpoint only (transformers' GGUF
+reader takes neither their soft-caps nor Gemma 3's rope scaling and layer pattern from a file)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,15 +27,23 @@ from spmd_runtime.runtime import LLM
 from spmd_runtime.runtime.loaders.gguf import load_gguf_model, read_gguf_config
 from spmd_runtime.runtime.loaders.hf_dir import read_hf_config
 from spmd_runtime.runtime.models import build_model
+from test_model_families import NORM_CENTER, hf_checkpoint
 
 # The GGUF architecture llama.cpp writes each family as.
-ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mistral": "llama"}
+ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mistral": "llama",
+                 "gemma2": "gemma2", "gemma3": "gemma3"}
 
 
 def hf_model(family: str):
     """A tiny transformers model of `family` (unsaved)."""
     import transformers
 
+    if family in ("gemma2", "gemma3"):
+        model_class, config = hf_checkpoint(family)
+        # No GGUF key carries the query scale: llama.cpp scales by head_dim ** -0.5 (as the
+        # released models but the 27B ones), so these checkpoints do too.
+        config.query_pre_attn_scalar = config.head_dim
+        return model_class(config)
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(**FAMILY_SHAPE, tie_word_embeddings=True))
@@ -63,7 +73,8 @@ def write_metadata(writer: gguf.GGUFWriter, arch: str, config, token_list: bool)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
     if config.to_dict().get("head_dim"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -73,6 +84,8 @@ def write_metadata(writer: gguf.GGUFWriter, arch: str, config, token_list: bool)
         writer.add_vocab_size(config.vocab_size)
     if arch == "phi3":
         writer.add_sliding_window(config.sliding_window or 0)
+    if arch in ("gemma2", "gemma3"):
+        write_gemma_metadata(writer, arch, config)
     for token, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                        ("pad", writer.add_pad_token_id)):
         if getattr(config, f"{token}_token_id", None) is not None:
@@ -82,6 +95,25 @@ def write_metadata(writer: gguf.GGUFWriter, arch: str, config, token_list: bool)
         # Where no vocab_size is written (every architecture but llama), transformers takes the
         # vocabulary's size from the token list.
         writer.add_token_list([f"<{i}>" for i in range(config.vocab_size)])
+
+
+def write_gemma_metadata(writer: gguf.GGUFWriter, arch: str, config) -> None:
+    """Gemma's keys beside the common ones: soft-caps, the window and, for Gemma 3, the full
+    layers' rope scaling and the sliding layers' rope base. The converter writes no layer
+    pattern for Gemma 3, and llama.cpp then makes every sixth layer the full one; these
+    checkpoints' layer_types differ, so their files list which layers slide."""
+    writer.add_sliding_window(config.sliding_window)
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        return
+    full, sliding = (config.rope_parameters[kind] for kind in ("full_attention", "sliding_attention"))
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    writer.add_rope_freq_base_swa(sliding["rope_theta"])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
 
 
 def write_gguf(path: str, model, arch: str, token_list: bool = True) -> str:
@@ -95,6 +127,8 @@ def write_gguf(path: str, model, arch: str, token_list: bool = True) -> str:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy().copy()
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            data = data + 1     # the factor Gemma's norms scale by, as the converter stores it
         if arch == "llama" and ".q_proj." in name:
             data = llama_cpp_permute(data, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -111,7 +145,7 @@ def write_gguf(path: str, model, arch: str, token_list: bool = True) -> str:
 def checkpoint(request, tmp_path_factory):
     """(family, Hugging Face directory, its GGUF file, the transformers model)."""
     family, directory = request.param, tmp_path_factory.mktemp(request.param)
-    directory, hf = save_sharp(directory, lambda: hf_model(family))
+    directory, hf = save_sharp(directory, lambda: hf_model(family), NORM_CENTER.get(family, 1.0))
     return family, directory, write_gguf(f"{directory}/{family}.gguf", hf, ARCHITECTURES[family]), hf
 
 
@@ -134,14 +168,17 @@ def test_gguf_logits_equal_transformers(checkpoint) -> None:
     model = build_model(config, torch.float32)
     model.load_hf_state_dict(weights)
     ids = family_prompts()[2]
-    from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0]
-        theirs = from_gguf(torch.tensor([ids])).logits[0]
     diff = float((model.eval().prompt_logits(ids) - expected).abs().max())
     print(f"{family} GGUF: max |logit difference| {diff:.2e}")
     assert diff < 1e-4
+    if family in ("gemma2", "gemma3"):
+        return
+    from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = from_gguf(torch.tensor([ids])).logits[0]
     # transformers reads the file as llama.cpp's layout too: the same model.
     assert float((theirs - expected).abs().max()) < 1e-4
 
@@ -168,3 +205,50 @@ def test_engine_serves_a_phi3_gguf_at_two_ranks(tmp_path) -> None:
         stats = llm.client.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
     assert [o.token_ids for o in outputs] == [transformers_greedy(hf, p) for p in family_prompts()]
+
+
+def released_gemma_metadata(path: str, arch: str, layers: int, hidden: int, heads: int,
+                            window: int | None) -> str:
+    """A tensorless GGUF with the keys the converter writes for a released Gemma model (and
+    nothing llama.cpp defaults: no caps, layer pattern or sliding rope base)."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(4 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads // 2)
+    writer.add_key_length(256)
+    writer.add_value_length(256)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
+    if window:
+        writer.add_sliding_window(window)
+    writer.add_token_list(["<0>", "<1>"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_gemma_gguf_defaults_are_llama_cpps(tmp_path) -> None:
+    """What llama.cpp assumes where the file is silent: Gemma 3's every sixth layer full and a
+    sliding rope base of 10000, Gemma 2's caps of 50 and 30 and window of 4096; queries scaled
+    by head_dim, but by hidden / heads for the 27B models (told by their layer count)."""
+    gemma3 = read_gguf_config(released_gemma_metadata(str(tmp_path / "g3.gguf"), "gemma3",
+                                                      26, 1152, 4, window=512))
+    assert gemma3.architecture == "gemma3_text" and gemma3.tie_word_embeddings
+    assert gemma3.sliding_layers == tuple(i for i in range(26) if i not in (5, 11, 17, 23))
+    assert (gemma3.sliding_rope_theta, gemma3.rope_theta, gemma3.max_position_embeddings) == (
+        1e4, 1e6, 512)
+    assert (gemma3.query_pre_attn_scalar, gemma3.attn_logit_softcapping,
+            gemma3.final_logit_softcapping) == (256, None, None)
+    no_window = read_gguf_config(released_gemma_metadata(str(tmp_path / "g3full.gguf"),
+                                                         "gemma3", 26, 1152, 4, window=None))
+    assert (no_window.sliding_layers, no_window.sliding_rope_theta,
+            no_window.max_position_embeddings) == ((), None, 8192)
+    gemma2 = read_gguf_config(released_gemma_metadata(str(tmp_path / "g2.gguf"), "gemma2",
+                                                      46, 4608, 32, window=None))
+    assert (gemma2.query_pre_attn_scalar, gemma2.attn_logit_softcapping,
+            gemma2.final_logit_softcapping, gemma2.max_position_embeddings) == (144, 50, 30, 4096)
+    assert gemma2.hidden_activation == "gelu_pytorch_tanh" and gemma2.sliding_layers == ()
