@@ -68,7 +68,8 @@ def test_architectures_the_engine_does_not_build(tmp_path) -> None:
     message = _problem(model=str(tmp_path))
     assert "architecture 'gemma' is not supported: supported architectures are llama " \
            "(LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), phi3 " \
-           "(Phi3ForCausalLM), gemma2 (Gemma2ForCausalLM), gemma3_text (Gemma3ForCausalLM)" \
+           "(Phi3ForCausalLM), mistral (MistralForCausalLM), gemma2 (Gemma2ForCausalLM), " \
+           "gemma3_text (Gemma3ForCausalLM)" \
            in message
     # A family computes its own MLP activation: a Llama asking for another is refused.
     (tmp_path / "config.json").write_text(json.dumps(

@@ -62,7 +62,9 @@ def to_engine(body, prompts: list[list[int]]) -> None:
     """What the front does with a body before submitting it, down to the frames it sends."""
     check_supported(body)
     stop_strings(body)
-    for choice in range(choice_count(body)):
+    n, candidates = choice_count(body)
+    assert 1 <= n <= candidates
+    for choice in range(candidates):
         for prompt in prompts:
             params = sampling_params(body, len(prompt), 256, 16, choice)
             frame = msgspec.msgpack.encode(AddRequest(tag=1, prompt_token_ids=prompt,
