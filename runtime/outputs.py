@@ -30,7 +30,9 @@ class RequestOutput:
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:

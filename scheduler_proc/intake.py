@@ -28,10 +28,8 @@ class RequestIntake:
         try:
             prompt = self.tokenizer.prompt_token_ids(message)
             error = refusal(message, prompt, self.model_info, self.scheduler)
-            if error is None and message.params.stop:
-                self.tokenizer.wait(lambda: None)
-                if not self.tokenizer.available:
-                    error = "stop strings need the model's tokenizer, and this model has none"
+            if error is None and message.params.stop and self.tokenizer.missing() is not None:
+                error = "stop strings need the model's tokenizer, and this model has none"
         except ValueError as refused:
             error = str(refused)
         if error is not None:

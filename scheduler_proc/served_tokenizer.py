@@ -49,9 +49,10 @@ class ServedTokenizer:
             while_waiting()
             self._thread.join(0.05)
 
-    @property
-    def available(self) -> bool:
-        return self._tokenizer is not None
+    def missing(self) -> str | None:
+        """Once loading has ended: None with a tokenizer, else why there is none."""
+        self._thread.join()
+        return None if self._tokenizer is not None else self._missing
 
     def prompt_token_ids(self, message: AddRequest) -> list[int]:
         """The request's prompt as token ids; ValueError saying what is wrong with it."""
@@ -60,10 +61,10 @@ class ServedTokenizer:
         if message.prompt_token_ids or (message.prompt is not None and message.messages is not None):
             raise ValueError("give one prompt: token ids, a text (prompt) or a conversation "
                              "(messages), not several")
-        self._thread.join()
+        missing = self.missing()
+        if missing is not None:
+            raise ValueError(missing)
         tokenizer = self._tokenizer
-        if tokenizer is None:
-            raise ValueError(self._missing)
         if message.prompt is not None:
             return list(tokenizer(message.prompt).input_ids)
         conversation = [{"role": m.role, "content": m.content} for m in message.messages]

@@ -70,7 +70,10 @@ class ResponseShape:
         shaped, run.text_offset = self.logprobs.choice(records, run.text_offset)
         return shaped
 
-    def whole(self, runs: list[ChoiceRun], texts: list[str]) -> dict:
+    def whole(self, runs: list[ChoiceRun], texts: list[str],
+              generated: list[ChoiceRun] | None = None) -> dict:
+        """The response of these choices; usage counts the tokens of `generated` (default: the
+        choices), which best_of makes more than the choices returned."""
         if self.chat:
             choices = [{"index": run.index, "message": {"role": "assistant", "content": text},
                         "logprobs": self.choice_logprobs(run, run.logprobs),
@@ -83,7 +86,7 @@ class ResponseShape:
                         "finish_reason": run.finish_reason}
                        for run, text in zip(runs, texts, strict=True)]
             body = self._envelope("text_completion", choices)
-        body["usage"] = self.usage(runs)
+        body["usage"] = self.usage(runs if generated is None else generated)
         return body
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None,
@@ -123,11 +126,8 @@ async def complete(request: Request, runs: list[ChoiceRun], shape: ResponseShape
         for task in tasks:
             task.cancel()
         close_all(runs)
-    if keep[1] > keep[0]:
-        body = shape.whole(*best_of(runs, texts, *keep))
-        body["usage"] = shape.usage(runs)       # every candidate's tokens were generated
-        return JSONResponse(body)
-    return JSONResponse(shape.whole(runs, texts))
+    kept, kept_texts = best_of(runs, texts, *keep) if keep[1] > keep[0] else (runs, texts)
+    return JSONResponse(shape.whole(kept, kept_texts, generated=runs))
 
 
 def cumulative_logprob(run: ChoiceRun) -> float:
