@@ -30,8 +30,10 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/spmdrun generate --model smollm2 --prompt "What is the capital of France?"
 
+# Two pytest-xdist workers, a test file each at a time, each pinned to half the cores: the
+# waiting-bound tests (faults, timeouts, process starts) of one overlap the other's compute.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The unit tests only (no real engine, no model load): under two minutes.
 test-fast: $(STAMP)

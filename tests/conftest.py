@@ -9,7 +9,8 @@
   worker_proc) started by these tests is still alive when the session ends.
 
 Every process the tests start inherits SPMD_TEST_SESSION (set below), so engine processes of
-this session can be told apart from any other engine on the machine, even after re-parenting.
+this session can be told apart from any other engine on the machine, even after re-parenting;
+under pytest-xdist (`make test` runs two workers) each worker's session has its own token.
 """
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ ENGINE_MODULES = ("launch", "scheduler_proc", "worker_proc")
 
 SESSION_ENV = "SPMD_TEST_SESSION"
 PROC_TAG_ENV = "SPMD_TEST_PROC_TAG"
+# Under pytest-xdist each worker is a session of its own: its token names the worker, so one
+# worker's end-of-session check never counts (or kills) the engines of a worker still running.
 SESSION_TOKEN = os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+if os.environ.get("PYTEST_XDIST_WORKER") and not SESSION_TOKEN.endswith(
+        os.environ["PYTEST_XDIST_WORKER"]):
+    SESSION_TOKEN = os.environ[SESSION_ENV] = f"{SESSION_TOKEN}-{os.environ['PYTEST_XDIST_WORKER']}"
 
 # tests/runtime, tests/protocol, ... share names with the real packages; make sure the checkout's
 # packages win over those test directories (namespace packages) whatever the working directory.
@@ -453,6 +459,18 @@ FAST_TESTS = ("tests/protocol/", "tests/scheduler_proc/", "tests/worker_proc/",
               "tests/launch/test_preflight.py", "tests/launch/test_progress.py",
               "tests/runtime/test_linear.py", "tests/runtime/test_capped_attention.py")
 SLOW_AMONG_FAST = ("tests/scheduler_proc/test_load.py", "tests/scheduler_proc/test_bad_input.py")
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`make test`: one worker per core) each worker, and every engine its
+    tests start, runs on cores of its own: engines size their thread pools from the cores
+    they may use, so two workers never oversubscribe the machine."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        if len(cores) >= count > 1:
+            os.sched_setaffinity(0, cores[int(worker[2:]) % count::count])
 
 
 def pytest_collection_modifyitems(config, items) -> None:
