@@ -1,7 +1,9 @@
 """Link delay for namespace hosts on kernels without netem (bench and test only): a netfilter
 rule sends a host's egress to an NFQUEUE, and link_delay.c, run in the host's namespace,
-accepts each packet a fixed number of microseconds after it arrived. Needs gcc, libnetfilter-queue-dev and
-iptables (`apt-get install gcc libnetfilter-queue-dev iptables`); the serving path never uses it."""
+accepts each packet a fixed number of microseconds after it arrived. The trip through user
+space costs about 40 us a packet more on this project's VMs (measured with a delay of 1 us).
+Needs gcc, libnetfilter-queue-dev and iptables (`apt-get install gcc libnetfilter-queue-dev
+iptables`); the serving path never uses it."""
 from __future__ import annotations
 
 import os
@@ -15,7 +17,8 @@ HEADER = Path("/usr/include/libnetfilter_queue/libnetfilter_queue.h")
 
 
 def link_delay_unavailable() -> str | None:
-    """None where delays can be added (compiler, library headers, iptables), else what is missing."""
+    """None where delays can be added (compiler, library headers, iptables), else what is
+    missing."""
     if shutil.which("gcc") is None:
         return "gcc is not installed (the delay program is compiled on first use)"
     if not HEADER.exists():
