@@ -8,7 +8,9 @@ does on many machines and containers.
     with NamespaceHosts(3) as hosts:
         hosts.popen(0, [sys.executable, "-m", "spmd_runtime.launch", ...])
 
-Every namespace, and every process inside one, is removed on exit, also when the test fails;
+`shape` limits a host's sending rate and can add a fixed delay to each packet it sends (see
+launch/link_delay.py). Every namespace, and every process inside one, is removed on exit, also
+when the test fails;
 `namespaces_unavailable()` says why a test must skip where namespaces cannot be made."""
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import sys
 import uuid
 
 import psutil
+from spmd_runtime.launch import link_delay
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -58,6 +61,7 @@ class NamespaceHosts:
         self.interface = "eth0"
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
+        self._delays: dict[int, subprocess.Popen] = {}
 
     def __enter__(self) -> "NamespaceHosts":
         try:
@@ -120,12 +124,33 @@ class NamespaceHosts:
             except subprocess.TimeoutExpired:
                 sniffer.kill()
 
-    def shape(self, host: int, rate: str) -> None:
-        """Limit what the host sends to `rate` (tc's token bucket, e.g. "1gbit"). Delay
-        (netem) is not offered: kernels built without modules, as this project's VMs, lack it."""
-        subprocess.run(["ip", "netns", "exec", self.names[host], "tc", "qdisc", "replace", "dev",
-                        self.interface, "root", "tbf", "rate", rate, "burst", "512kb",
-                        "latency", "50ms"], check=True, capture_output=True, timeout=30)
+    def shape(self, host: int, rate: str, delay_us: int = 0) -> None:
+        """Limit what the host sends to `rate` (tc's token bucket, e.g. "1gbit") and, with
+        `delay_us`, hold each packet it sends that long first. Kernels built without modules,
+        as this project's VMs, lack netem, so the delay is link_delay.c behind an iptables
+        NFQUEUE rule (bench and test only; see launch/link_delay.py for what it needs). A delay
+        of D on every host makes a one-way latency of D between any two of them."""
+        self.run(host, ["tc", "qdisc", "replace", "dev", self.interface, "root", "tbf", "rate",
+                        rate, "burst", "512kb", "latency", "50ms"], check=True,
+                 capture_output=True, timeout=30)
+        self._set_delay(host, delay_us)
+
+    def _set_delay(self, host: int, delay_us: int) -> None:
+        queue = 0                       # queue numbers are per namespace: every host has its 0
+        rule = ["OUTPUT", *link_delay.egress_queue_rule(self.interface, queue)]
+        old = self._delays.pop(host, None)
+        if old is not None:
+            self.run(host, ["iptables", "-D", *rule], check=True, capture_output=True, timeout=30)
+            old.terminate()
+            old.wait(10)
+        if delay_us <= 0:
+            return
+        program = self.popen(host, [str(link_delay.link_delay_binary()), str(queue),
+                                    str(int(delay_us))], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        link_delay.wait_bound(program)
+        self._delays[host] = program
+        self.run(host, ["iptables", "-A", *rule], check=True, capture_output=True, timeout=30)
 
     def pids(self, host: int) -> list[int]:
         listed = _ip("netns", "pids", self.names[host], check=False).stdout.split()
@@ -160,3 +185,4 @@ class NamespaceHosts:
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
         self._made.clear()
+        self._delays.clear()
