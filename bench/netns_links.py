@@ -1,15 +1,18 @@
 """Row-parallel chunking over emulated links: TP across network-namespace hosts (--hosts, one
-worker each, each pinned to its own core where there are enough: on a 2-core machine TP=2 is
-the honest experiment; --hosts 3 is the TP=3 that issue 21 asks for, and on 2 cores it
-oversubscribes them), each host's egress shaped by tc's token bucket and delayed by a fixed
-one-way latency (1 Gbit/s + 200 us, 10 Gbit/s + 50 us; this kernel has no netem, so the delay
-is launch/link_delay.c behind an NFQUEUE rule, and the queue's own cost, about 40 us per packet
-on the project's VMs, comes on top), SmolLM2-shaped random weights. For each
---row-parallel-chunks setting (1, 2, 4, auto): the time of a 2,048-token prefill (time to
-first token of a 2,048-token prompt) and of one decode step (median inter-token gap of one
-request), medians of a few requests. Not in CI.
+worker each, each pinned to a core: on a 2-core machine TP=2 is the experiment without shared
+cores; --hosts 3 is the TP=3 that issue 21 asks for, and on 2 cores it oversubscribes them),
+each host's egress shaped by tc's token bucket and delayed so that the one-way latency between
+hosts is the link's (1 Gbit/s + 200 us, 10 Gbit/s + 50 us). This kernel has no netem, so the
+delay is launch/link_delay.c behind an NFQUEUE rule; the queue costs some tens of microseconds
+a packet of its own, which is measured first (delay 1 us) and subtracted from the delay asked,
+and the latency reached is measured (32-byte TCP round trips) and printed. SmolLM2-shaped
+random weights. Each round starts one job per --row-parallel-chunks setting (1, 2, 4, auto),
+in turn, and takes the time of a 2,048-token prefill (time to first token of a 2,048-token
+prompt) and of one decode step (median inter-token gap of one request), medians of --requests
+requests after a warm-up one; the figures are medians over rounds, and the speedups medians of
+each round's ratio to chunking off. Not in CI.
 
-    sudo .venv/bin/python bench/netns_links.py [--rounds 3] [--hosts 2]
+    sudo .venv/bin/python bench/netns_links.py [--rounds 3] [--hosts 3]
         [--links 1gbit+200us] [--settings 1,auto]
 """
 from __future__ import annotations
@@ -17,25 +20,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from spmd_runtime.launch.link_delay import link_delay_unavailable
+from spmd_runtime.launch.link_delay import link_delay_unavailable, measure_link
 from spmd_runtime.launch.netns import NamespaceHosts, namespaces_unavailable
 
-LINKS = (("1gbit", 200), ("10gbit", 50))    # (rate, one-way delay in microseconds)
+LINKS = (("1gbit", 200), ("10gbit", 50))    # (rate, one-way latency in microseconds)
 SETTINGS = ("1", "2", "4", "auto")
 TOKEN = "bench-token"
 PROBE = """
 import json, statistics, sys, time
 from spmd_runtime.runtime import Client, SamplingParams
-address, token, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+address, token, requests = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with Client(address, auth_token=token, timeout_s=600) as client:
     client.wait_ready(600)
     prefill, decode = [], []
-    for r in range(rounds + 1):                     # the first round warms up
+    for r in range(requests + 1):                   # the first request warms up
         prompt = [(r * 131 + 7 * i) % 40000 + 100 for i in range(2048)]
         started = time.perf_counter()
         stamps = []
@@ -66,7 +70,7 @@ def model_for(hosts: int, directory: str) -> str:
     return "dummy:" + directory
 
 
-def run(hosts: NamespaceHosts, setting: str, rounds: int, log_dir: str) -> dict:
+def run(hosts: NamespaceHosts, setting: str, requests: int, log_dir: str) -> dict:
     count = len(hosts.names)
     cores = sorted(os.sched_getaffinity(0))
     argv = [sys.executable, "-m", "spmd_runtime.launch", "--nnodes", str(count),
@@ -87,7 +91,7 @@ def run(hosts: NamespaceHosts, setting: str, rounds: int, log_dir: str) -> dict:
                                      stdin=subprocess.DEVNULL))
     try:
         probe = hosts.popen(0, [sys.executable, "-c", PROBE, "tcp://127.0.0.1:7000", TOKEN,
-                                str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                str(requests)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
         while probe.poll() is None:
             if any(launcher.poll() is not None for launcher in launchers):
@@ -120,7 +124,10 @@ def link_name(rate: str, delay_us: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="passes over the settings, a fresh job for each")
+    parser.add_argument("--requests", type=int, default=2,
+                        help="measured requests per job, after a warm-up one")
     parser.add_argument("--hosts", type=int, default=2,
                         help="one worker per host; 3 is the issue's TP=3, which oversubscribes 2 cores")
     parser.add_argument("--links", default=",".join(link_name(*link) for link in LINKS),
@@ -138,30 +145,63 @@ def main() -> None:
         print(f"netns_links: {args.hosts} hosts on {len(os.sched_getaffinity(0))} cores: workers "
               "share cores, so compute and transfers compete for them", flush=True)
     rows = []
-    for rate, delay_us in links:
-        link = link_name(rate, delay_us)
+    for rate, latency_us in links:
+        link = link_name(rate, latency_us)
         with NamespaceHosts(args.hosts) as hosts, tempfile.TemporaryDirectory() as log_dir:
-            for host in range(args.hosts):
-                hosts.shape(host, rate, delay_us=delay_us)
-            for setting in settings:
-                result = run(hosts, setting, args.rounds, log_dir)
-                result.update(link=link, chunks=setting,
-                              picked=auto_choice(log_dir) if setting == "auto" else "")
-                rows.append(result)
-                print(f"{link:>13} chunks {setting:>4}: prefill 2048 {result['prefill_s']:.3f} s, "
-                      f"decode step {result['decode_step_s'] * 1e3:.1f} ms {result['picked']}",
-                      flush=True)
-    print_speedups(rows)
+            reached = shape_link(hosts, rate, latency_us)
+            print(f"{link}: one-way latency reached {reached['one_way_us']:.0f} us "
+                  f"(delay {reached['delay_us']} us + the queue's own), bulk "
+                  f"{reached['bulk_mb_s']:.0f} MB/s", flush=True)
+            for round_index in range(args.rounds):
+                for setting in settings:
+                    result = run(hosts, setting, args.requests, log_dir)
+                    result.update(link=link, chunks=setting, round=round_index, **reached,
+                                  picked=auto_choice(log_dir) if setting == "auto" else "")
+                    rows.append(result)
+                    print(f"{link:>13} round {round_index} chunks {setting:>4}: prefill 2048 "
+                          f"{result['prefill_s']:.3f} s, decode step "
+                          f"{result['decode_step_s'] * 1e3:.1f} ms {result['picked']}", flush=True)
+    print_summary(rows)
     if args.json:
         print(json.dumps(rows))
 
 
-def print_speedups(rows: list[dict]) -> None:
-    for base in (r for r in rows if r["chunks"] == "1"):
-        for row in (r for r in rows if r["link"] == base["link"] and r["chunks"] != "1"):
-            print(f"{row['link']:>13} chunks {row['chunks']:>4}: prefill speedup "
-                  f"{base['prefill_s'] / row['prefill_s']:.2f}x, decode "
-                  f"{base['decode_step_s'] / row['decode_step_s']:.2f}x")
+def shape_link(hosts: NamespaceHosts, rate: str, latency_us: int) -> dict:
+    """Shape every host to `rate` with a delay that, with the queue's own cost (measured with a
+    1 us delay), makes `latency_us` one way; return what was reached."""
+    for host in range(len(hosts.names)):
+        hosts.shape(host, rate)
+    bare = measure_link(hosts)["rtt_ms"]
+    for host in range(len(hosts.names)):
+        hosts.shape(host, rate, delay_us=1)
+    queue_us = max(0.0, (measure_link(hosts)["rtt_ms"] - bare) * 1e3 / 2 - 1)
+    delay_us = max(1, round(latency_us - queue_us))
+    for host in range(len(hosts.names)):
+        hosts.shape(host, rate, delay_us=delay_us)
+    reached = measure_link(hosts, bulk_mib=48)
+    return {"delay_us": delay_us, "one_way_us": reached["rtt_ms"] * 1e3 / 2,
+            "bulk_mb_s": reached["bulk_mb_s"]}
+
+
+def print_summary(rows: list[dict]) -> None:
+    """Per link and setting: medians over rounds, and the median of each round's ratio to
+    chunking off (above 1: faster than off)."""
+    for link in dict.fromkeys(r["link"] for r in rows):
+        base = {r["round"]: r for r in rows if r["link"] == link and r["chunks"] == "1"}
+        for chunks in dict.fromkeys(r["chunks"] for r in rows if r["link"] == link):
+            mine = [r for r in rows if r["link"] == link and r["chunks"] == chunks]
+            line = (f"{link:>13} chunks {chunks:>4}: prefill 2048 "
+                    f"{statistics.median(r['prefill_s'] for r in mine):.3f} s, decode step "
+                    f"{statistics.median(r['decode_step_s'] for r in mine) * 1e3:.1f} ms")
+            if base and chunks != "1":
+                prefill = [base[r["round"]]["prefill_s"] / r["prefill_s"] for r in mine]
+                decode = [base[r["round"]]["decode_step_s"] / r["decode_step_s"] for r in mine]
+                line += (f"; vs off: prefill {statistics.median(prefill):.2f}x "
+                         f"(rounds {', '.join(f'{x:.2f}' for x in prefill)}), decode "
+                         f"{statistics.median(decode):.2f}x (rounds "
+                         f"{', '.join(f'{x:.2f}' for x in decode)})")
+            picked = sorted({r["picked"] for r in mine if r["picked"]})
+            print(line + (f"; auto picked {' / '.join(picked)}" if picked else ""))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ Needs gcc, libnetfilter-queue-dev and iptables (`apt-get install gcc libnetfilte
 iptables`); the serving path never uses it."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -68,3 +70,72 @@ def wait_bound(program: subprocess.Popen) -> None:
     if program.stdout.readline().strip() != "ready":
         program.wait(10)
         raise RuntimeError(f"link_delay did not start: {program.stderr.read().strip()}")
+
+
+ECHO_PORT = 29123
+# Host 1 serves: it echoes small messages, or swallows a bulk transfer and answers its size.
+SERVER = """
+import socket, sys
+listener = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+while True:
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    kind = conn.recv(1)
+    if kind == b"e":
+        while (data := conn.recv(64)):
+            conn.sendall(data)
+    else:
+        total = 0
+        while (data := conn.recv(1 << 20)):
+            total += len(data)
+        conn.sendall(str(total).encode())
+    conn.close()
+"""
+# Host 0 measures: the median of `rounds` 32-byte round trips, then one bulk transfer.
+CLIENT = """
+import json, socket, statistics, sys, time
+address, rounds, bulk = (sys.argv[1], int(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
+with socket.create_connection(address) as conn:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.sendall(b"e")
+    trips = []
+    for _ in range(rounds + 5):                     # the first few warm up
+        started = time.perf_counter()
+        conn.sendall(b"x" * 32)
+        got = 0
+        while got < 32:
+            got += len(conn.recv(64))
+        trips.append(time.perf_counter() - started)
+rate = None
+if bulk:
+    with socket.create_connection(address) as conn:
+        chunk = b"\\0" * (1 << 20)
+        started = time.perf_counter()
+        conn.sendall(b"b")
+        for _ in range(bulk):
+            conn.sendall(chunk)
+        conn.shutdown(socket.SHUT_WR)
+        assert int(conn.recv(64)) == bulk << 20
+        rate = bulk * (1 << 20) / 1e6 / (time.perf_counter() - started)
+print(json.dumps({"rtt_ms": statistics.median(trips[5:]) * 1e3, "bulk_mb_s": rate}))
+"""
+
+
+def measure_link(hosts, rounds: int = 50, bulk_mib: int = 0) -> dict:
+    """Between hosts 0 and 1 of a NamespaceHosts: the median round trip of `rounds` 32-byte
+    messages ("rtt_ms") and, with bulk_mib, the rate of one bulk transfer ("bulk_mb_s")."""
+    server = hosts.popen(1, [sys.executable, "-c", SERVER, hosts.addresses[1], str(ECHO_PORT)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "listening":
+            raise RuntimeError("the echo server on host 1 did not start")
+        probe = hosts.run(0, [sys.executable, "-c", CLIENT, hosts.addresses[1], str(ECHO_PORT),
+                              str(rounds), str(bulk_mib)], capture_output=True, text=True,
+                          timeout=120)
+        if probe.returncode:
+            raise RuntimeError(f"the link probe failed: {probe.stderr[-2000:]}")
+        return json.loads(probe.stdout)
+    finally:
+        server.kill()
+        server.wait(10)
