@@ -28,37 +28,40 @@ log = logging.getLogger("spmd.worker")
 
 CHUNK_COUNTS = (2, 4)
 TOKEN_COUNTS = (256, 1024, 4096)
-REPEATS = 3
+REPEATS = 7
 MARGIN = 0.95          # chunking must take at most 95% of the unchunked time
 
 
-def _time_layer(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, chunks: int) -> float:
-    setting = dataclasses.replace(tp, row_parallel_chunks=chunks, row_parallel_chunk_threshold=0)
-    row_parallel_linear(x, weight, None, setting)                 # warm
-    times = []
-    for _ in range(REPEATS):
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        started = time.perf_counter()
-        row_parallel_linear(x, weight, None, setting)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def _time_layer(x: torch.Tensor, weight: torch.Tensor, setting: TensorParallel) -> float:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    started = time.perf_counter()
+    row_parallel_linear(x, weight, None, setting)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - started
 
 
 def measure(tp: TensorParallel, hidden: int, features: int, dtype: torch.dtype,
             device: torch.device, max_tokens: int) -> dict[int, dict[int, float]]:
-    """Seconds per call (the group's slowest rank) by token count, then chunk count."""
+    """Seconds per call (the group's slowest rank) by token count, then chunk count: the
+    median of REPEATS calls, the chunk counts taking turns call by call, so a machine that
+    slows down or speeds up during the measurement favours none of them."""
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(hidden, features, generator=generator) * 0.02).to(device, dtype)
     sizes = [n for n in TOKEN_COUNTS if n <= max_tokens] or [max_tokens]
     counts = (1, *CHUNK_COUNTS)
+    settings = [dataclasses.replace(tp, row_parallel_chunks=c, row_parallel_chunk_threshold=0)
+                for c in counts]
     table = torch.zeros(len(sizes), len(counts), dtype=torch.float64)
     for i, tokens in enumerate(sizes):
         x = torch.randn(tokens, features, generator=generator).to(device, dtype)
-        for j, chunks in enumerate(counts):
-            table[i, j] = _time_layer(x, weight, tp, chunks)
+        for setting in settings:                                  # warm
+            row_parallel_linear(x, weight, None, setting)
+        times = [[_time_layer(x, weight, setting) for setting in settings]
+                 for _ in range(REPEATS)]
+        for j in range(len(counts)):
+            table[i, j] = statistics.median(row[j] for row in times)
     reduced = table.to(device)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=tp.group)
     reduced = reduced.cpu()
