@@ -171,22 +171,18 @@ def shape_link(hosts: NamespaceHosts, rate: str, latency_us: int) -> dict:
     """Shape every host to `rate` with a delay that, with the queue's own cost (measured with a
     1 us delay), adds `latency_us` one way to the bare link's; corrected once by what the first
     try reached; return what was reached (one way, the bare link's included)."""
-    for host in range(len(hosts.names)):
-        hosts.shape(host, rate)
-    bare = measure_link(hosts)["rtt_ms"]
-    for host in range(len(hosts.names)):
-        hosts.shape(host, rate, delay_us=1)
-    queue_us = max(0.0, (measure_link(hosts)["rtt_ms"] - bare) * 1e3 / 2 - 1)
-    delay_us = max(1, round(latency_us - queue_us))
-    for correction in range(2):         # then once more, by what the first try missed by
+    def one_way_us(delay_us: int, bulk_mib: int = 0) -> dict:
         for host in range(len(hosts.names)):
             hosts.shape(host, rate, delay_us=delay_us)
-        reached = measure_link(hosts, bulk_mib=48 if correction else 0)
-        if not correction:
-            delay_us = max(1, round(delay_us - (reached["rtt_ms"] * 1e3 / 2 - bare * 1e3 / 2
-                                                - latency_us)))
-    return {"delay_us": delay_us, "one_way_us": reached["rtt_ms"] * 1e3 / 2,
-            "bulk_mb_s": reached["bulk_mb_s"]}
+        measured = measure_link(hosts, bulk_mib=bulk_mib)
+        return {"one_way_us": measured["rtt_ms"] * 1e3 / 2, "bulk_mb_s": measured["bulk_mb_s"]}
+
+    bare = one_way_us(0)["one_way_us"]
+    queue_us = max(0.0, one_way_us(1)["one_way_us"] - bare - 1)
+    delay_us = max(1, round(latency_us - queue_us))
+    missed_by = one_way_us(delay_us)["one_way_us"] - bare - latency_us
+    delay_us = max(1, round(delay_us - missed_by))
+    return {"delay_us": delay_us, **one_way_us(delay_us, bulk_mib=48)}
 
 
 def print_summary(rows: list[dict]) -> None:

@@ -1,5 +1,6 @@
-/* Constant link delay in user space, for kernels without netem: every packet that nftables
- * sends to NFQUEUE number Q is accepted exactly D microseconds after it reached this program.
+/* Constant link delay in user space, for kernels without netem: every packet that a netfilter
+ * rule (iptables' NFQUEUE target) sends to queue number Q is accepted exactly D microseconds
+ * after it reached this program.
  *
  *     link_delay Q D        prints "ready" once bound; exits cleanly on SIGTERM or SIGINT
  *
