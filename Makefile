@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint env clean gpu-bundle
+.PHONY: demo test test-fast lint env kernels clean gpu-bundle
 
 # torch first and pinned: with a CPU build installed (or torch==2.13.0 available locally),
 # the open-ended torch requirement of setup.cfg is already met and nothing large is fetched.
@@ -25,18 +25,24 @@ $(STAMP): setup.cfg pyproject.toml
 		|| echo "make env: no tcmalloc: CPU workers use glibc's allocator (slower prefill)"
 	touch $(STAMP)
 
-env: $(STAMP)
+env: kernels
 
-demo: $(STAMP)
+# The C++ CPU operators, compiled here and now for this CPU's instruction set (never while
+# serving): a compiler error stops make with the compiler's message. Quick when already built
+# for these sources (runtime/layers/cpu_kernel_build.py keys each build by a digest of them).
+kernels: $(STAMP)
+	$(PY) -m spmd_runtime.runtime.layers.cpu_kernel_build
+
+demo: kernels
 	$(VENV)/bin/spmdrun generate --model smollm2 --prompt "What is the capital of France?"
 
 # Two pytest-xdist workers, a test file each at a time, each pinned to half the cores: the
 # waiting-bound tests (faults, timeouts, process starts) of one overlap the other's compute.
-test: $(STAMP)
+test: kernels
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The unit tests only (no real engine, no model load): under two minutes.
-test-fast: $(STAMP)
+test-fast: kernels
 	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)

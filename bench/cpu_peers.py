@@ -1,9 +1,10 @@
 """CPU comparison (issue 18): spmd-runtime against vLLM's CPU backend and llama.cpp's server on
-the same workload, the same float32 SmolLM2 weights and the same machine, in one run.
+the same workload, the same SmolLM2 weights, in the same dtype, on the same machine, in one run.
 
     python bench/cpu_peers.py --workload W1 --rounds 3
     python bench/cpu_peers.py --workload B1 --peers vllm,llamacpp          # TTFT and ITL
-    python bench/cpu_peers.py --workload W2 --ours fp32={} --ours int8='{"quantization": "int8"}'
+    python bench/cpu_peers.py --workload W2 --ours auto={} --ours int8='{"quantization": "int8"}'
+    python bench/cpu_peers.py --workload W1 --dtype float32        # ours and vLLM in float32
 
 Each round starts every engine afresh (start-up not timed) and runs the workload once; the order
 alternates (ours first in odd rounds, the peers first in even ones). A workload of several
@@ -13,10 +14,13 @@ the per-round ratios ours / peer. A one-request workload (B1) is a latency run: 
 median time of three 1-token generations, ITL (t(N) - TTFT) / (N - 1) with t(N) the median
 of three N-token ones, each call with a prompt of its own so that no prefix cache helps.
 
-Ours: runtime.LLM("smollm2", dtype="float32", device="cpu", **options) per --ours config, its
-defaults otherwise (1024 batched tokens a step, prefix caching on). vLLM: bench/vllm_peer.py
-in the venv of bench/setup_vllm_cpu.sh on the same weights dequantised to a float32 HF directory
-(its CPU defaults: 4096 batched tokens a step, prefix caching on); llama.cpp: bench/llamacpp_peer.py
+Ours: runtime.LLM("smollm2", dtype=--dtype, device="cpu", **options) per --ours config, its
+defaults otherwise (1024 batched tokens a step, prefix caching on). --dtype auto resolves as a
+worker does (bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere) and vLLM runs in that
+same dtype unless --peer-dtype says otherwise. vLLM: bench/vllm_peer.py in the venv of
+bench/setup_vllm_cpu.sh on the same weights dequantised to a float32 HF directory (cast to the
+dtype at load; its CPU defaults: 4096 batched tokens a step, prefix caching on); llama.cpp:
+bench/llamacpp_peer.py
 on the float32 GGUF of bench/setup_llama_cpp.sh. Every engine runs at most --max-num-seqs
 requests at once. A peer that is not set up is skipped with a message.
 """
@@ -56,6 +60,7 @@ from spmd_runtime.launch.bench import (
     throughput_workload_from_args,
 )
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime.cpu_features import resolve_dtype_name
 
 BENCH = Path(__file__).resolve().parent
 MODEL = "smollm2"
@@ -93,8 +98,7 @@ def run_ours(engine: str, options: dict, spec: dict, agreement_prompts: int = AG
     peers time them."""
     from spmd_runtime.runtime import LLM
     started = time.perf_counter()
-    with LLM(MODEL, dtype="float32", device="cpu",
-             **{"max_num_seqs": spec["max_num_seqs"], **options}) as llm:
+    with LLM(MODEL, device="cpu", **{"max_num_seqs": spec["max_num_seqs"], **options}) as llm:
         startup_s = time.perf_counter() - started
         generate, results = ours_generate(llm), []
         for run in spec["runs"]:
@@ -153,10 +157,15 @@ def parse_ours(text: str) -> tuple[str, dict]:
 
 def add_engine_options(parser: argparse.ArgumentParser, peers: str = "vllm,llamacpp") -> None:
     """Which engines run (`peers`: the default of --peers), and where the peers are set up."""
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="our engine's --dtype (an --ours config may set its own); auto "
+                        "resolves as a CPU worker does (default: %(default)s)")
+    parser.add_argument("--peer-dtype", choices=("float32", "bfloat16"),
+                        help="vLLM's dtype (default: what --dtype resolves to on this CPU)")
     parser.add_argument("--ours", type=parse_ours, action="append", metavar="NAME=JSON",
                         help="a config of our engine: a name and its LLM options as a JSON "
                         "object, e.g. int8='{\"quantization\": \"int8\"}'; repeatable "
-                        "(default: fp32={})")
+                        "(default: NAME={} with NAME the resolved --dtype)")
     parser.add_argument("--peers", default=peers,
                         help="comma-separated peers from vllm, llamacpp; '' for none "
                         "(default: %(default)s)")
@@ -168,14 +177,20 @@ def add_engine_options(parser: argparse.ArgumentParser, peers: str = "vllm,llama
                         help="bench/setup_llama_cpp.sh's cache (default: %(default)s)")
 
 
+def peer_dtype(args: argparse.Namespace) -> str:
+    """vLLM's dtype: --peer-dtype, or what our --dtype resolves to on this CPU."""
+    return args.peer_dtype or resolve_dtype_name(args.dtype, "cpu")[0]
+
+
 def engines_from_args(args: argparse.Namespace, agreement_prompts: int = AGREEMENT_PROMPTS
                       ) -> list[Engine]:
     """Ours (each --ours config), then the peers that are set up; a message for the others.
     agreement_prompts: how many outputs of ours to keep from each throughput run."""
-    engines = [Engine(f"spmd-runtime {name}", partial(run_ours, f"spmd-runtime {name}", options,
+    engines = [Engine(f"spmd-runtime {name}", partial(run_ours, f"spmd-runtime {name}",
+                                                      {"dtype": args.dtype, **options},
                                                       agreement_prompts=agreement_prompts),
                       ours=True)
-               for name, options in (args.ours or [("fp32", {})])]
+               for name, options in (args.ours or [(resolve_dtype_name(args.dtype, "cpu")[0], {})])]
     for peer in filter(None, args.peers.split(",")):
         if peer == "vllm":
             if (args.vllm_venv / "bin" / "python").exists() and args.vllm_model.is_dir():
@@ -305,6 +320,7 @@ def main() -> int:
                         "vLLM: max_num_seqs, llama.cpp: its slots) (default: %(default)s)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every row and the summary")
     args = parser.parse_args()
+    ours_dtype, why = resolve_dtype_name(args.dtype, "cpu")
     try:
         workload = throughput_workload_from_args(args)
         engines = engines_from_args(args)
@@ -312,9 +328,10 @@ def main() -> int:
         parser.error(str(error))
     from spmd_runtime.runtime.loaders import load_model_config, resolve_model
     runs = workload_runs(workload, load_model_config(resolve_model(MODEL)).vocab_size)
-    spec = peer_spec(runs, args.max_num_seqs)
-    print(f"workload {args.workload}: {workload.describe()}, seed {workload.seed}; {MODEL} float32 "
-          f"on CPU; engines' defaults otherwise (prefix caching on in ours and vLLM)", flush=True)
+    spec = {**peer_spec(runs, args.max_num_seqs), "dtype": peer_dtype(args)}
+    print(f"workload {args.workload}: {workload.describe()}, seed {workload.seed}; {MODEL} on CPU, "
+          f"ours {ours_dtype} ({why}), vLLM {peer_dtype(args)}; engines' defaults otherwise "
+          f"(prefix caching on in ours and vLLM)", flush=True)
     print(LATENCY_HEADER if runs[0]["mode"] == "latency" else THROUGHPUT_HEADER, flush=True)
     rows = run_rounds(engines, spec, args.rounds)
     summary, agreed = summarize(engines, rows), agreement(engines, rows)

@@ -20,7 +20,7 @@ import platform
 import sys
 from pathlib import Path
 
-from cpu_peers import MODEL, add_engine_options, engines_from_args, throughput_report
+from cpu_peers import MODEL, add_engine_options, engines_from_args, peer_dtype, throughput_report
 from peer_common import peer_spec, throughput_spec
 from spmd_runtime.launch.bench import ThroughputWorkload
 
@@ -92,7 +92,7 @@ def main() -> int:
     from spmd_runtime.runtime.loaders import load_model_config, resolve_model
     runs = sweep_runs(concurrency, args.prompt_len, args.output_len,
                       load_model_config(resolve_model(MODEL)).vocab_size, args.seed)
-    spec = peer_spec(runs, max_num_seqs=max(concurrency))
+    spec = {**peer_spec(runs, max_num_seqs=max(concurrency)), "dtype": peer_dtype(args)}
     figures = {}
     for engine in engines:
         print(f"{engine.name}: concurrency {concurrency}", flush=True)

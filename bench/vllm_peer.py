@@ -43,7 +43,7 @@ def main(spec_path: str, result_path: str, profile_dir: str = "") -> int:
                                      "torch_profiler_with_stack": False,
                                      "torch_profiler_use_gzip": False}} if profile_dir else {}
     started = time.perf_counter()
-    llm = LLM(spec["model"], dtype="float32", max_num_seqs=spec["max_num_seqs"],
+    llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"), max_num_seqs=spec["max_num_seqs"],
               max_model_len=spec["max_model_len"], seed=0, **profiling)
     startup_s = time.perf_counter() - started
     if profile_dir:

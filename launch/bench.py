@@ -82,6 +82,8 @@ THROUGHPUT_WORKLOADS = {
     "W1": ThroughputWorkload(32, 32, 256, 64, 64),
     "W2": ThroughputWorkload(64, 16, 64, 128, 128),
     "B1": ThroughputWorkload(1, 512, 512, 128, 128),
+    # Issue 30's prefill-heavy comparison: long prompts, few outputs.
+    "W4": ThroughputWorkload(32, 256, 768, 16, 16),
 }
 
 

@@ -169,6 +169,9 @@ def build_parser() -> CommandLineParser:
         "needs it). Then start every node with --curve-keys DIR (other nodes may get "
         "DIR/job.key alone) and give clients server_key='DIR/job.key'.")
     keys.add_argument("directory", metavar="DIR", help="where to write the keys (made if missing)")
+    # Listed for --help; main() hands its arguments to runtime/layers/cpu_kernel_build.py.
+    commands.add_parser("build-kernels", add_help=False,
+                        help="build the C++ CPU operators ahead of serving (make env runs it)")
     serve = commands.add_parser(
         "serve", usage=OPTIONS_USAGE, help="serve RPC clients (and HTTP with --port) until stopped",
         description="Serve RPC clients, and OpenAI-compatible HTTP with --port, until Ctrl-C or "
@@ -364,6 +367,10 @@ def make_keys(directory: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["build-kernels"]:
+        from spmd_runtime.runtime.layers.cpu_kernel_build import main as build_kernels
+        return build_kernels(argv[1:])
     args = parse_command_line(build_parser(), argv)
     try:
         if args.command == "keys":

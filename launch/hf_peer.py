@@ -8,6 +8,7 @@ import time
 
 from spmd_runtime.launch.bench import ThroughputReport
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime.cpu_features import resolve_dtype_name
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 
 # The row's label (the table's engine column is 24 characters wide).
@@ -17,14 +18,12 @@ WARMUP_PROMPT = [3] * 8
 
 
 def resolve_dtype_device(dtype: str = "auto", device: str = "auto"):
-    """Our engine's rules: auto device is cuda when there is one; auto dtype is bfloat16 on
-    cuda and float32 elsewhere."""
+    """Our engine's rules: auto device is cuda when there is one; auto dtype as a worker
+    resolves it (runtime/cpu_features.py resolve_dtype_name)."""
     import torch
     torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto"
                                 else device)
-    if dtype == "auto":
-        return (torch.bfloat16 if torch_device.type == "cuda" else torch.float32), torch_device
-    return getattr(torch, dtype), torch_device
+    return getattr(torch, resolve_dtype_name(dtype, torch_device.type)[0]), torch_device
 
 
 def transformers_model(model: str, dtype: str = "auto", device: str = "auto", seed: int = 0):

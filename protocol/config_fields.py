@@ -22,7 +22,8 @@ class ModelOptions(msgspec.Struct, kw_only=True):
         "model to serve: 'smollm2' (embedded), a .gguf file, a Hugging Face directory, "
         "or dummy:<one of those> for random weights"))] = "smollm2"
     dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], Meta(description=(
-        "weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+        "weight and activation dtype: auto (bfloat16 on CUDA and on CPUs with AMX or "
+        "AVX512-BF16, float32 on other CPUs; the log says which and why), float32 (exact), "
         "float16 or bfloat16"))] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], Meta(description=(
         "auto: cuda where available, else cpu"))] = "auto"

@@ -32,6 +32,7 @@ from spmd_runtime.protocol.messages import (
 )
 from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
+from spmd_runtime.runtime.cpu_features import resolve_dtype_name
 from spmd_runtime.runtime.layers import cpu_attention, triton_attention
 from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
@@ -50,12 +51,12 @@ log = logging.getLogger("spmd.worker")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
+def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The worker's dtype for --dtype `name` on `device`, and why (see resolve_dtype_name)."""
+    resolved, why = resolve_dtype_name(name, device.type)
+    if resolved not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use auto, float32, float16 or bfloat16")
-    return DTYPES[name]
+    return DTYPES[resolved], why
 
 
 # What the scheduler answers a rank's WorkerLoaded with: the buckets to warm up (None: off).
@@ -67,7 +68,9 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                  ) -> tuple[ModelRunner, WorkerReady]:
     """Load the model, allocate the KV cache and warm up the scheduler's buckets (asked for
     with `buckets_from_scheduler`; without it, none: the runner serves unpadded batches)."""
-    dtype = resolve_dtype(config.dtype, ctx.device)
+    dtype, why = resolve_dtype(config.dtype, ctx.device)
+    if ctx.rank == 0:
+        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
     started = time.perf_counter()
     tp = tensor_parallel(config, ctx)
     model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,

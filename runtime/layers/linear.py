@@ -22,7 +22,18 @@ from spmd_runtime.runtime.layers.quantization import (
 )
 from torch import nn
 
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """float32, and bfloat16 where oneDNN computes it on this CPU (AVX-512 and up): on an AVX2
+    CPU it has no bfloat16 inner product and refuses to build one; torch's own GEMM runs it."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32, torch.bfloat16
+    return (torch.float32,)
+
+
+_ONEDNN_DTYPES = _onednn_dtypes()
 
 
 def _onednn_linear_op():

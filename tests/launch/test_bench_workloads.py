@@ -12,6 +12,7 @@ SMOLLM2_VOCAB = 49152
     ("W1", 32, (32, 256), 64),
     ("W2", 64, (16, 64), 128),
     ("B1", 1, (512, 512), 128),
+    ("W4", 32, (256, 768), 16),
 ])
 def test_named_workload_shapes(name: str, requests: int, prompt_lens: tuple[int, int],
                                output_len: int) -> None:

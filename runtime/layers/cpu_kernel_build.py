@@ -1,0 +1,132 @@
+"""Builds the C++ CPU operators ahead of serving: one shared library per instruction-set level
+(runtime/cpu_features.py KERNEL_LEVELS), each in a folder keyed by that level, the torch
+version and a digest of the sources, so a library is never loaded on a CPU, a torch or sources
+it was not built for. `make env` runs `python -m spmd_runtime.runtime.layers.cpu_kernel_build`;
+a compiler error fails it with the compiler's own message.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from spmd_runtime.runtime.cpu_features import KERNEL_LEVELS, detect
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / name for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
+                                    "cpu_decode_layers.cpp", "cpu_prefill_attention.cpp")]
+HEADERS = [HERE / "cpu_math.h", HERE / "cpu_bf16.h"]
+LIBRARY = "libspmd_cpu_ops.so"
+DEFAULT_ROOT = HERE / "_kernels"
+
+
+class KernelBuildError(RuntimeError):
+    """The compiler refused the sources: the message carries its output."""
+
+
+def source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def library_path(level: str, torch_version: str, root: Path = DEFAULT_ROOT) -> Path:
+    return root / f"{level}-torch{torch_version}-{source_digest()}" / LIBRARY
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """(compile, link) flags for a library against the running torch's C++ API."""
+    import torch
+    from torch.utils import cpp_extension
+    includes = [f"-isystem{path}" for path in cpp_extension.include_paths()]
+    includes.append(f"-isystem{sysconfig.get_path('include')}")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libs = cpp_extension.library_paths()
+    link = [f"-L{path}" for path in libs] + [f"-Wl,-rpath,{path}" for path in libs]
+    return ([*includes, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-std=c++20", "-fPIC", "-O3",
+             "-fopenmp"], [*link, "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp", "-shared"])
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise KernelBuildError(f"{' '.join(command[:1] + command[-3:])} failed:\n"
+                               f"{done.stdout}{done.stderr}")
+
+
+def build(level: str, root: Path = DEFAULT_ROOT, jobs: int | None = None) -> Path:
+    """Compile the library for `level` (if not built for these sources already); its path."""
+    import torch
+    target = library_path(level, torch.__version__, root)
+    if target.exists():
+        return target
+    compile_flags, link_flags = _torch_flags()
+    compiler = os.environ.get("CXX", "g++")
+    level_flags = list(KERNEL_LEVELS[level][0])
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".{level}-") as scratch:
+        objects = [Path(scratch) / (source.stem + ".o") for source in SOURCES]
+        with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+            list(pool.map(_run, [[compiler, *compile_flags, *level_flags, "-c", str(source),
+                                  "-o", str(obj)] for source, obj in zip(SOURCES, objects, strict=True)]))
+        staged = Path(scratch) / LIBRARY
+        _run([compiler, *map(str, objects), *link_flags, "-o", str(staged)])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, target)
+    return target
+
+
+def levels_to_build(which: str) -> list[str]:
+    """"native": the most capable level this CPU runs; "all": every level; or a comma list."""
+    if which == "native":
+        runnable = detect().kernel_levels
+        return runnable[:1]
+    if which == "all":
+        return list(KERNEL_LEVELS)
+    levels = [name.strip() for name in which.split(",") if name.strip()]
+    unknown = [name for name in levels if name not in KERNEL_LEVELS]
+    if unknown:
+        raise ValueError(f"unknown kernel level(s) {unknown}: use native, all or a comma list of "
+                         f"{', '.join(KERNEL_LEVELS)}")
+    return levels
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="spmdrun build-kernels", description="Build the C++ CPU operators ahead of serving.")
+    parser.add_argument("--levels", default="native",
+                        help="native (this CPU's best level), all, or a comma list of "
+                        f"{', '.join(KERNEL_LEVELS)} (default: native)")
+    parser.add_argument("--clean", action="store_true",
+                        help="remove every earlier build first (other torch versions, sources)")
+    args = parser.parse_args(argv)
+    try:
+        levels = levels_to_build(args.levels)
+    except ValueError as error:
+        parser.error(str(error))
+    if not levels:
+        print("build-kernels: this CPU has no AVX2 (with FMA and F16C): nothing to build; "
+              "CPU workers run the torch paths", file=sys.stderr)
+        return 0
+    if args.clean and DEFAULT_ROOT.exists():
+        shutil.rmtree(DEFAULT_ROOT)
+    for level in levels:
+        try:
+            path = build(level)
+        except KernelBuildError as error:
+            print(f"build-kernels: the {level} build failed: {error}", file=sys.stderr)
+            return 1
+        print(f"build-kernels: {level}: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
