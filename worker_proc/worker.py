@@ -1,6 +1,7 @@
 """Worker process loop: load the model, report readiness, then run step plans until shutdown."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -81,6 +82,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     del weights
     model.to(ctx.device).eval()
     prepare_weights(config, model, ctx.device, dtype)
+    release_free_memory()
     log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
              config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
     max_model_len = model_config.max_position_embeddings
@@ -122,6 +124,18 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
                         num_cpu_kv_blocks=num_cpu_blocks, generation=generation)
     return runner, ready
+
+
+def release_free_memory() -> None:
+    """Hand the freed checkpoint tensors' memory back to the OS: tcmalloc (preloaded in CPU
+    workers, launch/engine.py) keeps freed pages for reuse, which would leave a worker resident
+    at two copies of its weights after loading; glibc's trim does the same without it."""
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+    elif hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)
 
 
 def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int,

@@ -325,13 +325,15 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of weights named as in Hugging Face Llama checkpoints, fusing
         QKV and gate/up. Weights may be whole (they are sliced here) or this rank's shards
-        already (a loader that read only them, see llama_shard_spec)."""
+        already (a loader that read only them, see llama_shard_spec). Each weight is dropped from
+        `weights` once copied, so the checkpoint and the model are not both held whole: a
+        worker's memory peaks near one copy of the weights, not two."""
         spec = self.shard_spec(self.config, self.tp)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing weight {name}")
-            tensor, shard = weights[name], spec(name)
+            tensor, shard = weights.pop(name), spec(name)
             if shard is not None and tensor.shape[shard[0]] == shard[2]:
                 return tensor           # a loader read only this rank's shard
             return read_shard(tensor, shard)
