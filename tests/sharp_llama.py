@@ -63,7 +63,7 @@ FAMILY_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num
 # Chunks of 16 tokens, and a pool of 6 blocks of 16 (no admission watermark): the two longest
 # family_prompts share 2 full blocks (the later one finds them in the prefix cache) and need 7
 # blocks together at the end of their generation, so one is preempted and resumed.
-FAMILY_ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=6, kv_admission_watermark=0.0,
+FAMILY_ENGINE = dict(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=6, kv_admission_watermark=0.0,
                      max_model_len=128, enable_prefix_caching=True)
 
 

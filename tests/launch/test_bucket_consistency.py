@@ -11,7 +11,8 @@ from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.runtime import LLM
 from test_multinode import free_port_pair, generate
 
-ENGINE = ["--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--max-model-len", "128",
+ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64",
+          "--max-model-len", "128",
           "--execution-mode", "bucketed"]
 # The same variables, set differently on each node: decode batch sizes and prompt lengths.
 NODE_ENVS = (
@@ -59,5 +60,5 @@ def test_two_nodes_with_different_bucket_environments_run_node_0s_buckets(
     finally:
         for node in nodes:
             node.kill_tree()
-    with LLM(model, **SMALL) as llm:
+    with LLM(model, dtype="float32", **SMALL) as llm:
         assert outputs == [o.token_ids for o in llm.generate(prompts(), GREEDY)]

@@ -17,7 +17,7 @@ from spmd_runtime.runtime import Client, SamplingParams
 from spmd_runtime.runtime.client import EngineError
 
 LONG = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-ENGINE = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)
+ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def server(spmd_serve, free_port):
     port = free_port()
-    srv = spmd_serve("--model", "smollm2", "--max-model-len", str(MAX_MODEL_LEN),
+    srv = spmd_serve("--model", "smollm2", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                      "--http-port", str(port), "--enable-admin", "--admin-token", ADMIN_TOKEN,
                      "--auth-token", AUTH_TOKEN)
     srv.base_url = f"http://127.0.0.1:{port}"
@@ -155,7 +155,7 @@ def test_chat_matches_the_rpc_client(oai, rpc) -> None:
 @pytest.mark.timeout(300)
 def test_completions_and_chat_match_llm_generate(oai) -> None:
     """The same greedy requests through the in-process API, on an engine of its own."""
-    with LLM("smollm2", max_model_len=MAX_MODEL_LEN) as llm:
+    with LLM("smollm2", dtype="float32", max_model_len=MAX_MODEL_LEN) as llm:
         (completion,) = llm.generate([PROMPT], greedy(12))
         (chat,) = llm.generate([chat_prompt_ids(llm.tokenizer, MESSAGES)], greedy(16))
     reply = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)

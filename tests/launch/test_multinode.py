@@ -11,7 +11,8 @@ from sharp_llama import GREEDY, prompts, sharp_llama
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.runtime import LLM, Client
 
-ENGINE = ["--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64",
+          "--max-model-len", "128"]
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def server(spmd_serve):
-    srv = spmd_serve("--model", "smollm2", "--max-model-len", str(MAX_MODEL_LEN))
+    srv = spmd_serve("--model", "smollm2", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
     with srv.serving():
         yield srv
 

@@ -31,7 +31,7 @@ def prompts(count: int = 8) -> list[list[int]]:
 
 
 def run(model: str, **options):
-    with LLM(model, **options) as llm:
+    with LLM(model, **{"dtype": "float32", **options}) as llm:
         outputs = llm.generate(prompts(), GREEDY)
         stats = llm.client.stats()
     return [o.token_ids for o in outputs], stats
@@ -82,12 +82,12 @@ def test_batches_above_the_largest_bucket_run_unpadded_and_are_counted(sharp_mod
     options = dict(TWO_BUCKETS, max_model_len=128)      # contexts now outgrow the 64 bucket
     options["execution_mode"] = "compiled"
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    with LLM(directory, **options) as llm:
+    with LLM(directory, **{"dtype": "float32", **options}) as llm:
         bucketed = [o.token_ids for o in llm.generate(prompts(4)[2:], params)]
         stats = llm.client.stats()
     assert stats.batches_outside_buckets > 0
     assert stats.runtime_graph_compilations == 0, "unpadded batches run eagerly"
-    with LLM(directory, execution_mode="eager", **{
+    with LLM(directory, execution_mode="eager", dtype="float32", **{
             k: v for k, v in options.items() if "bucket" not in k and k != "execution_mode"}) as llm:
         assert bucketed == [o.token_ids for o in llm.generate(prompts(4)[2:], params)]
 

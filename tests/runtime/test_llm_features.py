@@ -51,7 +51,8 @@ PARAGRAPHS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM("smollm2", max_num_batched_tokens=BUDGET, num_kv_blocks=NUM_BLOCKS) as engine:
+    with LLM("smollm2", dtype="float32", max_num_batched_tokens=BUDGET,
+             num_kv_blocks=NUM_BLOCKS) as engine:
         yield engine
 
 

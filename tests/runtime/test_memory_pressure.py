@@ -130,7 +130,7 @@ def run_workload(llm: LLM, work: Workload) -> Run:
 
 @pytest.fixture(scope="module")
 def roomy(workload) -> Run:
-    with LLM("smollm2", num_kv_blocks=ROOMY_BLOCKS, max_num_batched_tokens=BUDGET) as llm:
+    with LLM("smollm2", dtype="float32", num_kv_blocks=ROOMY_BLOCKS, max_num_batched_tokens=BUDGET) as llm:
         return run_workload(llm, workload)
 
 
@@ -144,7 +144,8 @@ class Engines:
     def get(self, **options) -> LLM:
         if options != self.options:
             self.close()
-            self.llm = LLM("smollm2", num_kv_blocks=PRESSURE_BLOCKS, max_num_batched_tokens=BUDGET,
+            self.llm = LLM("smollm2", dtype="float32", num_kv_blocks=PRESSURE_BLOCKS,
+                           max_num_batched_tokens=BUDGET,
                            kv_admission_watermark=0.0, **options)
             self.options = options
         return self.llm

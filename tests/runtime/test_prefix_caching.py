@@ -57,7 +57,7 @@ SALT_TEXT = ("Learning a new language as an adult is difficult but rewarding. Th
 
 
 def make_llm(enable_prefix_caching: bool) -> LLM:
-    return LLM("smollm2", enable_prefix_caching=enable_prefix_caching,
+    return LLM("smollm2", dtype="float32", enable_prefix_caching=enable_prefix_caching,
                max_num_batched_tokens=BUDGET, num_kv_blocks=NUM_BLOCKS)
 
 

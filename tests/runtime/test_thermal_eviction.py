@@ -20,7 +20,8 @@ LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 # Stats polls: often enough to see a batch of 200-token requests in every state it passes
 # through (each lasts many steps), rarely enough not to steal the engine's CPU with RPCs.
 POLL_S = 0.02
-OPTIONS = dict(num_kv_blocks=128, max_model_len=256, max_num_seqs=8, kv_swap_memory="0.01GiB")
+OPTIONS = dict(dtype="float32", num_kv_blocks=128, max_model_len=256, max_num_seqs=8,
+               kv_swap_memory="0.01GiB")
 
 
 def prompts(n: int) -> list[list[int]]:

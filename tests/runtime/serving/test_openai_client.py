@@ -56,7 +56,8 @@ def model_dir(tmp_path_factory, smollm2_gguf) -> str:
 @pytest.fixture(scope="module")
 def server(spmd_serve, free_port, model_dir):
     port = free_port()
-    srv = spmd_serve("--model", model_dir, "--served-model-name", MODEL, "--max-model-len",
+    srv = spmd_serve("--model", model_dir, "--dtype", "float32", "--served-model-name", MODEL,
+                     "--max-model-len",
                      str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--max-num-seqs",
                      str(MAX_NUM_SEQS), "--http-port", str(port))
     srv.base_url = f"http://127.0.0.1:{port}"
