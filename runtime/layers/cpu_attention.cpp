@@ -6,6 +6,14 @@
 // or copied; each context token's K and V rows of that head are read once per step. For the
 // usual head sizes (64, 128) and group sizes (1-8) the group's queries and value sums are
 // fixed-size arrays the compiler keeps in vector registers; other shapes take a generic loop.
+//
+// Queries and caches are all float32 or all bfloat16 (the kernel is templated on that storage
+// type): bfloat16 rows are widened as they are read, scores, softmax and value sums are float32
+// either way, and the output is rounded to the queries' dtype (nearest even).
+//
+// Every entry point checks what it will dereference (shapes, dtypes, each block-table entry a
+// length reaches, each slot) before reading anything, and names the bad argument: a wrong
+// table or slot would otherwise read or write outside the cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,11 +21,41 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_math.h"
 
+namespace spmd_cpu {
+
+// Argument checks shared with cpu_prefill_attention.cpp (declared there). `op` and `name` start
+// every message, so a refusal says which call and which argument.
+void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got one on ",
+              t.device());
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+// `ref` must be float32 or bfloat16 (the storage types the kernels are built for), `t` the same.
+void check_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                 const at::Tensor& ref) {
+  TORCH_CHECK(ref.scalar_type() == at::kFloat || ref.scalar_type() == at::kBFloat16, op, ": ",
+              ref_name, " must be float32 or bfloat16, got ", ref.scalar_type());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " is ", t.scalar_type(),
+              " but ", ref_name, " is ", ref.scalar_type(),
+              ": both must be float32 or both bfloat16");
+}
+
+}  // namespace spmd_cpu
+
 namespace {
+
+using spmd_cpu::bf16_bits;
+using spmd_cpu::check_dtype;
+using spmd_cpu::check_tensor;
+using spmd_cpu::load_as_float;
+using spmd_cpu::store_from_float;
 
 struct Layout {
   int64_t kv_heads, group, head_dim, block_size;
@@ -40,23 +78,42 @@ inline float softmax_weights(float* s, int64_t length) {
   return 1.f / total;
 }
 
-// Asks for one KV head's row of `n` slots (head_dim floats each) to be brought into cache.
-inline void prefetch_rows(const Layout& L, const float* first, int64_t n) {
+// A cache row of n elements as float32: float32 rows are read in place; a bfloat16 row is
+// widened into `buffer` once, so the G query heads that share it do not each widen it.
+inline const float* float_row(const float* row, float*, int64_t) { return row; }
+inline const float* float_row(const bf16_bits* row, float* buffer, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) buffer[d] = spmd_cpu::bf16_to_float(row[d]);
+  return buffer;
+}
+
+// The G query rows of a group as float32, side by side in `dst`.
+template <typename scalar_t>
+inline void widen_queries(const Layout& L, const scalar_t* q, int64_t G, int64_t D, float* dst) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) dst[g * D + d] = load_as_float(q + g * L.q_head_stride + d);
+}
+
+// Asks for one KV head's row of `n` slots (head_dim elements each) to be brought into cache, a
+// 64-byte line at a time.
+template <typename scalar_t>
+inline void prefetch_rows(const Layout& L, const scalar_t* first, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < L.head_dim; d += 16) __builtin_prefetch(first + i * L.slot_stride + d);
+    for (int64_t d = 0; d < L.head_dim; d += kLine) __builtin_prefetch(first + i * L.slot_stride + d);
 }
 
 // Calls visit(t, row) for each context token t of a sequence with its cache row for one KV head,
 // walking the block table block by block. Blocks lie anywhere in the cache, which the hardware
 // prefetcher cannot follow: the next block's rows (and, with `also`, this block's rows of a
 // second cache, read in the next pass) are prefetched while this block is visited.
-template <typename index_t, typename Visit>
-inline void for_each_row(const Layout& L, const float* cache, const index_t* table, int64_t length,
-                         Visit visit, const float* also = nullptr) {
+template <typename index_t, typename scalar_t, typename Visit>
+inline void for_each_row(const Layout& L, const scalar_t* cache, const index_t* table,
+                         int64_t length, Visit visit, const scalar_t* also = nullptr) {
   const int64_t block_elems = L.block_size * L.slot_stride;
   for (int64_t t0 = 0, b = 0; t0 < length; t0 += L.block_size, ++b) {
     const int64_t offset = static_cast<int64_t>(table[b]) * block_elems;
-    const float* block = cache + offset;
+    const scalar_t* block = cache + offset;
     const int64_t n = std::min(L.block_size, length - t0);
     if (t0 + L.block_size < length)
       prefetch_rows(L, cache + static_cast<int64_t>(table[b + 1]) * block_elems,
@@ -67,12 +124,14 @@ inline void for_each_row(const Layout& L, const float* cache, const index_t* tab
 }
 
 // One KV head of one sequence with G query heads of D dimensions, sizes known at compile time.
-template <int G, int D, typename index_t>
-void attend_head_fixed(const Layout& L, const float* q, const float* k_cache, const float* v_cache,
-                       const index_t* table, int64_t length, float* out, float* scores) {
-  float query[G][D];
-  for (int g = 0; g < G; ++g) std::memcpy(query[g], q + g * L.q_head_stride, sizeof(float) * D);
-  for_each_row(L, k_cache, table, length, [&](int64_t t, const float* k) {
+template <int G, int D, typename index_t, typename scalar_t>
+void attend_head_fixed(const Layout& L, const scalar_t* q, const scalar_t* k_cache,
+                       const scalar_t* v_cache, const index_t* table, int64_t length,
+                       scalar_t* out, float* scores) {
+  float query[G][D], row[D];
+  widen_queries(L, q, G, D, &query[0][0]);
+  for_each_row(L, k_cache, table, length, [&](int64_t t, const scalar_t* k_row) {
+    const float* k = float_row(k_row, row, D);
     for (int g = 0; g < G; ++g) {
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -83,7 +142,8 @@ void attend_head_fixed(const Layout& L, const float* q, const float* k_cache, co
   float inv_sum[G];
   for (int g = 0; g < G; ++g) inv_sum[g] = softmax_weights(scores + g * length, length);
   float acc[G][D] = {};
-  for_each_row(L, v_cache, table, length, [&](int64_t t, const float* v) {
+  for_each_row(L, v_cache, table, length, [&](int64_t t, const scalar_t* v_row) {
+    const float* v = float_row(v_row, row, D);
     for (int g = 0; g < G; ++g) {
       const float w = scores[g * length + t];
 #pragma omp simd
@@ -92,86 +152,104 @@ void attend_head_fixed(const Layout& L, const float* q, const float* k_cache, co
   });
   for (int g = 0; g < G; ++g) {
 #pragma omp simd
-    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv_sum[g];
+    for (int d = 0; d < D; ++d) store_from_float(out + g * D + d, acc[g][d] * inv_sum[g]);
   }
 }
 
-// The same for any group and head size (sums in a scratch buffer).
-template <typename index_t>
-void attend_head_generic(const Layout& L, const float* q, const float* k_cache,
-                         const float* v_cache, const index_t* table, int64_t length, float* out,
-                         float* scores, std::vector<float>& acc) {
+// A thread's buffers for attend_head_generic, reused across its tasks.
+struct GenericScratch {
+  std::vector<float> query, acc, row, inv_sum;
+};
+
+// The same for any group and head size (queries and sums in scratch buffers).
+template <typename index_t, typename scalar_t>
+void attend_head_generic(const Layout& L, const scalar_t* q, const scalar_t* k_cache,
+                         const scalar_t* v_cache, const index_t* table, int64_t length,
+                         scalar_t* out, float* scores, GenericScratch& s) {
   const int64_t G = L.group, D = L.head_dim;
-  for_each_row(L, k_cache, table, length, [&](int64_t t, const float* k) {
+  s.query.resize(G * D);
+  s.row.resize(D);
+  widen_queries(L, q, G, D, s.query.data());
+  for_each_row(L, k_cache, table, length, [&](int64_t t, const scalar_t* k_row) {
+    const float* k = float_row(k_row, s.row.data(), D);
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * L.q_head_stride;
+      const float* qg = s.query.data() + g * D;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < D; ++d) sum += qg[d] * k[d];
       scores[g * length + t] = sum * L.scale;
     }
   }, v_cache);
-  std::vector<float> inv_sum(G);
-  for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_weights(scores + g * length, length);
-  acc.assign(G * D, 0.f);
-  for_each_row(L, v_cache, table, length, [&](int64_t t, const float* v) {
+  s.inv_sum.resize(G);
+  for (int64_t g = 0; g < G; ++g) s.inv_sum[g] = softmax_weights(scores + g * length, length);
+  s.acc.assign(G * D, 0.f);
+  for_each_row(L, v_cache, table, length, [&](int64_t t, const scalar_t* v_row) {
+    const float* v = float_row(v_row, s.row.data(), D);
     for (int64_t g = 0; g < G; ++g) {
       const float w = scores[g * length + t];
-      float* a = acc.data() + g * D;
+      float* a = s.acc.data() + g * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
     }
   });
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv_sum[g];
+    for (int64_t d = 0; d < D; ++d)
+      store_from_float(out + g * D + d, s.acc[g * D + d] * s.inv_sum[g]);
 }
 
-template <typename index_t>
-using HeadFn = void (*)(const Layout&, const float*, const float*, const float*, const index_t*,
-                        int64_t, float*, float*);
+template <typename index_t, typename scalar_t>
+using HeadFn = void (*)(const Layout&, const scalar_t*, const scalar_t*, const scalar_t*,
+                        const index_t*, int64_t, scalar_t*, float*);
 
-template <int D, typename index_t>
-HeadFn<index_t> fixed_for_group(int64_t group) {
+template <int D, typename index_t, typename scalar_t>
+HeadFn<index_t, scalar_t> fixed_for_group(int64_t group) {
   switch (group) {
-    case 1: return attend_head_fixed<1, D, index_t>;
-    case 2: return attend_head_fixed<2, D, index_t>;
-    case 3: return attend_head_fixed<3, D, index_t>;
-    case 4: return attend_head_fixed<4, D, index_t>;
-    case 5: return attend_head_fixed<5, D, index_t>;
-    case 6: return attend_head_fixed<6, D, index_t>;
-    case 7: return attend_head_fixed<7, D, index_t>;
-    case 8: return attend_head_fixed<8, D, index_t>;
+    case 1: return attend_head_fixed<1, D, index_t, scalar_t>;
+    case 2: return attend_head_fixed<2, D, index_t, scalar_t>;
+    case 3: return attend_head_fixed<3, D, index_t, scalar_t>;
+    case 4: return attend_head_fixed<4, D, index_t, scalar_t>;
+    case 5: return attend_head_fixed<5, D, index_t, scalar_t>;
+    case 6: return attend_head_fixed<6, D, index_t, scalar_t>;
+    case 7: return attend_head_fixed<7, D, index_t, scalar_t>;
+    case 8: return attend_head_fixed<8, D, index_t, scalar_t>;
     default: return nullptr;
   }
 }
 
-template <typename index_t>
-HeadFn<index_t> fixed_head_fn(const Layout& L) {
-  if (L.head_dim == 64) return fixed_for_group<64, index_t>(L.group);
-  if (L.head_dim == 128) return fixed_for_group<128, index_t>(L.group);
+template <typename index_t, typename scalar_t>
+HeadFn<index_t, scalar_t> fixed_head_fn(const Layout& L) {
+  if (L.head_dim == 64) return fixed_for_group<64, index_t, scalar_t>(L.group);
+  if (L.head_dim == 128) return fixed_for_group<128, index_t, scalar_t>(L.group);
   return nullptr;
 }
 
-template <typename index_t>
-void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& tables, const at::Tensor& lengths, at::Tensor& out) {
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
-  const index_t* table_ptr = tables.data_ptr<index_t>();
-  const int32_t* length_ptr = lengths.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
+template <typename scalar_t>
+const scalar_t* data_of(const at::Tensor& t) {
+  return static_cast<const scalar_t*>(t.const_data_ptr());
+}
+
+template <typename index_t, typename scalar_t>
+void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
+            const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lengths,
+            at::Tensor& out) {
+  const scalar_t* q_ptr = data_of<scalar_t>(q);
+  const scalar_t* k_ptr = data_of<scalar_t>(k_cache);
+  const scalar_t* v_ptr = data_of<scalar_t>(v_cache);
+  const index_t* table_ptr = data_of<index_t>(tables);
+  const int32_t* length_ptr = data_of<int32_t>(lengths);
+  scalar_t* out_ptr = static_cast<scalar_t*>(out.mutable_data_ptr());
   const int64_t D = L.head_dim, G = L.group, heads = L.kv_heads * G;
-  const HeadFn<index_t> fixed = fixed_head_fn<index_t>(L);
+  const HeadFn<index_t, scalar_t> fixed = fixed_head_fn<index_t, scalar_t>(L);
   at::parallel_for(0, q.size(0) * L.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    std::vector<float> scores;
+    GenericScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / L.kv_heads, kv = task % L.kv_heads;
       const int64_t length = length_ptr[seq];
       scores.resize(G * length);
-      const float* q_group = q_ptr + seq * L.q_seq_stride + kv * G * L.q_head_stride;
+      const scalar_t* q_group = q_ptr + seq * L.q_seq_stride + kv * G * L.q_head_stride;
       const index_t* table = table_ptr + seq * L.table_stride;
-      float* o = out_ptr + (seq * heads + kv * G) * D;
+      scalar_t* o = out_ptr + (seq * heads + kv * G) * D;
       if (task + 1 < end) {     // the next task's first block, while this one runs
         const int64_t next_seq = (task + 1) / L.kv_heads, next_kv = (task + 1) % L.kv_heads;
         const index_t first = table_ptr[next_seq * L.table_stride];
@@ -181,67 +259,166 @@ void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache, con
       if (fixed != nullptr) {
         fixed(L, q_group, k_ptr + kv * D, v_ptr + kv * D, table, length, o, scores.data());
       } else {
-        attend_head_generic<index_t>(L, q_group, k_ptr + kv * D, v_ptr + kv * D, table, length, o,
-                                     scores.data(), acc);
+        attend_head_generic<index_t, scalar_t>(L, q_group, k_ptr + kv * D, v_ptr + kv * D,
+                                               table, length, o, scores.data(), scratch);
       }
     }
   });
 }
 
+constexpr const char* kDecode = "paged_decode_attention";
+
+// Ranks, devices, dtypes and the memory layout the kernel assumes.
+void check_decode_tensors(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& tables,
+                          const at::Tensor& lengths) {
+  check_tensor(kDecode, "q", q, 3);
+  check_tensor(kDecode, "k_cache", k_cache, 3);
+  check_tensor(kDecode, "v_cache", v_cache, 3);
+  check_tensor(kDecode, "block_tables", tables, 2);
+  check_tensor(kDecode, "lengths", lengths, 1);
+  check_dtype(kDecode, "k_cache", k_cache, "q", q);
+  check_dtype(kDecode, "v_cache", v_cache, "q", q);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), kDecode,
+              ": k_cache and v_cache must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1, kDecode, ": q's head_dim must be contiguous, got strides ",
+              q.strides());
+  TORCH_CHECK(tables.scalar_type() == at::kInt || tables.scalar_type() == at::kLong, kDecode,
+              ": block_tables must be int32 or int64, got ", tables.scalar_type());
+  TORCH_CHECK(tables.stride(1) == 1, kDecode, ": block_tables' rows must be contiguous, got "
+              "strides ", tables.strides());
+  TORCH_CHECK(lengths.scalar_type() == at::kInt && lengths.is_contiguous(), kDecode,
+              ": lengths must be contiguous int32, got ", lengths.scalar_type());
+}
+
+// The shapes agree: one row per sequence everywhere, q's heads over the caches' KV heads.
+void check_decode_shapes(const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& tables,
+                         const at::Tensor& lengths, int64_t block_size) {
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kDecode, ": v_cache ", v_cache.sizes(),
+              " and k_cache ", k_cache.sizes(), " must have the same shape");
+  TORCH_CHECK(tables.size(0) == q.size(0), kDecode, ": block_tables has ", tables.size(0),
+              " rows but q has ", q.size(0), " (one per sequence)");
+  TORCH_CHECK(lengths.size(0) == q.size(0), kDecode, ": lengths has ", lengths.size(0),
+              " entries but q has ", q.size(0), " rows (one per sequence)");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), kDecode, ": q's head_dim ", q.size(2),
+              " differs from k_cache's ", k_cache.size(2));
+  TORCH_CHECK(k_cache.size(1) >= 1 && q.size(1) % k_cache.size(1) == 0, kDecode, ": q's ",
+              q.size(1), " heads are not a multiple of k_cache's ", k_cache.size(1), " KV heads");
+  TORCH_CHECK(block_size >= 1 && k_cache.size(0) % block_size == 0, kDecode, ": block_size ",
+              block_size, " must be >= 1 and divide k_cache's ", k_cache.size(0), " slots");
+}
+
+// Every length within [1, table width * block_size], and every table entry a length reaches
+// within the cache. Entries past a sequence's length are padding the kernel never reads, so
+// they may hold anything. One pass over the lengths and the entries in use.
+template <typename index_t>
+void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size,
+                  int64_t num_blocks) {
+  const index_t* table = data_of<index_t>(tables);
+  const int32_t* length = data_of<int32_t>(lengths);
+  const int64_t width = tables.size(1), stride = tables.stride(0);
+  for (int64_t s = 0; s < lengths.size(0); ++s) {
+    TORCH_CHECK(length[s] >= 1, kDecode, ": lengths[", s, "] = ", length[s], " must be >= 1");
+    TORCH_CHECK(length[s] <= width * block_size, kDecode, ": lengths[", s, "] = ", length[s],
+                " is past block_tables' ", width, " blocks of ", block_size, " tokens");
+    for (int64_t b = 0; b < (length[s] + block_size - 1) / block_size; ++b) {
+      const int64_t entry = table[s * stride + b];
+      TORCH_CHECK(entry >= 0 && entry < num_blocks, kDecode, ": block_tables[", s, "][", b,
+                  "] = ", entry, " is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
+template <typename index_t, typename scalar_t>
+void check_and_attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& tables,
+                      const at::Tensor& lengths, at::Tensor& out) {
+  check_tables<index_t>(tables, lengths, L.block_size, k_cache.size(0) / L.block_size);
+  attend<index_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, out);
+}
+
+template <typename scalar_t>
+void attend_any_index(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& tables,
+                      const at::Tensor& lengths, at::Tensor& out) {
+  if (tables.scalar_type() == at::kInt)
+    check_and_attend<int32_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, out);
+  else
+    check_and_attend<int64_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, out);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& lengths, int64_t block_size, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
-              "q [n, heads, dim] and caches [slots, kv_heads, dim] expected");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "the CPU decode kernel takes float32 queries and caches");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1,
-              "contiguous caches and queries expected");
-  TORCH_CHECK(lengths.scalar_type() == at::kInt && lengths.is_contiguous(), "int32 lengths expected");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block tables [n, blocks] expected");
+  check_decode_tensors(q, k_cache, v_cache, block_tables, lengths);
+  check_decode_shapes(q, k_cache, v_cache, block_tables, lengths, block_size);
   const int64_t heads = q.size(1), kv_heads = k_cache.size(1);
-  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   Layout layout{kv_heads,       heads / kv_heads,    q.size(2),
                 block_size,     kv_heads * q.size(2), q.stride(0),
                 q.stride(1),    block_tables.stride(0), static_cast<float>(scale)};
   at::Tensor out = at::empty({q.size(0), heads, q.size(2)}, q.options());
-  if (block_tables.scalar_type() == at::kInt) {
-    attend<int32_t>(layout, q, k_cache, v_cache, block_tables, lengths, out);
-  } else {
-    TORCH_CHECK(block_tables.scalar_type() == at::kLong, "int32 or int64 block tables expected");
-    attend<int64_t>(layout, q, k_cache, v_cache, block_tables, lengths, out);
-  }
+  if (q.scalar_type() == at::kBFloat16)
+    attend_any_index<bf16_bits>(layout, q, k_cache, v_cache, block_tables, lengths, out);
+  else
+    attend_any_index<float>(layout, q, k_cache, v_cache, block_tables, lengths, out);
   return out;
+}
+
+constexpr const char* kWrite = "write_kv";
+
+void check_write_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& slots) {
+  check_tensor(kWrite, "k", k, 3);
+  check_tensor(kWrite, "v", v, 3);
+  check_tensor(kWrite, "k_cache", k_cache, 3);
+  check_tensor(kWrite, "v_cache", v_cache, 3);
+  check_tensor(kWrite, "slots", slots, 1);
+  check_dtype(kWrite, "v", v, "k", k);
+  check_dtype(kWrite, "k_cache", k_cache, "k", k);
+  check_dtype(kWrite, "v_cache", v_cache, "k", k);
+  TORCH_CHECK(v.sizes() == k.sizes(), kWrite, ": v ", v.sizes(), " and k ", k.sizes(),
+              " must have the same shape");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kWrite, ": v_cache ", v_cache.sizes(),
+              " and k_cache ", k_cache.sizes(), " must have the same shape");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), kWrite,
+              ": k_cache and v_cache must be contiguous");
+  TORCH_CHECK(k_cache.size(1) * k_cache.size(2) == k.size(1) * k.size(2), kWrite, ": k's rows of ",
+              k.size(1), " x ", k.size(2), " elements differ from k_cache's rows of ",
+              k_cache.size(1), " x ", k_cache.size(2));
+  TORCH_CHECK(slots.scalar_type() == at::kLong, kWrite, ": slots must be int64, got ",
+              slots.scalar_type());
+  TORCH_CHECK(slots.size(0) == k.size(0), kWrite, ": slots has ", slots.size(0),
+              " entries but k has ", k.size(0), " tokens (one slot per token)");
+}
+
+// Rows of a [tokens, kv_heads, dim] tensor as one contiguous run each (copied if they are not).
+at::Tensor packed_rows(const at::Tensor& x) {
+  return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
 }
 
 // The step's new keys and values into their cache slots, both caches in one pass: k and v
 // [tokens, kv_heads, head_dim] (rows may be strided, as views of the fused QKV output), slots
-// [tokens] int64. The same copies as index_copy_ on each cache.
+// [tokens] int64. The same copies as index_copy_ on each cache, byte for byte, so float32 and
+// bfloat16 rows alike (the caches' dtype, which k and v must share).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slots) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "write_kv: float32 k, v [tokens, kv_heads, dim] expected");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(1) * k_cache.size(2) == k.size(1) * k.size(2),
-              "write_kv: contiguous caches of the same row size expected");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0),
-              "write_kv: one int64 slot per token expected");
-  const at::Tensor kr = k.stride(2) == 1 && k.stride(1) == k.size(2) ? k : k.contiguous();
-  const at::Tensor vr = v.stride(2) == 1 && v.stride(1) == v.size(2) ? v : v.contiguous();
-  const at::Tensor sl = slots.contiguous();
-  const int64_t row = k.size(1) * k.size(2), num_slots = k_cache.size(0);
-  const int64_t* slot = sl.data_ptr<int64_t>();
-  const float *ks = kr.data_ptr<float>(), *vs = vr.data_ptr<float>();
-  float *kd = k_cache.data_ptr<float>(), *vd = v_cache.data_ptr<float>();
+  check_write_args(k, v, k_cache, v_cache, slots);
+  const at::Tensor kr = packed_rows(k), vr = packed_rows(v), sl = slots.contiguous();
+  const int64_t num_slots = k_cache.size(0), item = k.element_size();
+  const int64_t* slot = data_of<int64_t>(sl);
   for (int64_t t = 0; t < k.size(0); ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t], " out of range");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, kWrite, ": slots[", t, "] = ", slot[t],
+                " is out of range for the caches' ", num_slots, " slots");
+  const int64_t row_bytes = k.size(1) * k.size(2) * item;
+  const int64_t k_step = kr.stride(0) * item, v_step = vr.stride(0) * item;
+  const char *ks = data_of<char>(kr), *vs = data_of<char>(vr);
+  char* kd = static_cast<char*>(k_cache.mutable_data_ptr());
+  char* vd = static_cast<char*>(v_cache.mutable_data_ptr());
   at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kd + slot[t] * row, ks + t * kr.stride(0), sizeof(float) * row);
-      std::memcpy(vd + slot[t] * row, vs + t * vr.stride(0), sizeof(float) * row);
+      std::memcpy(kd + slot[t] * row_bytes, ks + t * k_step, row_bytes);
+      std::memcpy(vd + slot[t] * row_bytes, vs + t * v_step, row_bytes);
     }
   });
 }

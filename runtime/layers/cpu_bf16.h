@@ -59,9 +59,17 @@ inline vfloat vload_bf16(const bf16_bits* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 inline void vstore_bf16(bf16_bits* p, vfloat x) {
-  alignas(32) float lanes[kExpLanes];
-  _mm256_store_ps(lanes, x);
-  for (int i = 0; i < kExpLanes; ++i) p[i] = float_to_bf16(lanes[i]);
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+  // 32-bit lanes to 16: packus saturates, but every lane already fits in 16 bits; it packs
+  // within 128-bit halves, so the permute puts the two halves' results next to each other.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 #endif
 

@@ -1,16 +1,20 @@
-// Every decoder layer of a float32 decode step in one call (runtime/models/llama.py
+// Every decoder layer of a decode step in one call (runtime/models/llama.py
 // LlamaForCausalLM.forward, the fused decode path): the same operators the Python layer loop
 // runs (this library's norms, rotary, KV write, decode attention and SiLU x up; MKL's packed
-// GEMM for the projections), in the same order on the same tensors, so the hidden states are
-// identical to the bit. What goes is the host time between them: per layer about a dozen
-// Python-level operator calls and twenty views (~7 ms of a 64-row step on a 2-core VM) become
-// C++ calls through the dispatcher.
+// GEMM for float32 projections, torch's linear for bfloat16 ones), in the same order on the same
+// tensors, so the hidden states are identical to the bit. What goes is the host time between
+// them: per layer about a dozen Python-level operator calls and twenty views (~7 ms of a 64-row
+// step on a 2-core VM) become C++ calls through the dispatcher.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
+
+#include "cpu_math.h"
 
 namespace {
 
@@ -30,6 +34,9 @@ struct Ops {
                                   const std::optional<Tensor>&, int64_t)>
       linear = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                          int64_t)>("mkl::_mkl_linear");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>
+      plain_linear = op<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
+          "aten::linear");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
       op<Tensor(const Tensor&, const Tensor&, double)>("spmd_cpu::rms_norm");
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
@@ -54,26 +61,149 @@ const Ops& ops() {
   return handles;
 }
 
+// Every weight slot named in messages, so a refusal says which tensor of which layer is wrong.
+std::string slot_name(size_t index) {
+  static const char* const kSlots[kPerLayer] = {
+      "input norm", "QKV packed", "QKV stand-in", "output packed", "output stand-in",
+      "post-attention norm", "gate/up packed", "gate/up stand-in", "down packed", "down stand-in"};
+  return c10::str("weights[", index, "] (layer ", index / kPerLayer, " ",
+                  kSlots[index % kPerLayer], ")");
+}
+
+void check_counts(at::TensorList weights, at::TensorList k_caches, at::TensorList v_caches) {
+  TORCH_CHECK(k_caches.size() == v_caches.size(), "decode_layers: ", k_caches.size(),
+              " k_caches and ", v_caches.size(), " v_caches (one of each per layer expected)");
+  TORCH_CHECK(weights.size() % kPerLayer == 0, "decode_layers: weights has ", weights.size(),
+              " tensors, not a multiple of ", kPerLayer, " (", kPerLayer, " per layer expected)");
+  TORCH_CHECK(weights.size() == kPerLayer * k_caches.size(), "decode_layers: weights holds ",
+              weights.size() / kPerLayer, " layers and k_caches ", k_caches.size(),
+              " (the same number of layers expected)");
+}
+
+void check_scalars(int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const std::pair<const char*, int64_t> positive[] = {
+      {"block_size", block_size}, {"num_heads", num_heads}, {"num_kv_heads", num_kv_heads},
+      {"head_dim", head_dim}};
+  for (const auto& [name, value] : positive)
+    TORCH_CHECK(value > 0, "decode_layers: ", name, " is ", value, ", a positive number expected");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "decode_layers: num_heads ", num_heads,
+              " is not a multiple of num_kv_heads ", num_kv_heads, " (query heads share KV heads)");
+  TORCH_CHECK(head_dim % 2 == 0, "decode_layers: head_dim is ", head_dim,
+              ", an even number expected (rotary rotates its two halves)");
+}
+
+// The per-token inputs: one row per row of x.
+void check_tokens(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& slots,
+                  const Tensor& block_tables, const Tensor& lengths) {
+  spmd_cpu::check_cpu_tensor(x, "decode_layers", "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x has shape ", x.sizes(),
+              " and strides ", x.strides(), ", a contiguous [tokens, hidden] tensor expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "decode_layers: x is ", x.scalar_type(), ", float32 or bfloat16 expected");
+  const std::tuple<const char*, const Tensor&, int64_t> per_token[] = {
+      {"cos", cos, 2}, {"sin", sin, 2}, {"slots", slots, 1}, {"block_tables", block_tables, 2},
+      {"lengths", lengths, 1}};
+  for (const auto& [name, t, dims] : per_token) {
+    TORCH_CHECK(t.dim() == dims, "decode_layers: ", name, " has ", t.dim(), " dimensions, ",
+                dims, " expected");
+    TORCH_CHECK(t.size(0) == x.size(0), "decode_layers: ", name, " has ", t.size(0),
+                " rows and x ", x.size(0), " (one per token expected)");
+  }
+}
+
+// What a layer's tensors must be for x's width and the head counts: norms [hidden] and
+// projections [out, in], all in x's dtype. A float32 projection is MKL-packed, its shape read
+// from the stand-in; a bf16 one is the plain weight itself (the stand-in slot is ignored).
+struct LayerShapes {
+  int64_t hidden, qkv_out, q_size;
+  at::ScalarType dtype;
+};
+
+void check_norm(at::TensorList weights, size_t index, const LayerShapes& s) {
+  const Tensor& w = weights[index];
+  spmd_cpu::check_cpu_tensor(w, "decode_layers", slot_name(index).c_str());
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == s.hidden && w.scalar_type() == s.dtype,
+              "decode_layers: ", slot_name(index), " is ", w.scalar_type(), " ", w.sizes(),
+              ", [", s.hidden, "] in x's dtype ", s.dtype, " expected");
+}
+
+// The slot holding a projection's [out, in] shape: a float32 weight's stand-in (MKL's packed
+// weight is opaque), a bf16 weight itself.
+size_t shape_slot(size_t index, at::ScalarType dtype) {
+  return dtype == at::kFloat ? index + 1 : index;
+}
+
+void check_projection(at::TensorList weights, size_t index, const LayerShapes& s, int64_t out,
+                      int64_t in) {
+  const Tensor& shaped = weights[shape_slot(index, s.dtype)];
+  const std::string name = slot_name(shape_slot(index, s.dtype));
+  spmd_cpu::check_cpu_tensor(shaped, "decode_layers", name.c_str());
+  TORCH_CHECK(shaped.scalar_type() == s.dtype && shaped.dim() == 2 && shaped.size(0) == out &&
+                  shaped.size(1) == in,
+              "decode_layers: ", name, " is a ", shaped.scalar_type(), " ", shaped.sizes(),
+              " tensor, a [", out, ", ", in, "] weight in x's dtype ", s.dtype, " expected");
+  const Tensor& packed = weights[index];
+  TORCH_CHECK(s.dtype != at::kFloat || (packed.is_mkldnn() && packed.scalar_type() == at::kFloat &&
+                                        packed.numel() >= shaped.numel()),
+              "decode_layers: ", slot_name(index), " is not a float32 weight packed by ",
+              "mkl::_mkl_reorder_linear_weight for its [", out, ", ", in, "] stand-in");
+}
+
+void check_layer(at::TensorList weights, size_t layer, const LayerShapes& s) {
+  const size_t base = layer * kPerLayer;
+  check_norm(weights, base, s);
+  check_norm(weights, base + 5, s);
+  check_projection(weights, base + 1, s, s.qkv_out, s.hidden);
+  check_projection(weights, base + 3, s, s.hidden, s.q_size);
+  // The intermediate size is the gate/up weight's: its rows are the gate's, then the up's.
+  const Tensor& gate_up = weights[shape_slot(base + 6, s.dtype)];
+  const int64_t gate_up_rows = gate_up.dim() == 2 ? gate_up.size(0) : 0;
+  TORCH_CHECK(gate_up_rows > 0 && gate_up_rows % 2 == 0, "decode_layers: ",
+              slot_name(shape_slot(base + 6, s.dtype)), " has shape ", gate_up.sizes(),
+              ", [2 * intermediate, hidden] expected");
+  check_projection(weights, base + 6, s, gate_up_rows, s.hidden);
+  check_projection(weights, base + 8, s, s.hidden, gate_up_rows / 2);
+}
+
+void check_caches(at::TensorList caches, const char* name, int64_t kv_heads, int64_t head_dim) {
+  for (size_t l = 0; l < caches.size(); ++l)
+    TORCH_CHECK(caches[l].dim() == 3 && caches[l].size(1) == kv_heads &&
+                    caches[l].size(2) == head_dim,
+                "decode_layers: ", name, "[", l, "] has shape ", caches[l].sizes(),
+                ", [slots, ", kv_heads, ", ", head_dim, "] (num_kv_heads, head_dim) expected");
+}
+
 // x [n, hidden] (the embedded tokens, one per sequence) through every layer; returns the
 // hidden states before the final norm. cos and sin: [n, head_dim] rows of the tokens'
-// positions; k_caches and v_caches: one [slots, kv_heads, head_dim] pair per layer.
+// positions; k_caches and v_caches: one [slots, kv_heads, head_dim] pair per layer. What this
+// operator interprets itself (counts, scalars, rows, every layer's weights) is checked before
+// the first layer runs, so no cache is half written for a malformed layer list; the KV write and
+// the attention check their own arguments.
 Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList k_caches,
                      at::TensorList v_caches, const Tensor& cos, const Tensor& sin,
                      const Tensor& slots, const Tensor& block_tables, const Tensor& lengths,
                      int64_t block_size, double scale, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, double eps) {
-  const size_t layers = k_caches.size();
-  TORCH_CHECK(weights.size() == layers * kPerLayer && v_caches.size() == layers,
-              "decode_layers: ", kPerLayer, " weights and a K and a V cache per layer expected");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous() && x_in.scalar_type() == at::kFloat,
-              "decode_layers: x [tokens, hidden] float32 expected");
-  const Ops& f = ops();
+  check_counts(weights, k_caches, v_caches);
+  check_scalars(block_size, num_heads, num_kv_heads, head_dim);
+  check_tokens(x_in, cos, sin, slots, block_tables, lengths);
+  check_caches(k_caches, "k_caches", num_kv_heads, head_dim);
+  check_caches(v_caches, "v_caches", num_kv_heads, head_dim);
   const int64_t n = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const LayerShapes shapes{x_in.size(1), q_size + 2 * kv_size, q_size, x_in.scalar_type()};
+  for (size_t l = 0; l < k_caches.size(); ++l) check_layer(weights, l, shapes);
+  const Ops& f = ops();
+  const bool plain = x_in.scalar_type() != at::kFloat;
   const std::optional<Tensor> no_bias;
+  // bf16 weights are plain [out, in] tensors for torch's linear; float32 ones MKL-packed.
+  const auto project = [&](const Tensor& input, const Tensor* w) {
+    return plain ? f.plain_linear.call(input, w[0], no_bias)
+                 : f.linear.call(input, w[0], w[1], no_bias, n);
+  };
   Tensor x = x_in;
-  for (size_t l = 0; l < layers; ++l) {
+  for (size_t l = 0; l < k_caches.size(); ++l) {
     const Tensor* w = weights.data() + l * kPerLayer;
-    Tensor qkv = f.linear.call(f.rms_norm.call(x, w[0], eps), w[1], w[2], no_bias, n);
+    Tensor qkv = project(f.rms_norm.call(x, w[0], eps), w + 1);
     f.rotary.call(qkv, num_heads + num_kv_heads, head_dim, cos, sin);
     const Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
     const Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
@@ -82,11 +212,10 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
     f.write_kv.call(k, v, k_cache, v_cache, slots);
     const Tensor attended = f.attention.call(q, k_cache, v_cache, block_tables, lengths,
                                              block_size, scale);
-    const Tensor attention_output = f.linear.call(attended.view({n, q_size}), w[3], w[4],
-                                                  no_bias, n);
+    const Tensor attention_output = project(attended.view({n, q_size}), w + 3);
     auto [residual, normed] = f.add_rms_norm.call(x, attention_output, w[5], eps);
-    const Tensor activation = f.silu_mul.call(f.linear.call(normed, w[6], w[7], no_bias, n));
-    x = residual.add_(f.linear.call(activation, w[8], w[9], no_bias, n));
+    const Tensor activation = f.silu_mul.call(project(normed, w + 6));
+    x = residual.add_(project(activation, w + 8));
   }
   return x;
 }

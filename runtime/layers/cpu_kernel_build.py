@@ -79,6 +79,9 @@ def build(level: str, root: Path = DEFAULT_ROOT, jobs: int | None = None) -> Pat
                                   "-o", str(obj)] for source, obj in zip(SOURCES, objects, strict=True)]))
         staged = Path(scratch) / LIBRARY
         _run([compiler, *map(str, objects), *link_flags, "-o", str(staged)])
+        if library_path(level, torch.__version__, root) != target:
+            raise KernelBuildError("the sources changed while they were compiled: nothing was "
+                                   "installed; build again")
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, target)
     return target

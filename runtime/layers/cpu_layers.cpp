@@ -1,120 +1,262 @@
-// The element-wise chains of a float32 decoder layer on the CPU (runtime/models/llama.py FUSED_CPU), each
+// The element-wise chains of a decoder layer on the CPU (runtime/models/llama.py FUSED_CPU), each
 // one pass over its rows instead of a chain of 6-12 torch operators: RMSNorm (with the residual
 // add before it), rotary embedding in place on the fused QKV rows, and SiLU(gate) * up. They
 // compute the same formulas as the torch chains in float32; sums of squares are added in
 // another order and exp is a polynomial within a few ulp, differences at float32 rounding.
+//
+// Tensors are float32 or bfloat16. The arithmetic is float32 either way: bf16 inputs are widened
+// as they are loaded (exactly) and each result is rounded to bf16 once, as it is stored (to
+// nearest even, cpu_bf16.h), so a bf16 model gets float32's intermediate precision without a
+// float32 copy of its activations. Each kernel is one template over the storage type, and the
+// float32 instantiation is the arithmetic these operators always did, bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_math.h"
 
 namespace {
 
+using spmd_cpu::bf16_bits;
+using spmd_cpu::load_as_float;
+using spmd_cpu::store_from_float;
+
 // Rows per task: a few thousand floats each, so small decode batches stay on one thread.
 constexpr int64_t kRowGrain = 8;
 
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              name, ": [rows, features] float32 with contiguous rows expected");
+// ---- Argument checks. Each message names the operator, the argument and what was expected.
+
+// A matrix the kernels walk row by row through its row stride, the features of a row adjacent.
+void check_rows(const at::Tensor& t, const char* op, const char* name) {
+  spmd_cpu::check_cpu_tensor(t, op, name);
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " has ", t.dim(),
+              " dimensions, [rows, features] expected");
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name, " has column stride ",
+              t.stride(1), ", rows of adjacent elements (column stride 1) expected");
 }
 
-inline void normalize_row(const float* in, const float* weight, float* out, int64_t n, float eps) {
+void check_storage(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, ": ", name,
+              " is ", t.scalar_type(), ", float32 or bfloat16 expected");
+}
+
+void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& like,
+                      const char* like_name, const char* op) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " is ", t.scalar_type(),
+              " and ", like_name, " is ", like.scalar_type(), " (one dtype expected)");
+}
+
+void check_norm_weight(const at::Tensor& weight, const at::Tensor& x, const char* op) {
+  spmd_cpu::check_cpu_tensor(weight, op, "weight");
+  check_same_dtype(weight, "weight", x, "x", op);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight has shape ",
+              weight.sizes(), " and x ", x.size(1), " features ([features] expected)");
+}
+
+// Runs body(T{}) with T the storage type of dtype (checked to be float32 or bfloat16).
+template <typename Body>
+void with_storage(at::ScalarType dtype, Body&& body) {
+  if (dtype == at::kBFloat16) {
+    body(bf16_bits{});
+  } else {
+    body(float{});
+  }
+}
+
+template <typename T>
+T* data(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// ---- Kernels.
+
+// weight * in / rms(in) for one row; `in` is the storage type, or float32 for a sum not yet
+// rounded to it.
+template <typename In, typename T>
+inline void normalize_row(const In* in, const T* weight, T* out, int64_t n, float eps) {
   float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < n; ++i) squares += in[i] * in[i];
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = load_as_float(in + i);
+    squares += v * v;
+  }
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (in[i] * inv);
+  for (int64_t i = 0; i < n; ++i)
+    store_from_float(out + i, load_as_float(weight + i) * (load_as_float(in + i) * inv));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm");
+  check_rows(x, "rms_norm", "x");
+  check_storage(x, "rms_norm", "x");
+  check_norm_weight(weight, x, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1);
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
-  const float *src = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      normalize_row(src + r * x.stride(0), wp, dst + r * n, n, static_cast<float>(eps));
+  with_storage(x.scalar_type(), [&]<typename T>(T) {
+    const T *src = data<T>(x), *wp = data<T>(w);
+    T* dst = data<T>(out);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        normalize_row(src + r * x.stride(0), wp, dst + r * n, n, static_cast<float>(eps));
+    });
   });
   return out;
+}
+
+// Rows of x + residual (stored in `sum`) and their norms (in `out`). The sum is the new residual
+// stream, so it is stored in the storage type. In bf16 the norm is computed from the float32 sum
+// before that rounding, not from the rounded bf16 sum: the more exact value of the two, and the
+// one the float32 op normalises (test_bf16_norms_are_float32_norms_rounded_once holds it to
+// this). float32 rows normalise their stored sum, which is that value.
+template <typename T>
+void add_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                   at::Tensor& sum, at::Tensor& out, float eps) {
+  const int64_t n = x.size(1);
+  const T *a = data<T>(x), *b = data<T>(residual), *wp = data<T>(weight);
+  T *s = data<T>(sum), *dst = data<T>(out);
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> unrounded(std::is_same_v<T, float> ? 0 : n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T *ar = a + r * x.stride(0), *br = b + r * residual.stride(0);
+      T* sr = s + r * n;
+      float* exact = unrounded.data();
+      if constexpr (std::is_same_v<T, float>) exact = sr;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) exact[i] = load_as_float(ar + i) + load_as_float(br + i);
+      if constexpr (!std::is_same_v<T, float>) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) store_from_float(sr + i, exact[i]);
+      }
+      normalize_row(exact, wp, dst + r * n, n, eps);
+    }
+  });
 }
 
 // (x + residual, rms_norm(x + residual)): the sum is a new tensor, both made in one pass.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
-  check_rows(x, "add_rms_norm");
-  check_rows(residual, "add_rms_norm");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual differ in shape");
-  const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, "add_rms_norm", "x");
+  check_storage(x, "add_rms_norm", "x");
+  check_rows(residual, "add_rms_norm", "residual");
+  check_same_dtype(residual, "residual", x, "x", "add_rms_norm");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x has shape ", x.sizes(),
+              " and residual ", residual.sizes(), " (the same shape expected)");
+  check_norm_weight(weight, x, "add_rms_norm");
   const at::Tensor w = weight.contiguous();
-  at::Tensor sum = at::empty({rows, n}, x.options());
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const float *a = x.data_ptr<float>(), *b = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float *s = sum.data_ptr<float>(), *dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *ar = a + r * x.stride(0), *br = b + r * residual.stride(0);
-      float* sr = s + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) sr[i] = ar[i] + br[i];
-      normalize_row(sr, wp, dst + r * n, n, static_cast<float>(eps));
-    }
+  at::Tensor sum = at::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  with_storage(x.scalar_type(), [&]<typename T>(T) {
+    add_norm_rows<T>(x, residual, w, sum, out, static_cast<float>(eps));
   });
   return {sum, out};
 }
 
-// Rotary embedding (the rotate-half layout) in place on the first `rotated_heads` heads of each
-// row of qkv [tokens, heads * head_dim] (the query heads, then the key heads), with cos and sin
-// rows [tokens, head_dim] for the tokens' positions.
-void rotary_(at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim, const at::Tensor& cos,
-             const at::Tensor& sin) {
-  check_rows(qkv, "rotary_");
-  check_rows(cos, "rotary_");
-  check_rows(sin, "rotary_");
-  TORCH_CHECK(cos.size(0) == qkv.size(0) && sin.size(0) == qkv.size(0) &&
-                  cos.size(1) == head_dim && sin.size(1) == head_dim && head_dim % 2 == 0,
-              "rotary_: cos and sin [tokens, head_dim] expected");
-  TORCH_CHECK(rotated_heads * head_dim <= qkv.size(1), "rotary_: more heads than the rows hold");
+void check_rotary_tables(const at::Tensor& qkv, int64_t head_dim, const at::Tensor& table,
+                         const char* name) {
+  check_rows(table, "rotary_", name);
+  TORCH_CHECK(table.scalar_type() == at::kFloat || table.scalar_type() == qkv.scalar_type(),
+              "rotary_: ", name, " is ", table.scalar_type(), " and qkv ", qkv.scalar_type(),
+              " (tables in float32 or in qkv's dtype expected)");
+  TORCH_CHECK(table.size(0) == qkv.size(0), "rotary_: ", name, " has ", table.size(0),
+              " rows, qkv has ", qkv.size(0), " (one table row per token expected)");
+  TORCH_CHECK(table.size(1) == head_dim, "rotary_: ", name, " has ", table.size(1),
+              " columns and head_dim is ", head_dim, " (a full head_dim row per token expected)");
+}
+
+void check_rotary(const at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim,
+                  const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(qkv, "rotary_", "qkv");
+  check_storage(qkv, "rotary_", "qkv");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "rotary_: head_dim is ", head_dim,
+              ", a positive even number expected");
+  TORCH_CHECK(rotated_heads >= 0 && rotated_heads <= qkv.size(1) / head_dim, "rotary_: ",
+              rotated_heads, " rotated_heads of head_dim ", head_dim, " and qkv has ",
+              qkv.size(1), " columns (rotated_heads * head_dim <= columns expected)");
+  // Rows are rotated in place by several threads: rows sharing elements would race.
+  TORCH_CHECK(qkv.size(0) <= 1 || qkv.stride(0) >= qkv.size(1), "rotary_: qkv rows overlap (row ",
+              "stride ", qkv.stride(0), ", ", qkv.size(1), " columns; distinct rows expected)");
+  check_rotary_tables(qkv, head_dim, cos, "cos");
+  check_rotary_tables(qkv, head_dim, sin, "sin");
+  check_same_dtype(sin, "sin", cos, "cos", "rotary_");
+}
+
+template <typename T, typename Table>
+void rotate_rows(at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim, const at::Tensor& cos,
+                 const at::Tensor& sin) {
   const int64_t half = head_dim / 2;
-  float* base = qkv.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  T* base = data<T>(qkv);
+  const Table *cp = data<Table>(cos), *sp = data<Table>(sin);
   at::parallel_for(0, qkv.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * cos.stride(0);
-      const float* s = sp + t * sin.stride(0);
+      const Table* c = cp + t * cos.stride(0);
+      const Table* s = sp + t * sin.stride(0);
       for (int64_t h = 0; h < rotated_heads; ++h) {
-        float* x = base + t * qkv.stride(0) + h * head_dim;
+        T* x = base + t * qkv.stride(0) + h * head_dim;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float lo = x[i], hi = x[i + half];
-          x[i] = lo * c[i] - hi * s[i];
-          x[i + half] = hi * c[i + half] + lo * s[i + half];
+          const float lo = load_as_float(x + i), hi = load_as_float(x + i + half);
+          store_from_float(x + i, lo * load_as_float(c + i) - hi * load_as_float(s + i));
+          store_from_float(x + i + half,
+                           hi * load_as_float(c + i + half) + lo * load_as_float(s + i + half));
         }
       }
     }
   });
 }
 
+// Rotary embedding (the rotate-half layout) in place on the first `rotated_heads` heads of each
+// row of qkv [tokens, heads * head_dim] (the query heads, then the key heads), with cos and sin
+// rows [tokens, head_dim] for the tokens' positions. The tables may stay float32 for a bf16 qkv.
+void rotary_(at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim, const at::Tensor& cos,
+             const at::Tensor& sin) {
+  check_rotary(qkv, rotated_heads, head_dim, cos, sin);
+  with_storage(qkv.scalar_type(), [&]<typename T>(T) {
+    with_storage(cos.scalar_type(), [&]<typename Table>(Table) {
+      rotate_rows<T, Table>(qkv, rotated_heads, head_dim, cos, sin);
+    });
+  });
+}
+
+// SiLU(gate) * up over n values of either storage type, a register at a time where there are
+// vector registers (the step itself is cpu_math.h's, shared with its float32 silu_mul_row).
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  for (; i + spmd_cpu::kExpLanes <= n; i += spmd_cpu::kExpLanes)
+    spmd_cpu::vstore_any(out + i, spmd_cpu::vsilu_mul(spmd_cpu::vload_any(gate + i),
+                                                      spmd_cpu::vload_any(up + i)));
+#endif
+  for (; i < n; ++i)
+    store_from_float(out + i, spmd_cpu::silu_mul_one(load_as_float(gate + i),
+                                                     load_as_float(up + i)));
+}
+
 // SiLU(gate) * up for gate_up [tokens, 2 * features] (gate columns first), with the vector exp
 // of cpu_math.h (torch's SiLU and product: two passes and a temporary).
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_mul");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: an even number of columns expected");
+  check_rows(gate_up, "silu_mul", "gate_up");
+  check_storage(gate_up, "silu_mul", "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up has ", gate_up.size(1),
+              " columns, an even number (gate columns, then as many up columns) expected");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = src + r * gate_up.stride(0);
-      spmd_cpu::silu_mul_row(gate, gate + n, dst + r * n, n);
-    }
+  with_storage(gate_up.scalar_type(), [&]<typename T>(T) {
+    const T* src = data<T>(gate_up);
+    T* dst = data<T>(out);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* gate = src + r * gate_up.stride(0);
+        silu_mul_row(gate, gate + n, dst + r * n, n);
+      }
+    });
   });
   return out;
 }

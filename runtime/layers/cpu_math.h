@@ -1,6 +1,8 @@
-// Math shared by the project's C++ CPU operators.
+// Math shared by the project's C++ CPU operators, and the argument checks they share.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -83,18 +85,36 @@ inline vfloat vexp(vfloat x) {
 }
 #endif
 
+// SiLU(gate) * up of one float, and of one register of them: the step every row loop over gate
+// and up takes (silu_mul_row below, cpu_layers.cpp's rows of either storage type), so that all
+// give the same bits for the same float32 values.
+inline float silu_mul_one(float gate, float up) {
+  return gate / (1.f + exp_vectorisable(-gate)) * up;
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline vfloat vsilu_mul(vfloat gate, vfloat up) {
+  const vfloat one = vset(1.f);
+  const vfloat sig = vdiv(one, vadd(one, vexp(vfma(gate, vset(-1.f), vset(0.f)))));
+  return vmul(vmul(gate, sig), up);
+}
+#endif
+
 // SiLU(gate) * up over n floats.
 inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  const vfloat one = vset(1.f), zero = vset(0.f);
-  for (; i + kExpLanes <= n; i += kExpLanes) {
-    const vfloat g = vload(gate + i);
-    const vfloat sig = vdiv(one, vadd(one, vexp(vfma(g, vset(-1.f), zero))));
-    vstore(out + i, vmul(vmul(g, sig), vload(up + i)));
-  }
+  for (; i + kExpLanes <= n; i += kExpLanes)
+    vstore(out + i, vsilu_mul(vload(gate + i), vload(up + i)));
 #endif
-  for (; i < n; ++i) out[i] = gate[i] / (1.f + exp_vectorisable(-gate[i])) * up[i];
+  for (; i < n; ++i) out[i] = silu_mul_one(gate[i], up[i]);
+}
+
+// A tensor the operator reads through its data pointer: it must be in CPU memory and strided
+// (not a sparse, MKL-DNN or meta tensor). The message names the operator `op` and argument.
+inline void check_cpu_tensor(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name, " is a ",
+              t.layout(), " tensor on ", t.device(), ", a strided CPU tensor expected");
 }
 
 }  // namespace spmd_cpu

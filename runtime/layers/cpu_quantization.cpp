@@ -11,6 +11,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu_math.h"
+
 namespace {
 
 constexpr float kLoSteps = 254.f;   // hi's rounding error, in [-0.5, 0.5], times 254 fills int8
@@ -44,8 +46,16 @@ void quantize_into(const at::Tensor& rows, code_t* hi_dst, float* scale_dst, int
   });
 }
 
+void check_float(const at::Tensor& t, const char* op, const char* name) {
+  spmd_cpu::check_cpu_tensor(t, op, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " is ", t.scalar_type(),
+              ", float32 expected");
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_rows_two_part(const at::Tensor& x, bool shifted) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x [rows, features] float32 expected");
+  check_float(x, "quantize_rows_two_part", "x");
+  TORCH_CHECK(x.dim() == 2, "quantize_rows_two_part: x has ", x.dim(),
+              " dimensions, [rows, features] expected");
   const at::Tensor rows = x.contiguous();
   const int64_t M = rows.size(0), K = rows.size(1);
   at::Tensor parts = at::empty({2 * M, K}, rows.options().dtype(shifted ? at::kByte : at::kChar));
@@ -85,11 +95,21 @@ void dequantize_into(const at::Tensor& sums, const at::Tensor& xs_t, const at::T
 
 at::Tensor dequantize_two_part(const at::Tensor& sums, const at::Tensor& x_scale,
                                const at::Tensor& w_scale) {
-  TORCH_CHECK(sums.dim() == 2 && sums.is_contiguous() &&
-                  (sums.scalar_type() == at::kInt || sums.scalar_type() == at::kFloat),
-              "sums [2 * rows, out] int32 or float32 expected");
+  constexpr const char* op = "dequantize_two_part";
+  spmd_cpu::check_cpu_tensor(sums, op, "sums");
+  TORCH_CHECK(sums.scalar_type() == at::kInt || sums.scalar_type() == at::kFloat, op, ": sums is ",
+              sums.scalar_type(), ", int32 or float32 expected");
+  TORCH_CHECK(sums.dim() == 2 && sums.size(0) % 2 == 0, op, ": sums has shape ", sums.sizes(),
+              ", [2 * rows, out] (hi rows, then as many lo rows) expected");
+  TORCH_CHECK(sums.is_contiguous(), op, ": sums has strides ", sums.strides(),
+              ", a contiguous tensor expected");
   const int64_t M = sums.size(0) / 2, N = sums.size(1);
-  TORCH_CHECK(x_scale.numel() == M && w_scale.numel() == N, "one scale per row and per column");
+  check_float(x_scale, op, "x_scale");
+  TORCH_CHECK(x_scale.numel() == M, op, ": x_scale has ", x_scale.numel(), " values and sums ",
+              M, " rows of each part (one scale per row expected)");
+  check_float(w_scale, op, "w_scale");
+  TORCH_CHECK(w_scale.numel() == N, op, ": w_scale has ", w_scale.numel(), " values and sums ",
+              N, " columns (one scale per column expected)");
   const at::Tensor xs_t = x_scale.contiguous(), ws_t = w_scale.contiguous();
   at::Tensor out = at::empty({M, N}, xs_t.options());
   if (sums.scalar_type() == at::kInt) {

@@ -15,16 +15,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops
 from torch import nn
 
 QUANTIZATION_METHODS = ("none", "int8")
 
 
+# oneDNN's u8 x s8 kernels sum pairs of products in int16 where the CPU has no int8 dot-product
+# instruction (VNNI or AMX), saturating: on an AVX2-only CPU the prepacked sums were off by up to
+# ~30,000 from torch._int_mm's exact ones. They are used only where they are exact.
+_INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
 def _onednn_int8_ops() -> bool:
     onednn = getattr(torch.ops, "onednn", None)
     return (torch.backends.mkldnn.is_available() and onednn is not None
-            and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise"))
+            and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise")
+            and any(flag in cpu_features.detect().flags for flag in _INT8_DOT_FLAGS))
 
 
 _ONEDNN_INT8 = _onednn_int8_ops()

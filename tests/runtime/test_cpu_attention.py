@@ -1,7 +1,8 @@
 """The C++ decode-attention kernel (runtime/layers/cpu_attention.cpp) and the causal prefill
-attention (cpu_prefill_attention.cpp) against SDPA, and how a worker picks them. The
-runner-level check (its tokens equal the torch path's, eager and through emulated bucket
-graphs) is in tests/worker_proc/test_graphs.py."""
+attention (cpu_prefill_attention.cpp) against SDPA, in float32 and bfloat16, how every entry
+point refuses bad arguments (naming them) instead of reading or writing outside its tensors,
+and how a worker picks them. The runner-level check (its tokens equal the torch path's, eager
+and through emulated bucket graphs) is in tests/worker_proc/test_graphs.py."""
 from __future__ import annotations
 
 import pytest
@@ -26,23 +27,35 @@ def reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
     return out
 
 
-@needs_kernel
-@pytest.mark.parametrize("block_size,heads,kv_heads,dim", [(4, 4, 2, 16), (16, 9, 3, 64),
-                                                           (16, 32, 8, 64), (8, 8, 8, 32),
-                                                           (16, 4, 1, 80)])
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_kernel_equals_sdpa_over_the_gathered_context(block_size, heads, kv_heads, dim,
-                                                      index_dtype) -> None:
-    """1-token contexts, partial last blocks, many blocks, blocks out of order, and table
-    entries past the context (padding) that must not be read into the result."""
+# (block_size, heads, kv_heads, dim): fixed-size paths (dims 64 and 128, groups 1-8) and the
+# generic loop (dims 16, 32, 80).
+DECODE_SHAPES = [(4, 4, 2, 16), (16, 9, 3, 64), (16, 32, 8, 64), (8, 8, 8, 32), (16, 4, 1, 80),
+                 (16, 8, 2, 128)]
+
+
+def decode_case(block_size, heads, kv_heads, dim, index_dtype, dtype=torch.float32):
+    """q, caches (of `dtype`), tables, lengths: 1-token contexts, partial last blocks, many
+    blocks, blocks out of order, and table entries past the context (padding)."""
     torch.manual_seed(0)
     num_blocks = 40
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim)
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim)
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim).to(dtype)
     lengths = torch.tensor([1, 7, block_size, 33, 70, 130], dtype=torch.int32)
     width = -(-int(lengths.max()) // block_size)
     tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in lengths]).to(index_dtype)
-    q = torch.randn(len(lengths), heads, dim)
+    q = torch.randn(len(lengths), heads, dim).to(dtype)
+    return q, k_cache, v_cache, tables, lengths
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,heads,kv_heads,dim", DECODE_SHAPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_kernel_equals_sdpa_over_the_gathered_context(block_size, heads, kv_heads, dim,
+                                                      index_dtype) -> None:
+    """float32: the kernel's output equals SDPA's over the gathered context to float32
+    rounding; padding table entries are not read into the result."""
+    q, k_cache, v_cache, tables, lengths = decode_case(block_size, heads, kv_heads, dim,
+                                                       index_dtype)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, block_size,
                                                dim ** -0.5)
     expected = reference(q, k_cache, v_cache, tables, lengths, block_size, dim ** -0.5)
@@ -50,19 +63,51 @@ def test_kernel_equals_sdpa_over_the_gathered_context(block_size, heads, kv_head
 
 
 @needs_kernel
-def test_kernel_reads_strided_queries_and_refuses_what_it_cannot_run() -> None:
+@pytest.mark.parametrize("block_size,heads,kv_heads,dim", DECODE_SHAPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_bf16_kernel_equals_float32_attention_of_the_widened_values(block_size, heads, kv_heads,
+                                                                    dim, index_dtype) -> None:
+    """bfloat16 q and caches, read in place and summed in float32: the bfloat16 output is the
+    float32 SDPA of the same values widened, rounded once (within one bfloat16 step, 2**-8
+    relative, plus float32 summation-order noise)."""
+    q, k_cache, v_cache, tables, lengths = decode_case(block_size, heads, kv_heads, dim,
+                                                       index_dtype, torch.bfloat16)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, block_size,
+                                               dim ** -0.5)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), tables, lengths,
+                         block_size, dim ** -0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_neither_checks_nor_reads_table_padding(dtype) -> None:
+    """Entries past a sequence's length (here far outside the cache, and negative) are
+    padding: the kernel accepts them and its output (of `dtype`) is that of a table whose
+    padding is valid, exactly."""
+    q, k_cache, v_cache, tables, lengths = decode_case(4, 4, 2, 16, torch.int64, dtype)
+    garbage = tables.clone()
+    for i, length in enumerate(lengths.tolist()):
+        garbage[i, -(-length // 4):] = -7 if i % 2 else 10 ** 12
+    args = (k_cache, v_cache)
+    assert torch.equal(cpu_attention.paged_decode_attention(q, *args, garbage, lengths, 4, 0.25),
+                       cpu_attention.paged_decode_attention(q, *args, tables, lengths, 4, 0.25))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_strided_queries(dtype) -> None:
+    """q (of `dtype`) a view with a row stride, as after a split: the output equals that of
+    the contiguous copy, exactly."""
     torch.manual_seed(1)
-    k_cache, v_cache = torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    k_cache, v_cache = torch.randn(64, 2, 16).to(dtype), torch.randn(64, 2, 16).to(dtype)
     tables = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
     lengths = torch.tensor([5, 8], dtype=torch.int32)
-    wide = torch.randn(2, 4, 32)
-    q = wide[..., :16]                          # a view with a row stride, as after a split
+    q = torch.randn(2, 4, 32).to(dtype)[..., :16]
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 4, 0.25)
-    torch.testing.assert_close(out, reference(q.contiguous(), k_cache, v_cache, tables, lengths,
-                                              4, 0.25), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="float32"):
-        cpu_attention.paged_decode_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(),
-                                             tables, lengths, 4, 0.25)
+    assert torch.equal(out, cpu_attention.paged_decode_attention(
+        q.contiguous(), k_cache, v_cache, tables, lengths, 4, 0.25))
 
 
 def test_a_cpu_worker_picks_the_kernel_where_it_builds_and_a_bad_request_says_what_to_change(
@@ -80,10 +125,12 @@ def test_a_cpu_worker_picks_the_kernel_where_it_builds_and_a_bad_request_says_wh
 
 
 @needs_kernel
-def test_write_kv_makes_the_copies_index_copy_makes_and_refuses_bad_slots() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_makes_the_copies_index_copy_makes_and_refuses_bad_slots(dtype) -> None:
+    """k, v and caches of `dtype`: the caches afterwards equal index_copy_'s, bit for bit."""
     torch.manual_seed(2)
-    k_cache, v_cache = torch.randn(256, 3, 16), torch.randn(256, 3, 16)
-    qkv = torch.randn(40, 9 * 16)                 # k and v as strided views of a fused output
+    k_cache, v_cache = torch.randn(256, 3, 16).to(dtype), torch.randn(256, 3, 16).to(dtype)
+    qkv = torch.randn(40, 9 * 16).to(dtype)     # k and v as strided views of a fused output
     k, v = qkv[:, 48:96].view(40, 3, 16), qkv[:, 96:].view(40, 3, 16)
     slots = torch.randperm(256)[:40]
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
@@ -100,36 +147,228 @@ needs_mkl_kernel = pytest.mark.skipif(
     reason="the C++ prefill attention needs the library built and a torch with MKL")
 
 
-@needs_mkl_kernel
-@pytest.mark.parametrize("tokens", [1, 5, 31, 33, 100, 300])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128),
-                                                         (6, 2, 40)])
-def test_prefill_attention_equals_causal_sdpa(tokens, heads, kv_heads, dim) -> None:
-    """The C++ causal attention of a fresh prompt, on q/k/v views of one fused QKV output (as
-    the layer makes them), against SDPA with is_causal."""
+def fused_qkv(tokens, heads, kv_heads, dim, dtype=torch.float32):
+    """q, k, v of `dtype` as views of one fused QKV output, as the layer makes them."""
     torch.manual_seed(tokens * dim)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 2
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 2).to(dtype)
     q = qkv[:, :heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
-    scale = dim ** -0.5
-    expected = F.scaled_dot_product_attention(
+    return q, k, v
+
+
+def causal_sdpa(q, k, v, scale):
+    return F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
         enable_gqa=True).squeeze(0).transpose(0, 1)
-    got = torch.ops.spmd_cpu.prefill_attention(q, k, v, scale)
-    assert got.shape == (tokens, heads, dim) and got.is_contiguous()
-    # Sharp softmaxes (scores of std ~20-45): float32 rounding of sums taken in another order.
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+PREFILL_TOKENS = [1, 5, 31, 33, 100, 300]
+PREFILL_SHAPES = [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 2, 40)]
 
 
 @needs_mkl_kernel
-def test_prefill_attention_refuses_what_it_cannot_run() -> None:
-    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.spmd_cpu.prefill_attention(q.double(), k.double(), k.double(), 0.25)
-    with pytest.raises(RuntimeError, match="multiple of KV heads"):
-        torch.ops.spmd_cpu.prefill_attention(torch.randn(8, 3, 16), k, k, 0.25)
-    with pytest.raises(RuntimeError, match="side by side"):
-        torch.ops.spmd_cpu.prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, k,
-                                             0.25)
+@pytest.mark.parametrize("tokens", PREFILL_TOKENS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), PREFILL_SHAPES)
+def test_prefill_attention_equals_causal_sdpa(tokens, heads, kv_heads, dim) -> None:
+    """float32: the C++ causal attention of a fresh prompt against SDPA with is_causal."""
+    q, k, v = fused_qkv(tokens, heads, kv_heads, dim)
+    got = torch.ops.spmd_cpu.prefill_attention(q, k, v, dim ** -0.5)
+    assert got.shape == (tokens, heads, dim) and got.is_contiguous()
+    # Sharp softmaxes (scores of std ~20-45): float32 rounding of sums taken in another order.
+    torch.testing.assert_close(got, causal_sdpa(q, k, v, dim ** -0.5), rtol=1e-4, atol=1e-4)
+
+
+@needs_mkl_kernel
+@pytest.mark.parametrize("tokens", PREFILL_TOKENS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), PREFILL_SHAPES)
+def test_bf16_prefill_attention_equals_float32_sdpa_of_the_widened_values(tokens, heads,
+                                                                          kv_heads, dim) -> None:
+    """bfloat16 q, k, v through the float32 GEMMs: the bfloat16 output is float32 SDPA of the
+    same values widened, rounded once (one bfloat16 step, 2**-8 relative, on top of the float32
+    tolerance above)."""
+    q, k, v = fused_qkv(tokens, heads, kv_heads, dim, torch.bfloat16)
+    got = torch.ops.spmd_cpu.prefill_attention(q, k, v, dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, heads, dim)
+    expected = causal_sdpa(q.float(), k.float(), v.float(), dim ** -0.5)
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -8, atol=1e-4)
+
+
+# Bad arguments. Each case changes one thing in a valid set of arguments; every entry point must
+# refuse it with a RuntimeError naming the argument, before it reads or writes anything.
+
+def set_item(name, index, value):
+    """A change: args[name][index] = value (on a copy)."""
+    def change(args):
+        tensor = args[name].clone()
+        tensor[index] = value
+        return {**args, name: tensor}
+    return change
+
+
+def replace(*names, make):
+    """A change: each of args[names] replaced by make(it)."""
+    return lambda args: {**args, **{name: make(args[name]) for name in names}}
+
+
+def strided(t):
+    """The same values and shape, not contiguous."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def decode_args():
+    """Valid paged_decode_attention arguments, float32: 3 sequences (5, 12 and 1 tokens) over a
+    cache of 10 blocks of 4 slots, tables 3 blocks wide ([0][2] is padding)."""
+    torch.manual_seed(3)
+    return {"q": torch.randn(3, 4, 16), "k_cache": torch.randn(40, 2, 16),
+            "v_cache": torch.randn(40, 2, 16),
+            "block_tables": torch.tensor([[3, 1, 9], [2, 0, 5], [7, 4, 4]], dtype=torch.int32),
+            "lengths": torch.tensor([5, 12, 1], dtype=torch.int32), "block_size": 4,
+            "scale": 0.25}
+
+
+def in_bf16(change):
+    """The change applied to bfloat16 q and caches."""
+    return lambda args: change(replace("q", "k_cache", "v_cache", make=torch.Tensor.bfloat16)(args))
+
+
+DECODE_REFUSALS = [
+    pytest.param(set_item("block_tables", (2, 0), 10),
+                 r"block_tables\[2\]\[0\] = 10 is outside the cache's 10 blocks", id="past-cache"),
+    pytest.param(in_bf16(set_item("block_tables", (1, 1), 40)),
+                 r"block_tables\[1\]\[1\] = 40 is outside", id="past-cache-bf16"),
+    pytest.param(set_item("block_tables", (1, 2), -1), r"block_tables\[1\]\[2\] = -1 is outside",
+                 id="negative-entry"),
+    pytest.param(set_item("lengths", 0, 13), r"lengths\[0\] = 13 is past block_tables' 3 blocks",
+                 id="length-past-table"),
+    pytest.param(set_item("lengths", 2, 0), r"lengths\[2\] = 0 must be >= 1", id="zero-length"),
+    pytest.param(set_item("lengths", 1, -3), r"lengths\[1\] = -3 must be >= 1",
+                 id="negative-length"),
+    pytest.param(replace("block_tables", make=lambda t: t[:2]),
+                 "block_tables has 2 rows but q has 3", id="table-rows"),
+    pytest.param(replace("lengths", make=lambda t: t[:2]), "lengths has 2 entries but q has 3",
+                 id="length-rows"),
+    pytest.param(replace("q", make=lambda t: t[:2]), "block_tables has 3 rows but q has 2",
+                 id="q-rows"),
+    pytest.param(replace("q", make=lambda t: t[..., :8]),
+                 "q's head_dim 8 differs from k_cache's 16", id="head-size"),
+    pytest.param(replace("q", make=lambda t: t[:, :3]),
+                 "q's 3 heads are not a multiple of k_cache's 2 KV heads", id="heads"),
+    pytest.param(replace("v_cache", make=lambda t: t[:, :1].contiguous()),
+                 r"v_cache \[40, 1, 16\] and k_cache \[40, 2, 16\]", id="cache-shapes"),
+    pytest.param(replace("block_size", make=lambda _: 0), "block_size 0 must be >= 1",
+                 id="zero-block-size"),
+    pytest.param(replace("block_size", make=lambda _: 3), "block_size 3 .* k_cache's 40 slots",
+                 id="block-size-not-dividing"),
+    pytest.param(replace("q", make=lambda t: t[0]), "q must be 3-D", id="q-rank"),
+    pytest.param(replace("block_tables", make=lambda t: t[0]), "block_tables must be 2-D",
+                 id="table-rank"),
+    pytest.param(replace("q", "k_cache", "v_cache", make=torch.Tensor.double),
+                 "q must be float32 or bfloat16", id="float64"),
+    pytest.param(replace("k_cache", make=torch.Tensor.bfloat16),
+                 "k_cache is BFloat16 but q is Float", id="k-cache-dtype"),
+    pytest.param(replace("v_cache", make=torch.Tensor.bfloat16),
+                 "v_cache is BFloat16 but q is Float", id="v-cache-dtype"),
+    pytest.param(replace("q", make=torch.Tensor.bfloat16), "k_cache is Float but q is BFloat16",
+                 id="q-dtype"),
+    pytest.param(replace("lengths", make=torch.Tensor.long), "lengths must be contiguous int32",
+                 id="length-dtype"),
+    pytest.param(replace("block_tables", make=torch.Tensor.float),
+                 "block_tables must be int32 or int64", id="table-dtype"),
+    pytest.param(replace("k_cache", make=strided), "k_cache and v_cache must be contiguous",
+                 id="strided-cache"),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("change", "match"), DECODE_REFUSALS)
+def test_decode_attention_refuses_bad_arguments_naming_them(change, match) -> None:
+    """float32 arguments (bfloat16 where the case id says so) with one thing wrong."""
+    args = decode_args()
+    cpu_attention.paged_decode_attention(**args)          # valid as made
+    with pytest.raises(RuntimeError, match=match):
+        cpu_attention.paged_decode_attention(**change(args))
+
+
+def write_args():
+    """Valid write_kv arguments, float32: 4 tokens' rows into caches of 40 slots."""
+    torch.manual_seed(4)
+    return {"k": torch.randn(4, 2, 16), "v": torch.randn(4, 2, 16),
+            "k_cache": torch.zeros(40, 2, 16), "v_cache": torch.zeros(40, 2, 16),
+            "slots": torch.tensor([0, 5, 39, 7])}
+
+
+WRITE_REFUSALS = [
+    pytest.param(set_item("slots", 1, -1), r"slots\[1\] = -1 is out of range for the caches' 40",
+                 id="negative-slot"),
+    pytest.param(set_item("slots", 2, 40), r"slots\[2\] = 40 is out of range", id="slot-past-end"),
+    pytest.param(replace("slots", make=lambda t: t[:3]), "slots has 3 entries but k has 4 tokens",
+                 id="slot-count"),
+    pytest.param(replace("slots", make=torch.Tensor.int), "slots must be int64", id="slot-dtype"),
+    pytest.param(replace("slots", make=lambda t: t[None]), "slots must be 1-D", id="slot-rank"),
+    pytest.param(replace("v", make=lambda t: t[..., :8]), r"v \[4, 2, 8\] and k \[4, 2, 16\]",
+                 id="k-v-shapes"),
+    pytest.param(replace("k", "v", make=lambda t: t[..., :8]),
+                 "k's rows of 2 x 8 elements differ from k_cache's rows of 2 x 16", id="row-size"),
+    pytest.param(replace("v_cache", make=lambda t: t[:20]),
+                 r"v_cache \[20, 2, 16\] and k_cache \[40, 2, 16\]", id="cache-shapes"),
+    pytest.param(replace("k", "v", make=torch.Tensor.bfloat16),
+                 "k_cache is Float but k is BFloat16", id="bf16-rows-float32-caches"),
+    pytest.param(replace("v", make=torch.Tensor.bfloat16), "v is BFloat16 but k is Float",
+                 id="v-dtype"),
+    pytest.param(replace("v_cache", make=torch.Tensor.bfloat16),
+                 "v_cache is BFloat16 but k is Float", id="v-cache-dtype"),
+    pytest.param(replace("k", "v", "k_cache", "v_cache", make=torch.Tensor.double),
+                 "k must be float32 or bfloat16", id="float64"),
+    pytest.param(replace("k_cache", make=strided), "k_cache and v_cache must be contiguous",
+                 id="strided-cache"),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("change", "match"), WRITE_REFUSALS)
+def test_write_kv_refuses_bad_arguments_naming_them_and_writes_nothing(change, match) -> None:
+    """float32 arguments (bfloat16 where the case id says so) with one thing wrong: refused,
+    and neither cache touched (every slot is checked before the first copy)."""
+    args = change(write_args())
+    k_before, v_before = args["k_cache"].clone(), args["v_cache"].clone()
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.spmd_cpu.write_kv(**args)
+    assert torch.equal(args["k_cache"], k_before) and torch.equal(args["v_cache"], v_before)
+
+
+def prefill_args():
+    """Valid prefill_attention arguments, float32: 8 tokens, 4 heads over 2 KV heads."""
+    torch.manual_seed(5)
+    return {"q": torch.randn(8, 4, 16), "k": torch.randn(8, 2, 16), "v": torch.randn(8, 2, 16),
+            "scale": 0.25}
+
+
+PREFILL_REFUSALS = [
+    pytest.param(replace("q", make=lambda t: t[0]), "q must be 3-D", id="q-rank"),
+    pytest.param(replace("k", "v", make=lambda t: t[:7]), "k has 7 tokens but q has 8",
+                 id="token-count"),
+    pytest.param(replace("k", "v", make=lambda t: t[..., :8]),
+                 "k's head_dim 8 differs from q's 16", id="head-size"),
+    pytest.param(replace("q", make=lambda t: t[:, :3]),
+                 "q's 3 heads are not a multiple of k's 2 KV heads", id="heads"),
+    pytest.param(replace("v", make=lambda t: t[:, :1]), r"v \[8, 1, 16\] and k \[8, 2, 16\]",
+                 id="k-v-shapes"),
+    pytest.param(replace("k", make=torch.Tensor.bfloat16), "k is BFloat16 but q is Float",
+                 id="k-dtype"),
+    pytest.param(replace("q", "k", "v", make=torch.Tensor.double),
+                 "q must be float32 or bfloat16", id="float64"),
+    pytest.param(replace("q", make=lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
+                 "q's heads of each position must lie side by side", id="heads-apart"),
+]
+
+
+@needs_mkl_kernel
+@pytest.mark.parametrize(("change", "match"), PREFILL_REFUSALS)
+def test_prefill_attention_refuses_bad_arguments_naming_them(change, match) -> None:
+    """float32 arguments (bfloat16 where the case id says so) with one thing wrong."""
+    args = prefill_args()
+    torch.ops.spmd_cpu.prefill_attention(**args)          # valid as made
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.spmd_cpu.prefill_attention(**change(args))

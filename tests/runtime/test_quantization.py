@@ -122,7 +122,7 @@ def test_an_int8_engine_answers() -> None:
     assert out.text.strip().startswith("Paris"), out.text
 
 
-@pytest.mark.skipif(not quantization._ONEDNN_INT8, reason="this torch has no oneDNN int8 linear")
+@pytest.mark.skipif(not quantization._ONEDNN_INT8, reason="no exact oneDNN int8 linear here (this torch lacks it, or the CPU has no VNNI or AMX int8)")
 def test_prepacked_int8_weights_give_the_integer_gemms_bits() -> None:
     """oneDNN's prepacked int8 linear (uint8 codes shifted by 128) and torch._int_mm on the
     plain int8 weight: the same sums, so the same outputs to the bit, projections and head."""
@@ -138,3 +138,44 @@ def test_prepacked_int8_weights_give_the_integer_gemms_bits() -> None:
     plain_head = RescoredInt8Head(Int8Weight(head.scores.weight_t, head.scores.scale), table)
     hidden = torch.randn(9, 72)
     assert torch.equal(head.logits(hidden), plain_head.logits(hidden))
+
+
+def _sums(rows: int = 4, columns: int = 6, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.randint(-1000, 1000, (rows, columns), dtype=torch.int32).to(dtype)
+
+
+# id -> (a call of the C++ ends with one argument spoiled, the message it must raise)
+BAD_QUANTIZATION_CALLS = {
+    "quantize x rank": (lambda ops: ops.quantize_rows_two_part(torch.randn(8), False),
+                        "quantize_rows_two_part: x has 1 dimensions"),
+    "quantize x dtype": (lambda ops: ops.quantize_rows_two_part(torch.randn(2, 8).bfloat16(), True),
+                         "quantize_rows_two_part: x is BFloat16"),
+    "sums odd rows": (lambda ops: ops.dequantize_two_part(_sums(5), torch.ones(2), torch.ones(6)),
+                      "dequantize_two_part: sums has shape"),
+    "sums rank": (lambda ops: ops.dequantize_two_part(_sums()[0], torch.ones(2), torch.ones(6)),
+                  "dequantize_two_part: sums has shape"),
+    "sums dtype": (lambda ops: ops.dequantize_two_part(_sums(dtype=torch.int64), torch.ones(2),
+                                                       torch.ones(6)),
+                   "dequantize_two_part: sums is Long"),
+    "sums not contiguous": (lambda ops: ops.dequantize_two_part(_sums(6, 4).t(), torch.ones(2),
+                                                                torch.ones(6)),
+                            "dequantize_two_part: sums has strides"),
+    "x_scale count": (lambda ops: ops.dequantize_two_part(_sums(), torch.ones(3, 1), torch.ones(6)),
+                      "dequantize_two_part: x_scale has 3 values"),
+    "x_scale dtype": (lambda ops: ops.dequantize_two_part(_sums(), torch.ones(2, dtype=torch.float64),
+                                                          torch.ones(6)),
+                      "dequantize_two_part: x_scale is Double"),
+    "w_scale count": (lambda ops: ops.dequantize_two_part(_sums(), torch.ones(2), torch.ones(5)),
+                      "dequantize_two_part: w_scale has 5 values"),
+    "w_scale dtype": (lambda ops: ops.dequantize_two_part(_sums(), torch.ones(2),
+                                                          torch.ones(6, dtype=torch.int32)),
+                      "dequantize_two_part: w_scale is Int"),
+}
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="the C++ operators cannot be built here")
+@pytest.mark.parametrize("case", list(BAD_QUANTIZATION_CALLS))
+def test_the_cpp_ends_refuse_bad_arguments_naming_them(case) -> None:
+    call, message = BAD_QUANTIZATION_CALLS[case]
+    with pytest.raises(RuntimeError, match=message):
+        call(torch.ops.spmd_cpu)
