@@ -122,7 +122,8 @@ def test_an_int8_engine_answers() -> None:
     assert out.text.strip().startswith("Paris"), out.text
 
 
-@pytest.mark.skipif(not quantization._ONEDNN_INT8, reason="no exact oneDNN int8 linear here (this torch lacks it, or the CPU has no VNNI or AMX int8)")
+@pytest.mark.skipif(not quantization._ONEDNN_INT8, reason="no exact oneDNN int8 linear here "
+                    "(this torch lacks it, or the CPU has no VNNI or AMX int8)")
 def test_prepacked_int8_weights_give_the_integer_gemms_bits() -> None:
     """oneDNN's prepacked int8 linear (uint8 codes shifted by 128) and torch._int_mm on the
     plain int8 weight: the same sums, so the same outputs to the bit, projections and head."""
