@@ -18,6 +18,7 @@ import torch
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.layers.attention_backend import TORCH, TRITON
 from spmd_runtime.worker_proc.distributed import DistributedContext
 from spmd_runtime.worker_proc.worker import build_runner
 
@@ -51,14 +52,14 @@ def main() -> int:
     # One token for each of them: a plan that changes no state, so every call prepares alike.
     decode = StepPlan(1, [], list(range(args.batch)), [1] * args.batch, [[]] * args.batch,
                       bucket=bucket)
-    for kernel in ("", "triton"):
-        runner.decode_kernel = kernel
+    for kernel in (TORCH, TRITON):
+        runner.attention = kernel
         times = []
         for _ in range(args.calls):
             started = time.perf_counter()
             runner.prepare(decode)
             times.append((time.perf_counter() - started) * 1e3)
-        name = "triton kernel (context lengths)" if kernel else "torch attention (masks)"
+        name = "triton kernel (context lengths)" if kernel is TRITON else "torch attention (masks)"
         print(f"decode step of {args.batch} requests, contexts {args.context_min}-"
               f"{args.context_max}, {name}: median {statistics.median(times):.2f} ms")
     return 0

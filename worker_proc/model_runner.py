@@ -8,6 +8,7 @@ import torch
 from spmd_runtime.protocol.buckets import bucket_tokens
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
 from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
@@ -34,11 +35,10 @@ class ModelRunner(WarmupAndGraphs):
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, seed: int | None = None,
                  num_cpu_blocks: int = 0, scratch_block: int | None = None,
-                 decode_kernel: str = "") -> None:
+                 attention: AttentionBackend = TORCH) -> None:
         self.model = model
-        # Decode attention through a kernel that reads the cache in place: "triton" or "cpp"
-        # (runtime.layers.attention); "" gathers each group's context for SDPA.
-        self.decode_kernel = decode_kernel
+        # Chosen once for the worker (runtime/layers/attention_backend.py).
+        self.attention = attention
         self.kv_caches = kv_caches
         self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size)
         # A block no request ever gets (the last one unless told): padding rows read and
@@ -47,7 +47,6 @@ class ModelRunner(WarmupAndGraphs):
                               if scratch_block is None else scratch_block)
         # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
         self.compiled: LayerPieces | None = None
-        self.eager_pieces = model.layer_pieces(device)
         self.compiled_shapes: set[int] = set()
         # Captured graphs by (phase, batch size, length); a bucket without one runs eagerly.
         self.graphs: dict[tuple[str, int, int], BucketGraph] = {}
@@ -65,6 +64,11 @@ class ModelRunner(WarmupAndGraphs):
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+
+    @property
+    def eager_pieces(self) -> LayerPieces:
+        """The layers' eager dense parts: the C++ fused passes where the backend has them."""
+        return self.model.layer_pieces(self.attention)
 
     def apply_plan_state(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Update per-request state from the plan; returns (request id, tokens) in plan order."""
@@ -238,7 +242,7 @@ class ModelRunner(WarmupAndGraphs):
         """Single-token queries `first`..`first + len(rows)` over `num_blocks` context blocks
         each, from those block-table rows; tables are padded with the scratch block, which the
         mask (or for the kernel, the context lengths) hides."""
-        if self.decode_kernel:
+        if self.attention.reads_cache_in_place:
             tables = self.block_tables.gather(rows, num_blocks, torch.int32)
             return DecodeGroup(first, len(rows), tables.view(-1).to(device), None,
                                torch.tensor(lengths, dtype=torch.int32, device=device))
@@ -296,7 +300,7 @@ class ModelRunner(WarmupAndGraphs):
             block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
             decodes=self._decode_groups(decode_rows, decode_lengths, bucket, device),
             prefills=self._prefill_chunks(prefill_specs, device), pad_start=pad_start,
-            decode_kernel=self.decode_kernel)
+            backend=self.attention)
         return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                 batch, sample_rows, sample_ids)
 
@@ -308,7 +312,7 @@ class ModelRunner(WarmupAndGraphs):
         if bucket is not None and bucket[0] == "decode":
             # One group of the bucket's shape: bucket_bs rows over bucket_len context tokens.
             return [self._decode_group(0, rows, lengths, bucket[2] // block_size, device)]
-        if self.decode_kernel and rows:
+        if self.attention.reads_cache_in_place and rows:
             # The kernel reads each sequence's own context length: one group, no grouping.
             return [self._decode_group(0, rows, lengths, -(-max(lengths) // block_size), device)]
         return [self._decode_group(

@@ -31,11 +31,14 @@ from spmd_runtime.protocol.messages import (
     WorkerReady,
     worker_inbound_decoder,
 )
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 from spmd_runtime.runtime.cpu_features import resolve_dtype_name
-from spmd_runtime.runtime.layers import cpu_attention, triton_attention
+from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers.attention_backend import CPP, AttentionBackend, choose_attention_backend
 from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
+from spmd_runtime.runtime.layers.parallel import TensorParallel
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models import build_model, shard_spec
@@ -69,22 +72,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                  ) -> tuple[ModelRunner, WorkerReady]:
     """Load the model, allocate the KV cache and warm up the scheduler's buckets (asked for
     with `buckets_from_scheduler`; without it, none: the runner serves unpadded batches)."""
-    dtype, why = resolve_dtype(config.dtype, ctx.device)
-    if ctx.rank == 0:
-        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
-    started = time.perf_counter()
-    tp = tensor_parallel(config, ctx)
-    model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,
-                                       shard_spec_for=lambda c: shard_spec(c, tp))
-    tp = tuned_if_asked(config, tp, model_config, dtype, ctx.device)
-    model = build_model(model_config, dtype, tp)
-    model.load_hf_state_dict(weights)
-    del weights
-    model.to(ctx.device).eval()
-    prepare_weights(config, model, ctx.device, dtype)
-    release_free_memory()
-    log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
-             config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
+    dtype = resolve_dtype(config.dtype, ctx.device)[0]
+    model_config, model, tp, attention = load_worker_model(config, ctx, dtype)
     max_model_len = model_config.max_position_embeddings
     if config.max_model_len:
         max_model_len = min(max_model_len, config.max_model_len)
@@ -108,8 +97,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
                          scratch_block=num_blocks,
-                         decode_kernel=use_decode_kernel(config, ctx.device, model_config.head_dim,
-                                                       dtype))
+                         attention=attention)
     generation = int(os.environ.get(SPMD_WORKER_GENERATION, "0"))
     loaded = WorkerLoaded(rank=ctx.rank, max_model_len=max_model_len, device=str(ctx.device),
                           generation=generation)
@@ -126,6 +114,34 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     return runner, ready
 
 
+def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torch.dtype
+                      ) -> tuple[ModelConfig, torch.nn.Module, TensorParallel, AttentionBackend]:
+    """This rank's model with its weights in their serving form, and the attention backend
+    it runs (chosen before the weights are built, so a backend that cannot run fails fast)."""
+    if ctx.rank == 0:
+        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."),
+                 resolve_dtype(config.dtype, ctx.device)[1])
+    started = time.perf_counter()
+    tp = tensor_parallel(config, ctx)
+    model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,
+                                       shard_spec_for=lambda c: shard_spec(c, tp))
+    attention = choose_attention_backend(config.attention_backend, ctx.device, dtype,
+                                         model_config.head_dim)
+    if ctx.rank == 0:
+        built = f" (C++ library built for {cpu_ops.loaded().level})" if attention is CPP else ""
+        log.info("attention backend %s%s", attention.name, built)
+    tp = tuned_if_asked(config, tp, model_config, dtype, ctx.device)
+    model = build_model(model_config, dtype, tp)
+    model.load_hf_state_dict(weights)
+    del weights
+    model.to(ctx.device).eval()
+    prepare_weights(config, model, ctx.device, dtype)
+    release_free_memory()
+    log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
+             config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
+    return model_config, model, tp, attention
+
+
 def release_free_memory() -> None:
     """Hand the freed checkpoint tensors' memory back to the OS: tcmalloc (preloaded in CPU
     workers, launch/engine.py) keeps freed pages for reuse, which would leave a worker resident
@@ -136,36 +152,6 @@ def release_free_memory() -> None:
         release()
     elif hasattr(process, "malloc_trim"):
         process.malloc_trim(0)
-
-
-def use_decode_kernel(config: EngineConfig, device: torch.device, head_dim: int,
-                      dtype: torch.dtype = torch.float32) -> str:
-    """--attention-backend: the kernel decode attention runs ("triton" or "cpp"), or "" for the
-    torch path (gather and SDPA)."""
-    backend = config.attention_backend
-    if backend == "torch":
-        return ""
-    if backend == "cpp" or (backend == "auto" and device.type == "cpu"):
-        usable = device.type == "cpu" and dtype == torch.float32
-        if backend == "cpp" and not usable:
-            raise ValueError(f"--attention-backend cpp runs float32 on the CPU (this worker: "
-                             f"{dtype} on {device}); use --attention-backend torch or auto")
-        if usable and cpu_attention.load():
-            return "cpp"
-        if backend == "cpp":
-            raise ValueError("--attention-backend cpp: the C++ kernel could not be built here "
-                             "(see the warning above); use --attention-backend torch or auto")
-        return ""
-    on_device = device.type == "cuda" or (config.attention_backend == "triton"
-                                          and triton_attention.interpreting())
-    usable = triton_attention.available() and on_device and head_dim >= triton_attention.MIN_DOT \
-        and head_dim & (head_dim - 1) == 0
-    if config.attention_backend == "triton" and not usable:
-        raise ValueError(
-            f"--attention-backend triton needs Triton installed, a CUDA device (or "
-            f"TRITON_INTERPRET=1 on CPU) and a power-of-two head dim >= 16 (this model: "
-            f"{head_dim}, device {device}); use --attention-backend torch or auto")
-    return "triton" if usable else ""
 
 
 def prepare_weights(config: EngineConfig, model: torch.nn.Module, device: torch.device,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from spmd_runtime.runtime.layers import cpu_attention, triton_attention
+from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
 from spmd_runtime.runtime.layers.capped_attention import capped_attention
 
 
@@ -34,7 +34,7 @@ class DecodeGroup:
     start: int                      # first of `count` consecutive single-token queries
     count: int
     blocks: torch.Tensor            # [count * num_blocks] block tables, flattened, padded
-    mask: torch.Tensor | None       # [count, 1, 1, num_blocks * block_size]; None: kernel
+    mask: torch.Tensor | None       # [count, 1, 1, num_blocks * block_size]; None: in place
     lengths: torch.Tensor | None = None   # [count] int32 context tokens (for the kernel)
 
     def to(self, device: torch.device) -> DecodeGroup:
@@ -57,10 +57,9 @@ class AttentionBatch:
     # each attending causally within its row: the fixed shape a prompt graph is captured
     # with. `decodes` and `prefills` are then empty.
     prompt_rows: int | None = None
-    # Decode groups through a kernel that reads the cache in place instead of gathering copies
-    # of their context: "triton" (runtime.layers.triton_attention) or "cpp"
-    # (runtime.layers.cpu_attention); "" for the gather and SDPA.
-    decode_kernel: str = ""
+    # The worker's attention backend (runtime/layers/attention_backend.py): how the KV write,
+    # decode groups and fresh prompts attend.
+    backend: AttentionBackend = TORCH
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the batch, in a fixed order (what a captured graph reads)."""
@@ -76,10 +75,6 @@ class AttentionBatch:
         return replace(self, slot_mapping=_to(self.slot_mapping, device),
                        decodes=[group.to(device) for group in self.decodes],
                        prefills=[chunk.to(device) for chunk in self.prefills])
-
-
-# The C++ prefill attention multiplies through the MKL that torch links.
-_CPU_PREFILL = torch.backends.mkl.is_available()
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -103,12 +98,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, heads, dim], k/v: [T, kv_heads, dim] for the new tokens. Returns [T, heads, dim].
     With `softcap`, scores are soft-capped (cap * tanh(scores / cap)) in plain torch: no
     kernel or SDPA path computes that."""
-    if batch.decode_kernel == "cpp":
-        # The C++ decode kernel's library: both caches in one pass (the same copies).
-        torch.ops.spmd_cpu.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-    else:
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+    backend = batch.backend
+    backend.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     if softcap is not None:
         return _capped_paged_attention(q, k, v, k_cache, v_cache, batch, scale, softcap)
     if batch.prompt_rows:
@@ -121,10 +112,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for group in batch.decodes:
         n = group.count
         rows = slice(group.start, group.start + n)
-        if batch.decode_kernel:
-            kernel = cpu_attention if batch.decode_kernel == "cpp" else triton_attention
-            out[rows] = kernel.paged_decode_attention(
-                q[rows], k_cache, v_cache, group.blocks.view(n, -1), group.lengths, bs, scale)
+        if backend.reads_cache_in_place:
+            out[rows] = backend.decode(q[rows], k_cache, v_cache, group.blocks.view(n, -1),
+                                       group.lengths, bs, scale)
             continue
         keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
         values = _gather_blocks(v_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
@@ -135,10 +125,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         query = q[rows].transpose(0, 1).unsqueeze(0)            # [1, heads, len, d]
-        if chunk.context_blocks is None and batch.decode_kernel == "cpp" and _CPU_PREFILL:
-            # The C++ library's causal attention (cpu_prefill_attention.cpp): 1.4-1.7x SDPA's
-            # flash kernel on a float32 CPU from 256 tokens on.
-            out[rows] = torch.ops.spmd_cpu.prefill_attention(q[rows], k[rows], v[rows], scale)
+        fresh = (backend.fresh_prompt(q[rows], k[rows], v[rows], scale)
+                 if chunk.context_blocks is None else None)
+        if fresh is not None:
+            out[rows] = fresh
             continue
         if chunk.context_blocks is None:
             keys = k[rows].transpose(0, 1).unsqueeze(0)

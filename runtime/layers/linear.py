@@ -108,6 +108,16 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def decode_layers_slots(weight: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A projection's (packed, stand-in) pair for spmd_cpu::decode_layers: MKL's packed float32
+    form, or a plain bfloat16 weight in both places; None for any other form."""
+    if isinstance(weight, PackedWeight):
+        return weight.packed, weight.stand_in
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
+        return weight, weight
+    return None
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether float32 weights on this device can be packed for MKL."""
     return _mkl_packed_linear is not None and device.type == "cpu" and dtype == torch.float32

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch
+from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
 from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
 from spmd_runtime.runtime.layers.parallel import ShardLayout, TensorParallel, row_parallel_linear
 from spmd_runtime.runtime.models.llama import (
@@ -82,7 +83,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                  for i in range(config.num_hidden_layers) for name in LAYER_NORMS[2:]}
         return {**required, **norms}, optional
 
-    def layer_pieces(self, device: torch.device) -> LayerPieces:
+    def layer_pieces(self, attention: AttentionBackend) -> LayerPieces:
         """GEGLU everywhere: the fused C++ passes compute Llama's SwiGLU."""
         return GEGLU
 

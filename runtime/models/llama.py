@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
-from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
-from spmd_runtime.runtime.layers.linear import PackedWeight, linear
+from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
+from spmd_runtime.runtime.layers.linear import decode_layers_slots, linear
 from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
 from spmd_runtime.runtime.layers.parallel import (
     ShardLayout,
@@ -118,8 +118,8 @@ def fused_attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
                            num_kv_heads: int, head_dim: int,
                            qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_inputs with the norm and the rotary embedding as single C++ passes (float32
-    CPU, runtime/layers/cpu_layers.cpp): rotary runs in place on the query and key columns.
+    """attention_inputs with the norm and the rotary embedding as single C++ passes (float32 or
+    bfloat16 CPU, runtime/layers/cpu_layers.cpp): rotary runs in place on the query and key columns.
     The C++ passes have no query/key norm: with one, the eager attention_inputs runs."""
     if qk_norm is not None:
         return attention_inputs(x, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, num_heads,
@@ -137,20 +137,18 @@ def fused_mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weigh
                      eps: float, gate_up_weight: torch.Tensor,
                      intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """mlp_inputs with the residual add and the norm as one C++ pass, and SiLU x up as another
-    (float32 CPU)."""
+    (float32 or bfloat16 CPU)."""
     x, normed = torch.ops.spmd_cpu.add_rms_norm(x, attention_output, norm_weight, eps)
     return x, torch.ops.spmd_cpu.silu_mul(linear(normed, gate_up_weight))
 
 
-# The eager pieces of a float32 CPU worker whose C++ operators load (runtime/layers/cpu_ops.py).
+# The eager pieces of a CPU worker on the C++ attention backend (runtime/layers/cpu_ops.py).
 FUSED_CPU = LayerPieces(fused_attention_inputs, fused_mlp_inputs)
 
 
-def eager_pieces(device: torch.device, dtype: torch.dtype) -> LayerPieces:
-    """FUSED_CPU where it runs (float32 on the CPU, the operators built), EAGER elsewhere."""
-    if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load():
-        return FUSED_CPU
-    return EAGER
+def eager_pieces(attention: AttentionBackend) -> LayerPieces:
+    """FUSED_CPU where the worker's attention backend has the fused passes, EAGER elsewhere."""
+    return FUSED_CPU if attention.fused_layers else EAGER
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -238,9 +236,9 @@ class LlamaForCausalLM(nn.Module):
                 for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                      (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
 
-    def layer_pieces(self, device: torch.device) -> LayerPieces:
-        """The eager pieces this model's layers run on `device` (see eager_pieces)."""
-        return eager_pieces(device, self.embed_tokens.dtype)
+    def layer_pieces(self, attention: AttentionBackend) -> LayerPieces:
+        """The eager pieces this model's layers run with that attention backend."""
+        return eager_pieces(attention)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden] (every rank's vocabulary shard summed)."""
@@ -271,8 +269,9 @@ class LlamaForCausalLM(nn.Module):
                              num_tokens: int) -> list[torch.Tensor] | None:
         """The tensors spmd_cpu::decode_layers takes, where it can run this step: a batch of
         decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
-        for MKL, without bias or query/key norm; None otherwise (the layer loop runs)."""
-        if (self.tp.size != 1 or batch.decode_kernel != "cpp" or batch.prefills
+        for MKL (float32) or a plain bfloat16 weight (its slot pair holds it twice), without bias
+        or query/key norm; None otherwise (the layer loop runs)."""
+        if (self.tp.size != 1 or not batch.backend.fused_layers or batch.prefills
                 or batch.prompt_rows or batch.pad_start is not None or len(batch.decodes) != 1
                 or batch.decodes[0].count != num_tokens):
             return None
@@ -280,14 +279,14 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if (attn.qkv_bias is not None or attn.o_bias is not None or attn.q_norm is not None
-                    or not all(isinstance(p, PackedWeight) for p in projections)):
+            if attn.qkv_bias is not None or attn.o_bias is not None or attn.q_norm is not None:
                 return None
-            weights.append(layer.input_layernorm.weight)
-            weights += (attn.qkv_proj.packed, attn.qkv_proj.stand_in, attn.o_proj.packed,
-                        attn.o_proj.stand_in, layer.post_attention_layernorm.weight,
-                        mlp.gate_up_proj.packed, mlp.gate_up_proj.stand_in,
-                        mlp.down_proj.packed, mlp.down_proj.stand_in)
+            slots = [decode_layers_slots(p) for p in projections]
+            if any(slot is None for slot in slots):
+                return None
+            (qkv, o, gate_up, down) = slots
+            weights += (layer.input_layernorm.weight, *qkv, *o,
+                        layer.post_attention_layernorm.weight, *gate_up, *down)
         return weights
 
     def _fused_decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

@@ -11,6 +11,7 @@ from spmd_runtime.runtime.layers.attention import (
     PrefillChunk,
     paged_attention,
 )
+from spmd_runtime.runtime.layers.attention_backend import TORCH, TRITON
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 SCALE, CAP = 0.5, 2.0
@@ -35,9 +36,10 @@ def slots(blocks: list[int], positions: range) -> list[int]:
 
 # "triton": decode groups as built for the kernel, which the capped path reads itself (cap None
 # would run the kernel, which needs a GPU).
-@pytest.mark.parametrize(("decode_kernel", "cap"), [("", CAP), ("triton", CAP), ("", None)])
+@pytest.mark.parametrize(("backend", "cap"), [(TORCH, CAP), (TRITON, CAP), (TORCH, None)],
+                         ids=["torch-capped", "triton-capped", "torch"])
 def test_decodes_and_chunks_equal_causal_attention_over_the_whole_sequence(
-        decode_kernel, cap) -> None:
+        backend, cap) -> None:
     """One decode (context 6), a chunk of 3 after 5 cached tokens and a fresh prompt of 4, in
     one batch; decode groups with a mask, or with context lengths. cap None: the usual path
     (SDPA), uncapped."""
@@ -57,7 +59,7 @@ def test_decodes_and_chunks_equal_causal_attention_over_the_whole_sequence(
         new_v.append(values[cached:])
         slot_mapping += slots(blocks, range(cached, cached + new))
     context = torch.arange(2 * BLOCK)
-    if decode_kernel:
+    if backend.reads_cache_in_place:
         decode = DecodeGroup(0, 1, torch.tensor([1, 3], dtype=torch.int32), None,
                              torch.tensor([6], dtype=torch.int32))
     else:
@@ -65,7 +67,7 @@ def test_decodes_and_chunks_equal_causal_attention_over_the_whole_sequence(
     chunk_mask = context[None, :] <= torch.arange(5, 8)[:, None]
     batch = AttentionBatch(BLOCK, torch.tensor(slot_mapping), [decode],
                            [PrefillChunk(1, 3, torch.tensor([0, 2]), chunk_mask),
-                            PrefillChunk(4, 4, None, None)], decode_kernel=decode_kernel)
+                            PrefillChunk(4, 4, None, None)], backend=backend)
     out = paged_attention(torch.cat(new_q), torch.cat(new_k), torch.cat(new_v), k_cache, v_cache,
                           batch, SCALE, cap)
     expected = torch.cat([reference(q, *kv, list(range(cached, cached + new)), cap)

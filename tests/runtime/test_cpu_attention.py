@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from spmd_runtime.protocol.config import EngineConfig
+from cpu_library import needs_cpu_ops as needs_kernel
 from spmd_runtime.runtime.layers import cpu_attention
-from spmd_runtime.worker_proc.worker import use_decode_kernel
-
-needs_kernel = pytest.mark.skipif(not cpu_attention.load(),
-                                  reason="the C++ kernel cannot be built here (no compiler?)")
 
 
 def reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
@@ -108,20 +104,6 @@ def test_kernel_reads_strided_queries(dtype) -> None:
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 4, 0.25)
     assert torch.equal(out, cpu_attention.paged_decode_attention(
         q.contiguous(), k_cache, v_cache, tables, lengths, 4, 0.25))
-
-
-def test_a_cpu_worker_picks_the_kernel_where_it_builds_and_a_bad_request_says_what_to_change(
-        ) -> None:
-    cpu = torch.device("cpu")
-    built = cpu_attention.load()
-    assert use_decode_kernel(EngineConfig(), cpu, 64) == ("cpp" if built else "")
-    assert use_decode_kernel(EngineConfig(attention_backend="torch"), cpu, 64) == ""
-    # Not float32: the torch path on auto; an explicit request says what to change.
-    assert use_decode_kernel(EngineConfig(), cpu, 64, torch.bfloat16) == ""
-    with pytest.raises(ValueError, match="use --attention-backend torch or auto"):
-        use_decode_kernel(EngineConfig(attention_backend="cpp"), cpu, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="use --attention-backend torch or auto"):
-        use_decode_kernel(EngineConfig(attention_backend="cpp"), torch.device("cuda"), 64)
 
 
 @needs_kernel

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spmd_runtime.runtime.layers import cpu_ops
+from cpu_library import needs_cpu_ops as needs_ops
+from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
 from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
 from spmd_runtime.runtime.models.llama import (
     EAGER,
@@ -16,8 +17,6 @@ from spmd_runtime.runtime.models.llama import (
     fused_mlp_inputs,
     mlp_inputs,
 )
-
-needs_ops = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ operators cannot be built here")
 
 
 @needs_ops
@@ -59,11 +58,9 @@ def test_fused_norm_reads_row_strided_inputs_and_refuses_other_dtypes() -> None:
         torch.ops.spmd_cpu.rms_norm(x.double(), weight, 1e-5)
 
 
-def test_eager_pieces_fuse_only_float32_on_the_cpu() -> None:
-    assert eager_pieces(torch.device("cpu"), torch.bfloat16) is EAGER
-    assert eager_pieces(torch.device("cuda"), torch.float32) is EAGER
-    expected = FUSED_CPU if cpu_ops.load() else EAGER
-    assert eager_pieces(torch.device("cpu"), torch.float32) is expected
+def test_eager_pieces_fuse_where_the_attention_backend_has_the_fused_passes() -> None:
+    assert eager_pieces(CPP) is FUSED_CPU
+    assert eager_pieces(TORCH) is EAGER
 
 
 @needs_ops
@@ -123,7 +120,7 @@ def decode_batch(config, sequences: int, block_size: int = 16):
         positions % block_size
     group = DecodeGroup(0, sequences, tables, None, lengths)
     batch = AttentionBatch(block_size=block_size, slot_mapping=slots, decodes=[group],
-                           prefills=[], decode_kernel="cpp")
+                           prefills=[], backend=CPP)
     return caches, batch, positions
 
 
@@ -159,7 +156,7 @@ def test_decode_layers_run_only_for_a_plain_decode_batch_of_packed_weights() -> 
     _, batch, _ = decode_batch(config, 4)
     assert model.fused_decode_weights(batch, 4) is not None
     assert model.fused_decode_weights(batch, 5) is None             # rows outside the group
-    assert model.fused_decode_weights(replace(batch, decode_kernel=""), 4) is None
+    assert model.fused_decode_weights(replace(batch, backend=TORCH), 4) is None
     assert model.fused_decode_weights(replace(batch, pad_start=3), 4) is None
     chunk = PrefillChunk(4, 3, None, None)
     assert model.fused_decode_weights(replace(batch, prefills=[chunk]), 7) is None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_library import needs_cpu_ops
 from spmd_runtime.protocol.buckets import compiling
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.runtime import LLM
-from spmd_runtime.runtime.layers import cpu_ops, quantization
+from spmd_runtime.runtime.layers import quantization
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
@@ -62,7 +63,7 @@ def test_int8_linear_is_the_product_with_the_rounded_weights() -> None:
     assert torch.equal(linear(zeros, q, bias), bias.expand(3, 40))
 
 
-@pytest.mark.skipif(not cpu_ops.load(), reason="the C++ operators cannot be built here")
+@needs_cpu_ops
 def test_the_cpp_element_wise_ends_give_the_bits_of_the_torch_chain() -> None:
     torch.manual_seed(2)
     x = torch.randn(33, 96) * torch.logspace(-3, 2, 96)
@@ -174,7 +175,7 @@ BAD_QUANTIZATION_CALLS = {
 }
 
 
-@pytest.mark.skipif(not cpu_ops.load(), reason="the C++ operators cannot be built here")
+@needs_cpu_ops
 @pytest.mark.parametrize("case", list(BAD_QUANTIZATION_CALLS))
 def test_the_cpp_ends_refuse_bad_arguments_naming_them(case) -> None:
     call, message = BAD_QUANTIZATION_CALLS[case]

@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).parents[1] / "worker_proc")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).parents[1]),
+                 str(Path(__file__).parents[1] / "worker_proc")]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from spmd_runtime.runtime.layers import triton_attention  # noqa: E402
+from spmd_runtime.runtime.layers.attention_backend import TRITON  # noqa: E402
 
 
 def check_kernel() -> None:
@@ -53,10 +55,10 @@ def check_runner() -> None:
     _, model, config = build_pair(seed=3)
     expected = graphs.run_workload(graphs.make_runner(model, config))
     kernel = graphs.make_runner(model, config)
-    kernel.decode_kernel = "triton"
+    kernel.attention = TRITON
     assert graphs.run_workload(kernel) == expected
     captured = graphs.make_runner(model, config)
-    captured.decode_kernel = "triton"
+    captured.attention = TRITON
     graphs.capture_all(captured)
     assert graphs.run_workload(captured) == expected
     print("runner ok")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_library import needs_cpu_ops
 from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
-from spmd_runtime.runtime.layers import cpu_attention
+from spmd_runtime.runtime.layers.attention_backend import CPP
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
 from spmd_runtime.worker_proc.model_runner import ModelRunner
@@ -131,7 +132,7 @@ def test_replayed_buckets_sample_what_the_eager_path_samples(pair) -> None:
         ("decode", 2, 32)}
 
 
-@pytest.mark.skipif(not cpu_attention.load(), reason="the C++ kernel cannot be built here")
+@needs_cpu_ops
 def test_the_cpu_kernel_samples_what_the_torch_path_samples_eager_and_replayed(pair) -> None:
     """Decode attention through the C++ kernel (one group, context lengths) instead of gathered
     context and masks: same tokens, eagerly and through emulated bucket graphs (padding rows
@@ -139,10 +140,10 @@ def test_the_cpu_kernel_samples_what_the_torch_path_samples_eager_and_replayed(p
     _, model, config = pair
     expected = run_workload(make_runner(model, config))
     kernel = make_runner(model, config)
-    kernel.decode_kernel = "cpp"
+    kernel.attention = CPP
     assert run_workload(kernel) == expected
     captured = make_runner(model, config)
-    captured.decode_kernel = "cpp"
+    captured.attention = CPP
     capture_all(captured)
     assert run_workload(captured) == expected
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.layers.attention_backend import TORCH, TRITON
 from spmd_runtime.worker_proc.graphs import GraphCapturer
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
 from spmd_runtime.worker_proc.model_runner import UNREAD_TOKEN, ModelRunner
@@ -132,7 +133,7 @@ def test_overlapped_steps_sample_what_one_at_a_time_samples(pair, graphs) -> Non
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kernel", ["", "triton"], ids=["torch-attention", "triton-kernel"])
+@pytest.mark.parametrize("kernel", [TORCH, TRITON], ids=["torch-attention", "triton-kernel"])
 def test_overlapped_steps_on_cuda_with_real_graphs(pair, kernel) -> None:
     """On CUDA the launch returns before the device runs the step: the next step's inputs are
     copied, filled from the unread tokens and replayed while the step before still runs."""
@@ -142,7 +143,7 @@ def test_overlapped_steps_on_cuda_with_real_graphs(pair, kernel) -> None:
 
     def runner() -> ModelRunner:
         kv = allocate_kv_cache(config, NUM_BLOCKS, 4, torch.float32, device)
-        built = ModelRunner(cuda_model, kv, 4, device, seed=0, decode_kernel=kernel)
+        built = ModelRunner(cuda_model, kv, 4, device, seed=0, attention=kernel)
         built.capture_graphs(BUCKETS, 1 << 30, 0.3, STRATEGIES, lambda: 0, GraphCapturer(device))
         return built
 

@@ -1,0 +1,112 @@
+"""The attention backend a worker runs, chosen once at start-up (--attention-backend): how a
+step's new keys and values go into the paged cache, how single-token queries attend (reading the
+cache in place, or over gathered copies through SDPA), how a fresh prompt attends, and whether
+the layers' element-wise chains run as the C++ library's fused passes.
+
+    torch   index_copy_ writes, gathered context and SDPA; the torch layer chains
+    triton  the Triton decode kernel reading the cache in place (CUDA, or interpreted on CPU)
+    cpp     the C++ CPU library (runtime/layers/cpu_ops.py): KV write, decode and fresh-prompt
+            attention, fused norms / rotary / SiLU x up and the one-call decode stack; float32
+            and bfloat16, reading and writing the cache in place with float32 accumulation
+"""
+from __future__ import annotations
+
+import torch
+from spmd_runtime.runtime.layers import cpu_attention, cpu_ops, triton_attention
+
+
+class AttentionBackend:
+    """torch: the reference every other backend is tested against."""
+
+    name = "torch"
+    # Decode groups carry each row's context length and the kernel reads only that much of the
+    # cache (no mask, no grouping by length).
+    reads_cache_in_place = False
+    # The C++ element-wise passes (FUSED_CPU) and, where a batch allows, the one-call decode
+    # of every layer (runtime/models/llama.py).
+    fused_layers = False
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+               scale: float) -> torch.Tensor:
+        raise NotImplementedError(f"the {self.name} backend gathers decode context for SDPA")
+
+    def fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor | None:
+        """Causal attention of a prompt with no cached context, [T, heads, dim]; None: SDPA."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"AttentionBackend({self.name})"
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+    reads_cache_in_place = True
+
+    def decode(self, q, k_cache, v_cache, block_tables, lengths, block_size, scale):
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                       lengths, block_size, scale)
+
+
+class CppAttention(AttentionBackend):
+    name = "cpp"
+    reads_cache_in_place = True
+    fused_layers = True
+    dtypes = (torch.float32, torch.bfloat16)
+
+    def write_kv(self, k, v, k_cache, v_cache, slots):
+        torch.ops.spmd_cpu.write_kv(k, v, k_cache, v_cache, slots)
+
+    def decode(self, q, k_cache, v_cache, block_tables, lengths, block_size, scale):
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lengths,
+                                                    block_size, scale)
+
+    def fresh_prompt(self, q, k, v, scale):
+        # MKL's sgemm multiplies its tiles (torch links it; the library finds it at load).
+        if not torch.backends.mkl.is_available():
+            return None
+        return torch.ops.spmd_cpu.prefill_attention(q, k, v, scale)
+
+
+TORCH, TRITON, CPP = AttentionBackend(), TritonAttention(), CppAttention()
+
+
+def choose_attention_backend(requested: str, device: torch.device, dtype: torch.dtype,
+                             head_dim: int) -> AttentionBackend:
+    """--attention-backend for a worker: auto is cpp on a CPU whose library is built, triton on
+    CUDA where it runs this head size, torch otherwise; a backend asked for by name that cannot
+    run here is an error saying what to change."""
+    if requested == "torch":
+        return TORCH
+    if requested == "cpp" or (requested == "auto" and device.type == "cpu"):
+        return _cpp_backend(requested, device, dtype)
+    on_device = device.type == "cuda" or (requested == "triton" and triton_attention.interpreting())
+    usable = triton_attention.available() and on_device and head_dim >= triton_attention.MIN_DOT \
+        and head_dim & (head_dim - 1) == 0
+    if requested == "triton" and not usable:
+        raise ValueError(
+            f"--attention-backend triton needs Triton installed, a CUDA device (or "
+            f"TRITON_INTERPRET=1 on CPU) and a power-of-two head dim >= 16 (this model: "
+            f"{head_dim}, device {device}); use --attention-backend torch or auto")
+    return TRITON if usable else TORCH
+
+
+def _cpp_backend(requested: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    if device.type != "cpu" or dtype not in CppAttention.dtypes:
+        if requested == "cpp":
+            raise ValueError(f"--attention-backend cpp runs float32 or bfloat16 on the CPU (this "
+                             f"worker: {dtype} on {device}); use --attention-backend torch or auto")
+        return TORCH
+    if cpu_ops.load():
+        return CPP
+    library = cpu_ops.loaded()
+    if library.missing.startswith("the CPU has no AVX2") and requested == "auto":
+        return TORCH
+    raise ValueError(f"--attention-backend {requested}: {library.missing}; or start with "
+                     f"--attention-backend torch to serve without them")

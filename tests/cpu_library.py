@@ -1,0 +1,15 @@
+"""The C++ CPU library in tests: loaded wherever this CPU has a build level (make env built it).
+Tests that need it skip only on a CPU with no level (no AVX2): on any other, a missing or broken
+build fails them instead of hiding behind a skip."""
+from __future__ import annotations
+
+import pytest
+from spmd_runtime.runtime import cpu_features
+from spmd_runtime.runtime.layers import cpu_ops
+
+BUILT_FOR_THIS_CPU = bool(cpu_features.detect().kernel_levels)
+if BUILT_FOR_THIS_CPU:
+    cpu_ops.load()
+
+needs_cpu_ops = pytest.mark.skipif(not BUILT_FOR_THIS_CPU, reason="this CPU has no AVX2 with FMA "
+                                   "and F16C: the C++ library is built for none of its levels")

@@ -1,0 +1,60 @@
+"""How a worker picks its attention backend (runtime/layers/attention_backend.py), once, from
+--attention-backend, its device, its dtype and whether the C++ library is built."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from cpu_library import needs_cpu_ops
+from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers.attention_backend import (
+    CPP,
+    TORCH,
+    TRITON,
+    choose_attention_backend,
+)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_worker_runs_the_cpp_library_in_float32_and_bfloat16(dtype) -> None:
+    assert choose_attention_backend("auto", CPU, dtype, 64) is CPP
+    assert choose_attention_backend("cpp", CPU, dtype, 64) is CPP
+    assert choose_attention_backend("torch", CPU, dtype, 64) is TORCH
+    assert CPP.fused_layers and CPP.reads_cache_in_place and not TORCH.fused_layers
+
+
+def test_an_explicit_request_that_cannot_run_says_what_to_change() -> None:
+    assert choose_attention_backend("auto", CPU, torch.float16, 64) is TORCH
+    with pytest.raises(ValueError, match="use --attention-backend torch or auto"):
+        choose_attention_backend("cpp", CPU, torch.float16, 64)
+    with pytest.raises(ValueError, match="use --attention-backend torch or auto"):
+        choose_attention_backend("cpp", CUDA, torch.bfloat16, 64)
+
+
+def test_a_missing_build_stops_the_worker_naming_the_build_command(monkeypatch) -> None:
+    """Never a silent fall-back to the slower torch path on a CPU the library is built for."""
+    missing = cpu_ops.KernelLibrary(None, None, "the C++ CPU operators are not built for this "
+                                    "CPU (avx2), ...: run spmdrun build-kernels")
+    monkeypatch.setattr(cpu_ops, "load", lambda: False)
+    monkeypatch.setattr(cpu_ops, "loaded", lambda: missing)
+    for requested in ("auto", "cpp"):
+        with pytest.raises(ValueError, match="spmdrun build-kernels.*--attention-backend torch"):
+            choose_attention_backend(requested, CPU, torch.float32, 64)
+    no_avx2 = cpu_ops.KernelLibrary(None, None, "the CPU has no AVX2 with FMA and F16C, ...")
+    monkeypatch.setattr(cpu_ops, "loaded", lambda: no_avx2)
+    assert choose_attention_backend("auto", CPU, torch.float32, 64) is TORCH
+
+
+def test_triton_runs_on_cuda_only_and_a_bad_request_says_what_to_change(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert choose_attention_backend("auto", CPU, torch.float32, 64) is not TRITON
+    assert choose_attention_backend("torch", CUDA, torch.bfloat16, 64) is TORCH
+    with pytest.raises(ValueError, match="use --attention-backend torch or auto"):
+        choose_attention_backend("triton", CPU, torch.float32, 64)
+    if importlib.util.find_spec("triton") is not None:
+        assert choose_attention_backend("auto", CUDA, torch.bfloat16, 64) is TRITON
+        assert choose_attention_backend("auto", CUDA, torch.bfloat16, 48) is TORCH  # not 2^n
