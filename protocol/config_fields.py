@@ -126,11 +126,13 @@ class ExecutionOptions(CacheOptions, kw_only=True):
 
     section: ClassVar[str] = "execution: eager, buckets, compilation, graphs"
     attention_backend: Annotated[Literal["auto", "torch", "triton", "cpp"], Meta(description=(
-        "decode attention: triton reads the paged KV cache in place with this project's "
-        "Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); cpp does the same on the CPU "
-        "with its C++ kernel (float32; built on first use, needs a C++ compiler); torch "
-        "gathers each sequence's context and runs SDPA; auto: triton on CUDA where Triton is "
-        "installed, cpp on a float32 CPU worker where it builds, else torch"))] = "auto"
+        "the worker's attention backend, chosen once: triton reads the paged KV cache in place "
+        "with this project's Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); cpp is "
+        "this project's C++ CPU library (float32 or bfloat16: KV write, decode and prompt "
+        "attention, fused layer passes; built ahead by `make env` / `spmdrun build-kernels`); "
+        "torch gathers each sequence's context and runs SDPA; auto: triton on CUDA where Triton "
+        "is installed, cpp on a CPU worker (an error naming the build command where it is not "
+        "built), else torch"))] = "auto"
     execution_mode: Annotated[Literal["auto", "eager", "bucketed", "compiled"], Meta(
         description=(
             "how a step runs. eager: every batch in its own shape, nothing compiled or "

@@ -104,7 +104,8 @@ def levels_to_build(which: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="spmdrun build-kernels", description="Build the C++ CPU operators ahead of serving.")
+        prog="spmdrun build-kernels", description="Build the C++ CPU operators ahead of serving.",
+        allow_abbrev=False)
     parser.add_argument("--levels", default="native",
                         help="native (this CPU's best level), all, or a comma list of "
                         f"{', '.join(KERNEL_LEVELS)} (default: native)")

@@ -347,7 +347,7 @@ def test_serve_help_is_grouped_and_generate_has_no_server_options() -> None:
 def test_no_parser_accepts_abbreviations() -> None:
     parser = build_parser()
     parsers = [parser, *subcommand_parsers(parser).values()]
-    assert len(parsers) == 9 and not any(p.allow_abbrev for p in parsers)
+    assert len(parsers) == 10 and not any(p.allow_abbrev for p in parsers)
 
 
 def test_vllm_spellings_set_the_engine_fields() -> None:
