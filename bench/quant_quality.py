@@ -9,6 +9,8 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
 
     python bench/quant_quality.py                         # all seed documents
     python bench/quant_quality.py --text some.txt --window 512
+    python bench/quant_quality.py --dtype bfloat16              # int8 over bf16, against float32
+    python bench/quant_quality.py --dtype bfloat16 --quantization none   # bf16 alone
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
 
-def build(model: str, quantization: str) -> LlamaForCausalLM:
-    config, weights = load_model(resolve_model(model), torch.float32)
-    model = build_model(config, torch.float32)
+def build(model: str, quantization: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    config, weights = load_model(resolve_model(model), dtype)
+    model = build_model(config, dtype)
     model.load_hf_state_dict(weights)
     quantize_linear_weights(model.eval(), quantization)
     return model
@@ -42,7 +44,9 @@ def read_text(paths: list[Path]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--quantization", default="int8", choices=QUANTIZATION_METHODS[1:])
+    parser.add_argument("--quantization", default="int8", choices=QUANTIZATION_METHODS)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the compared model's dtype (the reference is float32)")
     parser.add_argument("--text", type=Path, nargs="*",
                         help=f"text files (default: the *.md files of {SEEDS})")
     parser.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced window")
@@ -53,16 +57,18 @@ def main() -> int:
     ids = load_tokenizer(resolve_model(args.model)).encode(read_text(paths))
     if args.max_tokens:
         ids = ids[:args.max_tokens]
-    exact, quantized = build(args.model, "none"), build(args.model, args.quantization)
+    label = f"{args.dtype} {args.quantization}"
+    exact = build(args.model, "none")
+    quantized = build(args.model, args.quantization, getattr(torch, args.dtype))
     agree = total = 0
-    nll = {"float32": 0.0, args.quantization: 0.0}
+    nll = {"float32": 0.0, label: 0.0}
     for start in range(0, len(ids) - 1, args.window):
         window = ids[start:start + args.window + 1]
         if len(window) < 2:
             break
         targets = torch.tensor(window[1:])
-        for name, model in (("float32", exact), (args.quantization, quantized)):
-            logits = model.prompt_logits(window[:-1])
+        for name, model in (("float32", exact), (label, quantized)):
+            logits = model.prompt_logits(window[:-1]).float()
             nll[name] += -torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum().item()
             top1 = logits.argmax(-1)
             if name == "float32":
@@ -71,11 +77,10 @@ def main() -> int:
                 agree += int((top1 == reference).sum())
         total += len(targets)
     ppl = {name: math.exp(value / total) for name, value in nll.items()}
-    change = ppl[args.quantization] / ppl["float32"] - 1
+    change = ppl[label] / ppl["float32"] - 1
     print(f"text: {len(paths)} file(s), {total} scored tokens in windows of {args.window}")
     print(f"top-1 agreement with float32 (teacher-forced): {agree / total:.2%} ({agree}/{total})")
-    print(f"perplexity: float32 {ppl['float32']:.3f}, {args.quantization} "
-          f"{ppl[args.quantization]:.3f} ({change:+.2%})")
+    print(f"perplexity: float32 {ppl['float32']:.3f}, {label} {ppl[label]:.3f} ({change:+.2%})")
     return 0
 
 

@@ -175,8 +175,8 @@ def swap_weight(module: nn.Module, name: str, replacement: object) -> None:
 
 def quantize_linear_weights(model: nn.Module, method: str) -> int:
     """Replace the decoder layers' projection weights (attention QKV and output, MLP gate/up and
-    down) by their quantized form, and (without tensor parallelism) the LM head by a
-    RescoredInt8Head, in place. Returns the number of weights quantized.
+    down) by their quantized form, and (without tensor parallelism, in a float32 model) the LM
+    head by a RescoredInt8Head, in place. Returns the number of weights quantized.
 
     The LM head is re-scored in float because quantized alone it cost a point of top-1
     agreement with float32 on English text (~98% -> ~97%, bench/quant_quality.py)."""
@@ -188,7 +188,9 @@ def quantize_linear_weights(model: nn.Module, method: str) -> int:
     for module, name in model.projection_slots():
         swap_weight(module, name, Int8Weight.quantize(getattr(module, name)))
         count += 1
-    if model.tp.size == 1:
+    # A bfloat16 head keeps its table (the tied embedding: no bytes of its own) and runs on the
+    # CPU's bfloat16 units; an int8 copy would add a byte per vocabulary weight for little.
+    if model.tp.size == 1 and model.lm_head.dtype == torch.float32:
         swap_weight(model, "lm_head", RescoredInt8Head(Int8Weight.quantize(model.lm_head),
                                                  model.lm_head.detach()))
         count += 1

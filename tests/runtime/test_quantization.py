@@ -98,6 +98,17 @@ def test_quantizing_a_model_replaces_its_projections_and_keeps_its_predictions()
         quantize_linear_weights(model, "int3")
 
 
+def test_a_bfloat16_model_keeps_its_bfloat16_head() -> None:
+    """bfloat16: the projections go int8, the LM head stays the tied bf16 table (no int8 copy:
+    --quantization int8 over bf16 holds about a byte per projection weight and nothing more)."""
+    model = tiny_model(seed=5).to(torch.bfloat16)
+    table = model.lm_head
+    assert quantize_linear_weights(model, "int8") == 4 * model.config.num_hidden_layers
+    assert model.lm_head is table and model.lm_head.dtype == torch.bfloat16
+    ids = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(model.prompt_logits(ids.tolist())).all()
+
+
 def test_the_rescored_head_gives_float_logits_for_its_candidates() -> None:
     torch.manual_seed(3)
     table, hidden = torch.randn(300, 32), torch.randn(6, 32)
