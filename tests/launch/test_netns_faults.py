@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,
 NUM_STREAMS = 20
 MAX_TOKENS = 100
 TOKEN = "fault-test-token"
-ENGINE = ["--max-model-len", "256", "--num-kv-blocks", "512", "--max-num-seqs", "32",
+ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "512", "--max-num-seqs", "32",
           "--heartbeat-timeout-s", "5"]
 CLIENT = """
 import asyncio, json, sys
@@ -69,7 +69,7 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def undisturbed(model) -> list[list[int]]:
     from spmd_runtime.runtime import LLM, SamplingParams
-    with LLM(model, nproc_per_node=3, max_model_len=256, num_kv_blocks=512) as llm:
+    with LLM(model, nproc_per_node=3, dtype="float32", max_model_len=256, num_kv_blocks=512) as llm:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         return [o.token_ids for o in llm.generate(stream_prompts(), params)]
 

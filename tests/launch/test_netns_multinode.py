@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,
                                 reason=f"no test hosts: {namespaces_unavailable()}")
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Count from one to five."]
-GENERATE = ["generate", "--model", "smollm2", "--max-tokens", "12", "--output", "jsonl",
+GENERATE = ["generate", "--model", "smollm2", "--dtype", "float32", "--max-tokens", "12", "--output", "jsonl",
             "--max-model-len", "256", "--kv-cache-memory", "256MiB",
             *[arg for prompt in PROMPTS for arg in ("--prompt", prompt)]]
 LAUNCHER = [sys.executable, "-m", "spmd_runtime.launch"]

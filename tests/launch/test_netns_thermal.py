@@ -75,7 +75,7 @@ def test_a_hot_device_on_node_2_caps_node_0s_batch_within_two_steps(tmp_path) ->
         argv = [sys.executable, "-m", "spmd_runtime.launch", "--nnodes", "3",
                 "--nproc-per-node", "1", "--master-addr", hosts.addresses[0], "--master-port",
                 "29500"]
-        engine = ["serve", "--model", model, "--allow-remote", "--rpc-address",
+        engine = ["serve", "--model", model, "--dtype", "float32", "--allow-remote", "--rpc-address",
                   "tcp://127.0.0.1:7000", "--max-model-len", "256", "--num-kv-blocks", "256",
                   "--max-num-seqs", "8", "--kv-swap-memory", "0.01GiB",
                   "--thermal-sensor", f"file:{tmp_path}/temp{{rank}}",
