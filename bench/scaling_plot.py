@@ -100,7 +100,7 @@ def main() -> int:
         figures[engine.name] = {len(run["prompts"]): throughput_report(row).output_tokens_per_s
                                 for run, row in zip(runs, result["results"], strict=True)}
     print_table(figures, concurrency)
-    title = (f"{MODEL} float32, {args.prompt_len}-token prompts, {args.output_len} out each; "
+    title = (f"{MODEL} {peer_dtype(args)}, {args.prompt_len}-token prompts, {args.output_len} out each; "
              f"{cpu_name()}, {os.cpu_count()} cores")
     plot(figures, title, args.out)
     args.out.with_suffix(".json").write_text(json.dumps({
