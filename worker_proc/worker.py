@@ -72,7 +72,9 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                  ) -> tuple[ModelRunner, WorkerReady]:
     """Load the model, allocate the KV cache and warm up the scheduler's buckets (asked for
     with `buckets_from_scheduler`; without it, none: the runner serves unpadded batches)."""
-    dtype = resolve_dtype(config.dtype, ctx.device)[0]
+    dtype, why = resolve_dtype(config.dtype, ctx.device)
+    if ctx.rank == 0:
+        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
     model_config, model, tp, attention = load_worker_model(config, ctx, dtype)
     max_model_len = model_config.max_position_embeddings
     if config.max_model_len:
@@ -118,9 +120,6 @@ def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torc
                       ) -> tuple[ModelConfig, torch.nn.Module, TensorParallel, AttentionBackend]:
     """This rank's model with its weights in their serving form, and the attention backend
     it runs (chosen before the weights are built, so a backend that cannot run fails fast)."""
-    if ctx.rank == 0:
-        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."),
-                 resolve_dtype(config.dtype, ctx.device)[1])
     started = time.perf_counter()
     tp = tensor_parallel(config, ctx)
     model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,

@@ -12,6 +12,7 @@ the layers' element-wise chains run as the C++ library's fused passes.
 from __future__ import annotations
 
 import torch
+from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_attention, cpu_ops, triton_attention
 
 
@@ -103,10 +104,10 @@ def _cpp_backend(requested: str, device: torch.device, dtype: torch.dtype) -> At
             raise ValueError(f"--attention-backend cpp runs float32 or bfloat16 on the CPU (this "
                              f"worker: {dtype} on {device}); use --attention-backend torch or auto")
         return TORCH
+    # A CPU below every build level (no AVX2) has no library to miss: auto serves without it.
+    if requested == "auto" and not cpu_features.detect().kernel_levels:
+        return TORCH
     if cpu_ops.load():
         return CPP
-    library = cpu_ops.loaded()
-    if library.missing.startswith("the CPU has no AVX2") and requested == "auto":
-        return TORCH
-    raise ValueError(f"--attention-backend {requested}: {library.missing}; or start with "
-                     f"--attention-backend torch to serve without them")
+    raise ValueError(f"--attention-backend {requested}: {cpu_ops.loaded().missing}; or start "
+                     f"with --attention-backend torch to serve without them")

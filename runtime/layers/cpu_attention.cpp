@@ -27,28 +27,6 @@
 #include "cpu_bf16.h"
 #include "cpu_math.h"
 
-namespace spmd_cpu {
-
-// Argument checks shared with cpu_prefill_attention.cpp (declared there). `op` and `name` start
-// every message, so a refusal says which call and which argument.
-void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got one on ",
-              t.device());
-  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
-}
-
-// `ref` must be float32 or bfloat16 (the storage types the kernels are built for), `t` the same.
-void check_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
-                 const at::Tensor& ref) {
-  TORCH_CHECK(ref.scalar_type() == at::kFloat || ref.scalar_type() == at::kBFloat16, op, ": ",
-              ref_name, " must be float32 or bfloat16, got ", ref.scalar_type());
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " is ", t.scalar_type(),
-              " but ", ref_name, " is ", ref.scalar_type(),
-              ": both must be float32 or both bfloat16");
-}
-
-}  // namespace spmd_cpu
-
 namespace {
 
 using spmd_cpu::bf16_bits;

@@ -225,7 +225,7 @@ void rotary_(at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim, const at:
 }
 
 // SiLU(gate) * up over n values of either storage type, a register at a time where there are
-// vector registers (the step itself is cpu_math.h's, shared with its float32 silu_mul_row).
+// vector registers (the step itself is cpu_math.h's silu_mul_one / vsilu_mul).
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;

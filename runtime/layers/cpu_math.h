@@ -85,9 +85,9 @@ inline vfloat vexp(vfloat x) {
 }
 #endif
 
-// SiLU(gate) * up of one float, and of one register of them: the step every row loop over gate
-// and up takes (silu_mul_row below, cpu_layers.cpp's rows of either storage type), so that all
-// give the same bits for the same float32 values.
+// SiLU(gate) * up of one float, and of one register of them: the step cpu_layers.cpp's row loop
+// takes (rows of either storage type), so that both give the same bits for the same float32
+// values.
 inline float silu_mul_one(float gate, float up) {
   return gate / (1.f + exp_vectorisable(-gate)) * up;
 }
@@ -100,21 +100,27 @@ inline vfloat vsilu_mul(vfloat gate, vfloat up) {
 }
 #endif
 
-// SiLU(gate) * up over n floats.
-inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  for (; i + kExpLanes <= n; i += kExpLanes)
-    vstore(out + i, vsilu_mul(vload(gate + i), vload(up + i)));
-#endif
-  for (; i < n; ++i) out[i] = silu_mul_one(gate[i], up[i]);
-}
-
 // A tensor the operator reads through its data pointer: it must be in CPU memory and strided
 // (not a sparse, MKL-DNN or meta tensor). The message names the operator `op` and argument.
 inline void check_cpu_tensor(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name, " is a ",
               t.layout(), " tensor on ", t.device(), ", a strided CPU tensor expected");
+}
+
+// A tensor of `dim` dimensions that the operator reads through its data pointer.
+inline void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  check_cpu_tensor(t, op, name);
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+// `ref` must be float32 or bfloat16 (the storage types the kernels are built for), `t` the same.
+inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
+                        const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(ref.scalar_type() == at::kFloat || ref.scalar_type() == at::kBFloat16, op, ": ",
+              ref_name, " must be float32 or bfloat16, got ", ref.scalar_type());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " is ", t.scalar_type(),
+              " but ", ref_name, " is ", ref.scalar_type(),
+              ": both must be float32 or both bfloat16");
 }
 
 }  // namespace spmd_cpu

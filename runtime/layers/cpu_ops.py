@@ -54,15 +54,16 @@ def find_library(features: cpu_features.CpuFeatures, root: Path = DEFAULT_ROOT,
 @functools.cache
 def loaded() -> KernelLibrary:
     """Load this CPU's build once per process; what was loaded, or why nothing was."""
-    library = find_library(cpu_features.detect())
+    features = cpu_features.detect()
+    library = find_library(features)
     if library.path is None:
-        log.warning("%s; the torch paths run instead", library.missing)
+        log.warning("%s", library.missing)
         return library
     torch.ops.load_library(str(library.path))
-    if library.level != cpu_features.detect().kernel_levels[0]:
+    best = features.kernel_levels[0]
+    if library.level != best:
         log.warning("the C++ CPU operators run the %s build: the build for this CPU's %s is "
-                    "missing (run %s)", library.level, cpu_features.detect().kernel_levels[0],
-                    BUILD_COMMAND)
+                    "missing (run %s)", library.level, best, BUILD_COMMAND)
     return library
 
 

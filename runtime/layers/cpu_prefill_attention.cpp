@@ -34,14 +34,6 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const float* b, const int* ldb, const float* beta, float* c,
                        const int* ldc) __attribute__((weak));
 
-// Argument checks defined in cpu_attention.cpp (the same library), shared so that every entry
-// point words its refusals alike.
-namespace spmd_cpu {
-void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t dim);
-void check_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
-                 const at::Tensor& ref);
-}  // namespace spmd_cpu
-
 namespace {
 
 using spmd_cpu::bf16_bits;

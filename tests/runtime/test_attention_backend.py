@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 from cpu_library import needs_cpu_ops
+from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.attention_backend import (
     CPP,
@@ -44,8 +45,8 @@ def test_a_missing_build_stops_the_worker_naming_the_build_command(monkeypatch) 
     for requested in ("auto", "cpp"):
         with pytest.raises(ValueError, match="spmdrun build-kernels.*--attention-backend torch"):
             choose_attention_backend(requested, CPU, torch.float32, 64)
-    no_avx2 = cpu_ops.KernelLibrary(None, None, "the CPU has no AVX2 with FMA and F16C, ...")
-    monkeypatch.setattr(cpu_ops, "loaded", lambda: no_avx2)
+    # A CPU with no build level (no AVX2): auto serves on the torch path.
+    monkeypatch.setattr(cpu_features, "detect", lambda: cpu_features.CpuFeatures(frozenset()))
     assert choose_attention_backend("auto", CPU, torch.float32, 64) is TORCH
 
 
