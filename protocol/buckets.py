@@ -7,6 +7,13 @@ steps of `step` to max: (2, 32, 64) gives 2, 4, 8, 16, 32, 64. Prompt buckets ar
 sequence length) pairs; decode buckets are (batch size, context length) pairs, context in tokens
 (a multiple of the KV block size, so a bucket is also a whole number of context blocks), both
 the product of their two ranges, keeping only those within the token budget.
+
+Only what changes a graph deserves a bucket dimension. Where the workers capture CUDA graphs:
+- prompt steps are packed (every chunk's tokens back to back, attention per chunk) and run
+  eagerly at their own size, unpadded: a packed phase has no buckets;
+- an attention kernel that reads each sequence's context length from a tensor (Triton, C++)
+  needs no context dimension: decode buckets keep one context length, the longest (the block
+  table's width), and vary the batch size in fine steps, as GPU engines capture them.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import bisect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.env_vars import bucket_variable
@@ -59,12 +67,18 @@ class BucketRange:
 
 @dataclass(frozen=True)
 class PhaseBuckets:
-    """The buckets of one phase (prompt or decode) and how to pick one for a batch."""
+    """The buckets of one phase (prompt or decode) and how to pick one for a batch. A packed
+    phase has none: its steps run unpadded, chunks back to back."""
 
     phase: str
-    bs: BucketRange
-    seq: BucketRange
+    bs: BucketRange | None
+    seq: BucketRange | None
     buckets: tuple[Bucket, ...]
+    packed: bool = False
+
+    @classmethod
+    def packed_steps(cls, phase: str) -> PhaseBuckets:
+        return cls(phase, None, None, (), packed=True)
 
     @classmethod
     def generate(cls, phase: str, bs: BucketRange, seq: BucketRange,
@@ -75,20 +89,35 @@ class PhaseBuckets:
                         if bucket_tokens(phase, b, s) <= max_num_batched_tokens)
         return cls(phase, bs, seq, buckets)
 
+    @cached_property
+    def _lookup(self) -> tuple[list[int], list[int], frozenset[Bucket]]:
+        """Sorted batch sizes, sorted lengths and the set of buckets (find runs per request
+        the scheduler adds to a step)."""
+        return (sorted({b for b, _ in self.buckets}), sorted({s for _, s in self.buckets}),
+                frozenset(self.buckets))
+
+    @cached_property
+    def is_grid(self) -> bool:
+        """Whether every (batch size, length) pair of the two ranges is a bucket (none cut by
+        the token budget): a batch then fits if it is within both maxima."""
+        bs_values, seq_values, members = self._lookup
+        return len(members) == len(bs_values) * len(seq_values)
+
     def find(self, batch_size: int, length: int) -> Bucket | None:
         """The smallest bucket that fits the batch in both dimensions, or None if none does."""
-        bs_values = sorted({b for b, _ in self.buckets})
-        seq_values = sorted({s for _, s in self.buckets})
+        bs_values, seq_values, members = self._lookup
         i = bisect.bisect_left(bs_values, batch_size)
         j = bisect.bisect_left(seq_values, length)
         if i == len(bs_values) or j == len(seq_values):
             return None
-        if (bs_values[i], seq_values[j]) in self.buckets:
+        if (bs_values[i], seq_values[j]) in members:
             return bs_values[i], seq_values[j]
         fitting = [b for b in self.buckets if b[0] >= batch_size and b[1] >= length]
         return min(fitting, key=lambda b: (b[0] * b[1], b)) if fitting else None
 
     def config_line(self) -> str:
+        if self.packed:
+            return f"{self.phase.capitalize()} steps packed: unpadded, run eagerly"
         return (f"{self.phase.capitalize()} bucket config (min, step, max) bs:{self.bs}, "
                 f"seq:{self.seq}")
 
@@ -180,17 +209,24 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def default_ranges(phase: str, *, max_num_seqs: int, max_num_batched_tokens: int,
-                   max_model_len: int, block_size: int) -> dict[str, BucketRange]:
+                   max_model_len: int, block_size: int, context_from_tensors: bool = False,
+                   fine_batches: bool = False) -> dict[str, BucketRange]:
     """Ranges that cover what the scheduler can plan: up to max_num_seqs sequences, prompt
-    chunks up to the token budget, decode contexts up to max_model_len."""
+    chunks up to the token budget, decode contexts up to max_model_len.
+
+    context_from_tensors: the attention kernel reads context lengths from a tensor, so decode
+    buckets have one context length, the longest. fine_batches: decode batch sizes go up in
+    steps of 8 past 8 (graphs are cheap to have many of), not 32."""
     step = max(block_size, 128 // block_size * block_size)
     if phase == "prompt":
         longest = min(max_num_batched_tokens, max_model_len)
         seq = BucketRange(min(step, longest), step, max(step, _round_up(longest, step)))
         return {"bs": BucketRange(1, 32, max(1, min(max_num_seqs, max_num_batched_tokens // seq.min))),
                 "seq": seq}
-    return {"bs": BucketRange(1, 32, max_num_seqs),
-            "seq": BucketRange(step, step, max(step, _round_up(max_model_len, step)))}
+    longest = max(step, _round_up(max_model_len, step))
+    return {"bs": BucketRange(1, 8 if fine_batches else 32, max_num_seqs),
+            "seq": BucketRange(longest, longest, longest) if context_from_tensors
+            else BucketRange(step, step, longest)}
 
 
 def resolve_ranges(phase: str, options: Mapping[str, str], defaults: dict[str, BucketRange],
@@ -247,16 +283,34 @@ def bucketing_enabled(config: EngineConfig, device_type: str = "cpu") -> bool:
         device_type == "cuda" or compiling(config, device_type)))
 
 
-def engine_buckets(config: EngineConfig, max_model_len: int) -> dict[str, PhaseBuckets]:
-    """The prompt and decode buckets of an engine, from its configuration, the environment and
-    the model's context length; the scheduler's, which every worker then warms up."""
+def packs_prompts(config: EngineConfig, device_type: str,
+                  environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether prompt steps run packed and unpadded: where the workers capture graphs (prompt
+    steps, compute-bound, gain little from a graph) and no prompt bucket is asked for, by
+    option or environment."""
+    asked = config.prompt_bs_bucket or config.prompt_seq_bucket or any(
+        name in environ for dimension in DIMENSIONS for part in ("min", "step", "max")
+        for name in [bucket_variable("prompt", dimension, part)])
+    return graphs_enabled(config, device_type) and not asked
+
+
+def engine_buckets(config: EngineConfig, max_model_len: int, device_type: str = "cpu",
+                   context_from_tensors: bool = False) -> dict[str, PhaseBuckets]:
+    """The prompt and decode buckets of an engine, from its configuration, the environment,
+    the model's context length, the workers' device and whether their attention reads
+    context lengths from tensors; the scheduler's, which every worker then warms up."""
     options = {"prompt": {"bs": config.prompt_bs_bucket, "seq": config.prompt_seq_bucket},
                "decode": {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}}
     buckets = {}
     for phase in PHASES:
+        if phase == "prompt" and packs_prompts(config, device_type):
+            buckets[phase] = PhaseBuckets.packed_steps(phase)
+            continue
         defaults = default_ranges(phase, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_model_len=max_model_len, block_size=config.block_size)
+                                  max_model_len=max_model_len, block_size=config.block_size,
+                                  context_from_tensors=context_from_tensors,
+                                  fine_batches=graphs_enabled(config, device_type))
         ranges = resolve_ranges(phase, options[phase], defaults)
         if phase == "decode" and any(v % config.block_size for v in ranges["seq"].values()):
             raise ValueError(f"decode context buckets {ranges['seq'].values()} must be multiples "

@@ -199,6 +199,9 @@ class WorkerLoaded(_Wire, tag="loaded"):
     max_model_len: int             # the model's context length, within --max-model-len
     device: str
     generation: int = 0
+    # Its attention reads each sequence's context length from a tensor (Triton, C++): decode
+    # buckets then need no context dimension.
+    context_from_tensors: bool = False
 
 
 class WarmupPlan(_Wire, tag="warmup"):

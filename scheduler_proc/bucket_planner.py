@@ -1,7 +1,10 @@
 """Bucketed steps: each step is a prompt step or a decode step whose batch fits one of the
-buckets every worker has warmed up, and the plan names that bucket so every rank pads alike."""
+buckets every worker has warmed up, and the plan names that bucket so every rank pads alike.
+A packed phase (protocol.buckets) has no buckets: its steps run unpadded, limited only by the
+token budget."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,12 +12,13 @@ from spmd_runtime.protocol.buckets import Bucket, PhaseBuckets, bucket_tokens
 from spmd_runtime.scheduler_proc.policy import Policy
 from spmd_runtime.scheduler_proc.request import Request
 
+log = logging.getLogger("spmd.scheduler")
 
 @dataclass
 class BucketCounters:
     batches_outside_buckets: int = 0   # ran unpadded: larger than the largest bucket
     padded_tokens: int = 0             # padding rows/positions the workers computed
-    computed_tokens: int = 0           # real tokens of bucketed steps
+    computed_tokens: int = 0           # real tokens of bucketed and packed steps
 
     @property
     def padding_waste(self) -> float:
@@ -30,8 +34,10 @@ class BucketPlanner:
     def __init__(self, buckets: dict[str, PhaseBuckets], policy: Policy) -> None:
         self.buckets = buckets
         self.policy = policy
-        self.max_bs = {phase: max(b for b, _ in pb.buckets) for phase, pb in buckets.items()}
-        self.max_len = {phase: max(s for _, s in pb.buckets) for phase, pb in buckets.items()}
+        self.max_bs = {phase: max((b for b, _ in pb.buckets), default=0)
+                       for phase, pb in buckets.items()}
+        self.max_len = {phase: max((s for _, s in pb.buckets), default=0)
+                        for phase, pb in buckets.items()}
         self.counters = BucketCounters()
         self._last_phase = "prompt"
 
@@ -50,28 +56,49 @@ class BucketPlanner:
             return "prompt"
         return "decode" if self._last_phase == "prompt" else "prompt"
 
-    def chunk_limit(self, phase: str) -> int:
-        """Most tokens one sequence may compute in a step of this phase."""
-        return self.max_len["prompt"] if phase == "prompt" else 1
-
-    def length(self, phase: str, request: Request, num_new: int) -> int:
-        """The bucket's length dimension: chunk length (prompt) or context length (decode)."""
-        return num_new if phase == "prompt" else request.num_computed_tokens + num_new
+    def take(self, phase: str, request: Request, num_tokens: int, num_seqs: int,
+             longest: int) -> tuple[int, int]:
+        """How many of its next `num_tokens` tokens the request computes in a step of `phase`
+        that would then hold `num_seqs` sequences, and the step's length dimension with it
+        (chunk length for a prompt step, context length for a decode step; `longest` before
+        it). (0, longest) where no bucket would fit it."""
+        if phase == "decode":
+            num_new, length = 1, request.num_computed_tokens + 1
+        else:
+            num_new = num_tokens if self.buckets[phase].packed else min(num_tokens,
+                                                                        self.max_len[phase])
+            length = num_new
+        length = max(longest, length)
+        return (num_new, length) if self.fits(phase, num_seqs, length) else (0, longest)
 
     def fits(self, phase: str, num_seqs: int, longest: int) -> bool:
         """Whether a step may hold `num_seqs` sequences, the longest `longest`: if some bucket
         has room for them; a lone sequence always may, and so may sequences longer than every
         bucket, up to the largest batch size (that step runs unpadded anyway)."""
-        if num_seqs == 1 or self.buckets[phase].find(num_seqs, longest) is not None:
+        buckets = self.buckets[phase]
+        if num_seqs == 1 or buckets.packed:
+            return True
+        if buckets.is_grid and num_seqs <= self.max_bs[phase] and longest <= self.max_len[phase]:
+            return True
+        if buckets.find(num_seqs, longest) is not None:
             return True
         return longest > self.max_len[phase] and num_seqs <= self.max_bs[phase]
 
     def bucket_for(self, phase: str, num_seqs: int, longest: int, num_tokens: int) -> Bucket | None:
-        """The bucket a finished step runs as (None: outside every bucket, unpadded)."""
+        """The bucket a finished step runs as (None: packed, or outside every bucket;
+        unpadded either way)."""
         self._last_phase = phase
+        if self.buckets[phase].packed:
+            self.counters.computed_tokens += num_tokens
+            return None
         bucket = self.buckets[phase].find(num_seqs, longest)
         if bucket is None:
             self.counters.batches_outside_buckets += 1
+            if self.counters.batches_outside_buckets == 1:
+                log.warning("a %s batch of %d sequences (longest %d) is larger than every "
+                            "bucket: it runs unpadded; raise the bucket maxima (further ones "
+                            "are counted in stats, batches_outside_buckets)", phase, num_seqs,
+                            longest)
             return None
         self.counters.padded_tokens += bucket_tokens(phase, *bucket) - num_tokens
         self.counters.computed_tokens += num_tokens

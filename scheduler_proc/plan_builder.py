@@ -2,14 +2,11 @@
 what the workers hold (which requests, how many of their blocks) so that only deltas travel."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.request import Request
-
-log = logging.getLogger("spmd.scheduler")
 
 
 @dataclass
@@ -121,11 +118,4 @@ class PlanBuilder:
         num_tokens = sum(draft.num_scheduled.values())
         bucket = self.planner.bucket_for(draft.phase, len(draft.num_scheduled), draft.longest,
                                          num_tokens)
-        if bucket is None:
-            if self.planner.counters.batches_outside_buckets == 1:
-                log.warning("a %s batch of %d sequences (longest %d) is larger than every "
-                            "bucket: it runs unpadded; raise the bucket maxima (further ones "
-                            "are counted in stats, batches_outside_buckets)", draft.phase,
-                            len(draft.num_scheduled), draft.longest)
-            return None
-        return (draft.phase, *bucket)
+        return None if bucket is None else (draft.phase, *bucket)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.buckets import PhaseBuckets
 from spmd_runtime.protocol.messages import StepPlan, StepResult
-from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner, phase_of
+from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, ScheduledStep, StepDraft
@@ -195,9 +195,11 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = self._tokens_to_schedule(request, budget, draft)
-            if num_new and allocate_or_preempt(self, request, num_new, draft):
-                self._note_length(request, num_new, draft)
+            num_new, longest = self._tokens_to_schedule(request, budget, draft)
+            # The usual case first, in one call: room without preempting anyone.
+            if num_new and (self.kv.allocate_slots(request, num_new)
+                            or allocate_or_preempt(self, request, num_new, draft)):
+                draft.longest = longest
                 self.plans.add_running(request, num_new, draft)
                 budget -= num_new
 
@@ -231,25 +233,20 @@ class Scheduler:
             preempt(self, request)
 
     def _tokens_to_schedule(self, request: Request, budget: int, draft: StepDraft,
-                            num_hit_tokens: int = 0, admitting: bool = False) -> int:
-        """Tokens the request computes in this step; 0 if it does not belong in it (another
-        phase, or no bucket would fit it alongside the requests already in). A newcomer
-        always prefills."""
+                            num_hit_tokens: int = 0, admitting: bool = False) -> tuple[int, int]:
+        """Tokens the request computes in this step, 0 if it does not belong in it (another
+        phase, or no bucket would fit it alongside the requests already in), and the step's
+        length dimension with it (bucket_planner). A newcomer always prefills."""
         num_left = request.num_tokens - request.num_computed_tokens - num_hit_tokens
-        num_new = min(num_left, budget)
         planner = self.planner
         if planner is None:
-            return num_new
-        phase = "prompt" if admitting else phase_of(request)
+            return min(num_left, budget), 0
+        # phase_of(request), inlined: this runs for every request of every step.
+        phase = "decode" if num_left == 1 and not admitting else "prompt"
         if phase != draft.phase:
-            return 0
-        num_new = min(num_new, planner.chunk_limit(phase))
-        length = max(draft.longest, planner.length(phase, request, num_new))
-        return num_new if planner.fits(phase, len(draft.num_scheduled) + 1, length) else 0
-
-    def _note_length(self, request: Request, num_new: int, draft: StepDraft) -> None:
-        if self.planner is not None:
-            draft.longest = max(draft.longest, self.planner.length(draft.phase, request, num_new))
+            return 0, draft.longest
+        return planner.take(phase, request, min(num_left, budget), len(draft.num_scheduled) + 1,
+                            draft.longest)
 
     def _admission_reserve(self) -> int:
         """Spare blocks a newcomer must leave; none when nothing runs, so a request that fits
@@ -259,31 +256,32 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, draft: StepDraft) -> bool:
         hits = self.kv.get_computed_blocks(request)
         num_hit_tokens = len(hits) * self.kv.block_size
-        num_new = self._tokens_to_schedule(request, budget, draft, num_hit_tokens, admitting=True)
+        num_new, longest = self._tokens_to_schedule(request, budget, draft, num_hit_tokens,
+                                                    admitting=True)
         if not num_new or not self.allocate(request, num_new, hits, self._admission_reserve()):
             return False
         request.num_computed_tokens += num_hit_tokens
         self.kv.record_admission(request, num_hit_tokens)
-        self._start(request, num_new, draft)
+        self._start(request, num_new, draft, longest)
         return True
 
     def _swap_in(self, request: Request, budget: int, draft: StepDraft) -> bool:
         """Fresh device blocks for a swapped request; its computed blocks are copied back into
         the first ones before the forward pass."""
-        num_new = self._tokens_to_schedule(request, budget, draft)
+        num_new, longest = self._tokens_to_schedule(request, budget, draft)
         if not num_new or not self.allocate(request, num_new, reserve=self._admission_reserve()):
             return False
         restore_swapped(self, request, draft)
-        self._start(request, num_new, draft)
+        self._start(request, num_new, draft, longest)
         return True
 
-    def _start(self, request: Request, num_new: int, draft: StepDraft) -> None:
+    def _start(self, request: Request, num_new: int, draft: StepDraft, longest: int) -> None:
         """A request joins the running batch; the workers get all they need to know about it."""
         request.status = RequestStatus.RUNNING
         if request.queue_time_s is None:
             request.queue_time_s = time.monotonic() - request.arrival_time
         self.running.append(request)
-        self._note_length(request, num_new, draft)
+        draft.longest = longest
         self.plans.add_new(request, num_new, draft)
 
     def take_housekeeping_plan(self) -> StepPlan | None:
@@ -305,7 +303,8 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.num_computed_tokens += num_tokens
-            request.note_logprobs(logprobs.get(request_id))
+            if logprobs:
+                request.note_logprobs(logprobs.get(request_id))
             token = sampled.get(request_id)
             if token is None:
                 continue  # a prefill chunk that has not reached the end of the prompt yet
@@ -322,10 +321,13 @@ class Scheduler:
     def maintain(self, step: ScheduledStep | None) -> None:
         """Cache bookkeeping that can wait for the workers: cache the blocks this step fills,
         then free finished requests' blocks (in eviction order)."""
-        if step is not None:
+        if step is not None and self.kv.enable_caching:
+            block_size = self.kv.block_size
             for request_id, num_tokens in step.num_scheduled.items():
                 request = self.requests.get(request_id)
-                if request is not None:
+                # Most steps fill no block of most requests: skip those without the call.
+                if request is not None and (request.num_computed_tokens + num_tokens) \
+                        // block_size > request.num_cached_blocks:
                     self.kv.cache_full_blocks(request, request.num_computed_tokens + num_tokens)
         self._free_finished()
 

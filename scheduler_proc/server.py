@@ -4,6 +4,7 @@ Its parts live beside it: rpc_front (the client socket), intake (requests in), s
 from the workers' reports), scheduler (what each step runs), streaming (results out)."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -105,6 +106,7 @@ class SchedulerServer:
                                                           self.thermal)
         self.intake = RequestIntake(self.scheduler, self.tokenizer, self.model_info)
         self.thermal_sensor = ready[0].thermal_sensor
+        freeze_long_lived()
         log.info("serving on %s (KV cache: %d blocks of %d tokens, swap space: %d blocks, "
                  "max_model_len %d, scheduler %s)", self.front.address,
                  self.scheduler.num_kv_blocks, self.config.block_size,
@@ -194,7 +196,9 @@ class SchedulerServer:
         self.group.lost(message)
         ready = self.group.gather_ready(self._warmup_plan, while_waiting=self.front.receive)
         kv, num_cpu_blocks = kv_cache_manager(self.config, ready)
+        gc.unfreeze()           # the old block pool may now be collected
         requeued = self.scheduler.restart(kv, num_cpu_blocks)
+        freeze_long_lived()
         log.warning("worker group generation %d ready: %d requests recomputed from their "
                     "prompts and the tokens already streamed", self.group.generation, len(requeued))
 
@@ -304,6 +308,14 @@ class SchedulerServer:
         self.front.close()
         self.group.close()
         self.ctx.term()
+
+
+def freeze_long_lived() -> None:
+    """Move what start-up built (the block pool's tens of thousands of blocks, the tokenizer)
+    out of the collector's reach: a full collection would otherwise walk them all, a stall of
+    milliseconds in some step (bench/scheduler_overhead.py --workload issue10)."""
+    gc.collect()
+    gc.freeze()
 
 
 def serve(config: EngineConfig) -> int:

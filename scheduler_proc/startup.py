@@ -12,10 +12,12 @@ from spmd_runtime.scheduler_proc.thermal import ThermalControl
 
 def derive_warmup_plan(config: EngineConfig, loaded: WorkerLoaded) -> WarmupPlan:
     """The buckets of this engine, from the configuration, this process's environment and the
-    first rank to load (its model's context length and device)."""
+    first rank to load (its model's context length, device and attention kernel)."""
     buckets = None
-    if bucketing_enabled(config, loaded.device.split(":")[0]):
-        buckets = engine_buckets(config, loaded.max_model_len)
+    device_type = loaded.device.split(":")[0]
+    if bucketing_enabled(config, device_type):
+        buckets = engine_buckets(config, loaded.max_model_len, device_type,
+                                 loaded.context_from_tensors)
     return WarmupPlan(buckets=buckets)
 
 

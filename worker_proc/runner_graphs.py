@@ -43,20 +43,16 @@ class WarmupAndGraphs:
         return self.compiled, int(new_shape and self.warmed_up)
 
     @torch.inference_mode()
-    def warmup(self, buckets: dict[str, PhaseBuckets], free_memory) -> None:
-        """Run each bucket shape once with padding only, largest first, before serving.
+    def warmup(self, buckets: dict[str, PhaseBuckets], free_memory, packed_tokens: int = 0) -> None:
+        """Run each bucket shape once with padding only, largest first, before serving; a
+        packed phase once at `packed_tokens` (the token budget), its largest step.
 
         The dense pieces (what compiles) depend on the token count alone and attention runs
         eagerly, so buckets with the same token count share one run: for decode, the one with
         the shortest context."""
         for phase in ("prompt", "decode"):
-            shapes: dict[int, tuple[int, int]] = {}
-            for bs, length in buckets[phase].buckets:
-                tokens = bucket_tokens(phase, bs, length)
-                if tokens not in shapes or (phase == "decode" and length < shapes[tokens][1]):
-                    shapes[tokens] = (bs, length)
-            order = sorted(shapes.items(), reverse=True)
-            for index, (_, (bs, length)) in enumerate(order, 1):
+            order = warmup_shapes(buckets[phase], packed_tokens)
+            for index, (bs, length) in enumerate(order, 1):
                 log.info("[Warmup][%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB",
                          phase.capitalize(), index, len(order), bs, length,
                          free_memory() / 2**30)
@@ -148,3 +144,17 @@ class WarmupAndGraphs:
         for report in reports.values():
             log.info("%s", report.line())
         return reports
+
+
+def warmup_shapes(phase_buckets: PhaseBuckets, packed_tokens: int) -> list[Bucket]:
+    """The (batch size, length) shapes warmup runs for a phase, largest token count first: one
+    per token count (for decode, the shortest context), or for a packed phase one step of
+    `packed_tokens` tokens."""
+    if phase_buckets.packed:
+        return [(1, packed_tokens)] if packed_tokens else []
+    shapes: dict[int, Bucket] = {}
+    for bs, length in phase_buckets.buckets:
+        tokens = bucket_tokens(phase_buckets.phase, bs, length)
+        if tokens not in shapes or (phase_buckets.phase == "decode" and length < shapes[tokens][1]):
+            shapes[tokens] = (bs, length)
+    return [shape for _, shape in sorted(shapes.items(), reverse=True)]

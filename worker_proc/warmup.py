@@ -28,7 +28,8 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig,
     if ctx.local_rank == 0:
         for phase_buckets in buckets.values():
             log.info("%s", phase_buckets.config_line())
-            log.info("%s", phase_buckets.list_line())
+            if not phase_buckets.packed:
+                log.info("%s", phase_buckets.list_line())
     if compiling(config, ctx.device.type):
         runner.compile_pieces(sum(len(b.buckets) for b in buckets.values()))
     if config.skip_warmup:
@@ -37,7 +38,7 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig,
         runner.warmed_up = True
         return
     started = time.perf_counter()
-    runner.warmup(buckets, lambda: free_memory(ctx.device, 1))
+    runner.warmup(buckets, lambda: free_memory(ctx.device, 1), config.max_num_batched_tokens)
     if graph_budget is not None:
         capture_graphs(runner, config, buckets, graph_budget, ctx)
     log.info("rank %d warmup finished in %.1fs", ctx.rank, time.perf_counter() - started)

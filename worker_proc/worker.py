@@ -102,7 +102,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                          attention=attention)
     generation = int(os.environ.get(SPMD_WORKER_GENERATION, "0"))
     loaded = WorkerLoaded(rank=ctx.rank, max_model_len=max_model_len, device=str(ctx.device),
-                          generation=generation)
+                          generation=generation,
+                          context_from_tensors=attention.reads_cache_in_place)
     buckets = buckets_from_scheduler(loaded) if buckets_from_scheduler else None
     prepare_buckets(runner, config, buckets, ctx,
                     graph_budget=sizing.graph_reserved_bytes if graphs else None)

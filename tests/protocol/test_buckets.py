@@ -2,15 +2,20 @@
 the figures of the bucketing source document."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from spmd_runtime.protocol.buckets import (
     BucketRange,
     PhaseBuckets,
     capture_order,
     default_ranges,
+    engine_buckets,
+    packs_prompts,
     plan_graph_captures,
     resolve_ranges,
 )
+from spmd_runtime.protocol.config import EngineConfig
 
 PROMPT = PhaseBuckets.generate("prompt", BucketRange(1, 32, 4), BucketRange(128, 128, 1024), 4096)
 DECODE = PhaseBuckets.generate("decode", BucketRange(1, 128, 4), BucketRange(128, 128, 2048), 4096)
@@ -155,3 +160,52 @@ def test_no_graph_memory_captures_nothing() -> None:
     reports = plan_graph_captures({"prompt": PROMPT.buckets, "decode": DECODE.buckets},
                                   0, 0.3, SEED_STRATEGIES, costs)
     assert costs.sequence == [] and all(not r.captured for r in reports.values())
+
+
+# ---------------------------------------------------------------- what changes a graph
+
+def clear_bucket_environment(monkeypatch) -> None:
+    for name in [n for n in os.environ if "_BUCKET_" in n]:
+        monkeypatch.delenv(name)
+
+
+GPU = dict(model="unused", device="cuda", execution_mode="compiled", max_num_seqs=256,
+           max_num_batched_tokens=8192, max_model_len=2176)
+
+
+def test_a_gpu_engine_packs_prompts_and_keys_decode_graphs_by_batch_size(monkeypatch) -> None:
+    clear_bucket_environment(monkeypatch)
+    buckets = engine_buckets(EngineConfig(**GPU), 2176, "cuda", context_from_tensors=True)
+    assert buckets["prompt"].packed and buckets["prompt"].buckets == ()
+    assert "packed" in buckets["prompt"].config_line()
+    # One context length, the longest (17 x 128 tokens); batch sizes 1, 2, 4, 8, then every 8.
+    assert buckets["decode"].buckets == tuple(
+        (bs, 2176) for bs in [1, 2, 4, *range(8, 257, 8)])
+    assert buckets["decode"].find(250, 37) == (256, 2176)
+    # An attention that masks a gathered context keeps the context dimension.
+    gathered = engine_buckets(EngineConfig(**GPU), 2176, "cuda", context_from_tensors=False)
+    assert {s for _, s in gathered["decode"].buckets} == set(range(128, 2177, 128))
+
+
+def test_prompt_buckets_asked_for_or_no_graphs_keep_prompts_padded(monkeypatch) -> None:
+    clear_bucket_environment(monkeypatch)
+    config = EngineConfig(**GPU)
+    assert packs_prompts(config, "cuda")
+    assert not packs_prompts(config, "cpu"), "CPU compiled: torch.compile per token count"
+    assert not packs_prompts(EngineConfig(**dict(GPU, execution_mode="bucketed")), "cuda")
+    assert not packs_prompts(EngineConfig(**dict(GPU, prompt_seq_bucket="64,64,512")), "cuda")
+    monkeypatch.setenv("SPMD_PROMPT_BS_BUCKET_MAX", "4")
+    assert not packs_prompts(config, "cuda")
+    assert not engine_buckets(config, 2176, "cuda", True)["prompt"].packed
+    # Without graphs, decode batch sizes keep their coarser default steps.
+    cpu = engine_buckets(EngineConfig(**dict(GPU, device="cpu")), 2176, "cpu", True)
+    assert [bs for bs, _ in cpu["decode"].buckets][:7] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_find_uses_the_grid_and_falls_back_where_the_budget_cut_it() -> None:
+    # 4 x 128 = 512 tokens: the budget of 256 cuts (4, 128), (2, 128) stays.
+    prompt = PhaseBuckets.generate("prompt", BucketRange(1, 4, 4), BucketRange(64, 64, 128), 256)
+    assert not prompt.is_grid and DECODE.is_grid
+    assert prompt.find(3, 100) is None
+    assert prompt.find(2, 100) == (2, 128)
+    assert prompt.find(3, 60) == (4, 64)

@@ -70,9 +70,25 @@ def test_greedy_outputs_are_identical_with_bucketing_off_on_and_compiled(
 def test_without_warmup_the_first_batches_compile_while_serving(sharp_model,
                                                                unbucketed_run) -> None:
     directory, _ = sharp_model
-    outputs, stats = run(directory, skip_warmup=True, **dict(TWO_BUCKETS, execution_mode="compiled"))
+    # On CPU, where compiled means torch.compile per token count (on CUDA it means graphs,
+    # which without warmup are not captured at all: nothing compiles there).
+    outputs, stats = run(directory, skip_warmup=True, device="cpu",
+                         **dict(TWO_BUCKETS, execution_mode="compiled"))
     assert stats.runtime_graph_compilations == 2          # the prompt shape and the decode shape
     reference, _ = unbucketed_run
+    assert outputs == reference
+
+
+@pytest.mark.timeout(600)
+def test_default_buckets_give_the_unbucketed_outputs(sharp_model, unbucketed_run) -> None:
+    """The default buckets: with the C++ attention (it reads context lengths) decode buckets
+    have one context length, the longest, so each decode group's block table is that wide."""
+    directory, _ = sharp_model
+    reference, _ = unbucketed_run
+    outputs, stats = run(directory, execution_mode="bucketed", device="cpu",
+                         max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
+                         num_kv_blocks=64)
+    assert stats.bucketing and stats.batches_outside_buckets == 0
     assert outputs == reference
 
 
@@ -106,3 +122,17 @@ def test_greedy_outputs_are_identical_with_cuda_graphs_and_the_kernel_on_and_off
     if importlib.util.find_spec("triton") is not None:
         kernel, _ = run(directory, attention_backend="triton", **options)
         assert kernel == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.timeout(600)
+def test_default_gpu_buckets_pack_prompts_and_graph_decodes_by_batch_size(sharp_model) -> None:
+    """A GPU engine's own buckets: prompt steps packed and unpadded, decode graphs by batch
+    size over one context length, read from tensors by the kernel: the eager outputs."""
+    directory, _ = sharp_model
+    common = dict(device="cuda", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
+                  max_model_len=64, num_kv_blocks=64)
+    eager, _ = run(directory, execution_mode="eager", **common)
+    graphed, stats = run(directory, execution_mode="compiled", **common)
+    assert graphed == eager
+    assert stats.runtime_graph_compilations == 0 and stats.batches_outside_buckets == 0

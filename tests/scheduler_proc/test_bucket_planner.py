@@ -3,11 +3,15 @@ bucket named in its plan, phases alternate (fifo) or prefer prompts (prefill_fir
 padding and out-of-bucket counters add up."""
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 from fake_engine import EOS, VOCAB, EngineLoop, FakeWorker, add, assert_pool_full, step, token_at
+from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS
 from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
+from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
@@ -120,3 +124,75 @@ def test_decodes_longer_than_every_bucket_still_batch_and_are_counted() -> None:
     for r in requests:
         assert r.output_token_ids == [token_at(r.request_id, 60 + i) for i in range(40)]
     assert_pool_full(scheduler)
+
+
+def packed_prompts(decode_bs=(1, 4, 8), decode_seq=(128, 128, 128)) -> dict[str, PhaseBuckets]:
+    """What a GPU engine gets: prompt steps packed, decode buckets by batch size alone."""
+    return {"prompt": PhaseBuckets.packed_steps("prompt"),
+            "decode": PhaseBuckets.generate("decode", BucketRange(*decode_bs),
+                                            BucketRange(*decode_seq), 64)}
+
+
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
+def test_packed_prompt_steps_run_unpadded_up_to_the_token_budget(policy) -> None:
+    rng = random.Random(7)
+    scheduler, loop = bucketed(policy, packed_prompts())
+    requests = [add(scheduler, rid, 0, prompt=[rng.randrange(10, VOCAB)
+                                               for _ in range(rng.randint(1, 100))],
+                    max_tokens=rng.randint(1, 20)) for rid in range(10)]
+    prompt_tokens, decode_padding = 0, 0
+    for _ in range(2000):
+        if not scheduler.has_work:
+            break
+        scheduled, update = loop.step()
+        if update is None:
+            continue
+        tokens = scheduled.num_scheduled
+        if scheduled.plan.bucket is None:                     # a packed prompt step
+            assert sum(tokens.values()) <= 64
+            prompt_tokens += sum(tokens.values())
+        else:
+            phase, bucket_bs, _ = scheduled.plan.bucket
+            assert phase == "decode" and set(tokens.values()) == {1}
+            decode_padding += bucket_bs - len(tokens)
+    loop.idle()
+    # Prompts of up to 100 tokens were chunked by the budget (64), not by a bucket length.
+    assert any(n == 64 for plan in loop.worker.plans for n in
+               [*(r.num_scheduled_tokens for r in plan.new_requests),
+                *plan.cached_num_scheduled_tokens])
+    counters = scheduler.planner.counters
+    assert counters.batches_outside_buckets == 0
+    assert counters.padded_tokens == decode_padding
+    assert counters.computed_tokens >= prompt_tokens > 0
+    for r in requests:
+        n = len(r.prompt_token_ids)
+        assert r.output_token_ids == [token_at(r.request_id, n + i)
+                                      for i in range(r.params.max_tokens)]
+    assert_pool_full(scheduler)
+
+
+def scheduler_overhead_bench():
+    path = Path(__file__).resolve().parents[2] / "bench" / "scheduler_overhead.py"
+    spec = importlib.util.spec_from_file_location("scheduler_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_the_issue10_workload_pads_under_a_tenth_of_what_it_computes() -> None:
+    """Issue 31: 256 requests, prompts and outputs U[100, 1024], as a GPU engine schedules
+    them. The (batch, length) buckets of before padded it by ~38%."""
+    bench = scheduler_overhead_bench()
+    config = EngineConfig(model="unused", **bench.GPU_ENGINE)
+    workload = THROUGHPUT_WORKLOADS["issue10"]
+    packed = bench.serve_workload(workload, config, bench.gpu_buckets(config, "packed"))
+    assert packed["packed_phases"] == ["prompt"] and packed["batches_outside_buckets"] == 0
+    assert packed["num_buckets"]["decode"] == 35
+    assert packed["padding_waste"] < 0.10
+    # Every prompt and output token was computed (the last output token is never fed back).
+    assert packed["computed_tokens"] == sum(len(p) for p in workload.prompts(32000)) + sum(
+        n - 1 for n in workload.output_lens())
+    padded = bench.serve_workload(workload, config, bench.gpu_buckets(config, "padded"))
+    assert padded["computed_tokens"] == packed["computed_tokens"]
+    assert padded["padding_waste"] > 0.3

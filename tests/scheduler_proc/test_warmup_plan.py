@@ -3,6 +3,7 @@ rank gets the same ones in its WarmupPlan (WorkerGroup.gather_ready), whatever e
 reports or has in its own environment."""
 from __future__ import annotations
 
+import os
 import threading
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from spmd_runtime.protocol.messages import (
 )
 from spmd_runtime.protocol.transport import Encoder
 from spmd_runtime.scheduler_proc.server import SchedulerServer
+from spmd_runtime.scheduler_proc.startup import derive_warmup_plan
 from spmd_runtime.scheduler_proc.worker_group import WorkerGroup, worker_identity
 
 
@@ -72,3 +74,22 @@ def test_without_bucketing_the_plan_carries_no_buckets() -> None:
                              warmup=None)
     loaded = WorkerLoaded(rank=0, max_model_len=512, device="cuda:0")
     assert SchedulerServer._warmup_plan(server, loaded) == WarmupPlan(buckets=None)
+
+
+def test_a_cuda_rank_whose_attention_reads_context_lengths_gets_packed_prompts(
+        monkeypatch) -> None:
+    for name in [n for n in os.environ if "_BUCKET_" in n]:
+        monkeypatch.delenv(name)
+    config = EngineConfig(model="dummy:tiny-llama", execution_mode="compiled", max_num_seqs=32,
+                          max_num_batched_tokens=512)
+    kernel = derive_warmup_plan(config, WorkerLoaded(rank=0, max_model_len=1000,
+                                                     device="cuda:0", context_from_tensors=True))
+    assert kernel.buckets["prompt"].packed
+    assert kernel.buckets["decode"].buckets == tuple((bs, 1024) for bs in (1, 2, 4, 8, 16, 24, 32))
+    gathered = derive_warmup_plan(config, WorkerLoaded(rank=0, max_model_len=1000,
+                                                       device="cuda:0"))
+    assert len({s for _, s in gathered.buckets["decode"].buckets}) == 8     # 128 ... 1024
+    # On CPU (no graphs) prompts stay in (batch, length) buckets.
+    cpu = derive_warmup_plan(config, WorkerLoaded(rank=0, max_model_len=1000, device="cpu",
+                                                  context_from_tensors=True))
+    assert not cpu.buckets["prompt"].packed and cpu.buckets["prompt"].buckets

@@ -10,8 +10,10 @@ import torch
 from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import WorkerLoaded
+from spmd_runtime.runtime.layers.attention_backend import choose_attention_backend
 from spmd_runtime.worker_proc.distributed import DistributedContext
 from spmd_runtime.worker_proc.model_runner import ModelRunner
+from spmd_runtime.worker_proc.runner_graphs import warmup_shapes
 from spmd_runtime.worker_proc.worker import build_runner
 from test_kv_cache import TINY_LLAMA
 
@@ -36,7 +38,7 @@ def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
     monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MIN", "4")
     monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MAX", "8")
     warmed: list[dict[str, PhaseBuckets]] = []
-    monkeypatch.setattr(ModelRunner, "warmup", lambda self, buckets, free: warmed.append(buckets))
+    monkeypatch.setattr(ModelRunner, "warmup", record_warmup(warmed))
     asked: list[WorkerLoaded] = []
 
     def scheduler(loaded: WorkerLoaded) -> dict[str, PhaseBuckets]:
@@ -46,8 +48,10 @@ def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
     config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
                           execution_mode="bucketed", max_model_len=64, max_num_batched_tokens=64)
     with caplog.at_level(logging.INFO, logger="spmd.worker"):
-        _, ready = build_runner(config, CPU_CONTEXT, scheduler)
+        runner, ready = build_runner(config, CPU_CONTEXT, scheduler)
     assert [(m.rank, m.max_model_len, m.device) for m in asked] == [(0, 64, "cpu")]
+    # The scheduler learns whether decode buckets need a context dimension.
+    assert asked[0].context_from_tensors == runner_attention(config).reads_cache_in_place
     assert warmed == [SCHEDULER_BUCKETS]
     assert f"Generated 1 decode buckets: {[(2, 32)]}" in caplog.text
     assert ready.max_model_len == 64
@@ -56,8 +60,32 @@ def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
 def test_without_buckets_from_the_scheduler_nothing_is_warmed_up(tiny_model_name,
                                                                  monkeypatch) -> None:
     warmed = []
-    monkeypatch.setattr(ModelRunner, "warmup", lambda self, buckets, free: warmed.append(buckets))
+    monkeypatch.setattr(ModelRunner, "warmup", record_warmup(warmed))
     config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
                           execution_mode="bucketed")
     runner, _ = build_runner(config, CPU_CONTEXT, lambda loaded: None)
     assert warmed == [] and not runner.graphs
+
+
+def record_warmup(warmed: list):
+    """A stand-in for ModelRunner.warmup that records the buckets it is given."""
+    return lambda self, buckets, free, packed_tokens: warmed.append(buckets)
+
+
+def runner_attention(config: EngineConfig):
+    return choose_attention_backend(config.attention_backend, torch.device("cpu"), torch.float32,
+                                    TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"])
+
+
+def test_a_packed_phase_warms_up_one_step_of_the_token_budget(tiny_model_name, caplog) -> None:
+    packed = {"prompt": PhaseBuckets.packed_steps("prompt"),
+              "decode": SCHEDULER_BUCKETS["decode"]}
+    assert warmup_shapes(packed["prompt"], 48) == [(1, 48)]
+    assert warmup_shapes(packed["decode"], 48) == [(2, 32)]
+    config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
+                          execution_mode="bucketed", max_model_len=64, max_num_batched_tokens=48)
+    with caplog.at_level(logging.INFO, logger="spmd.worker"):
+        build_runner(config, CPU_CONTEXT, lambda loaded: packed)
+    assert "Prompt steps packed" in caplog.text
+    assert "[Warmup][Prompt][1/1] batch_size:1 seq_len:48" in caplog.text
+    assert "[Warmup][Decode][1/1] batch_size:2 seq_len:32" in caplog.text
