@@ -18,6 +18,7 @@ import torch
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import TORCH, TRITON
 from spmd_runtime.worker_proc.distributed import DistributedContext
 from spmd_runtime.worker_proc.worker import build_runner
@@ -48,7 +49,7 @@ def main() -> int:
                                   list(range(rid * blocks, (rid + 1) * blocks)), length, 0, params))
     # Hand the requests over as if their prompts were computed (no forward pass needed).
     runner.apply_plan_state(StepPlan(0, new, [], [], []))
-    bucket = ("decode", args.batch, blocks * block_size)
+    bucket = StepShape(Phase.DECODE, args.batch, blocks * block_size)
     # One token for each of them: a plan that changes no state, so every call prepares alike.
     decode = StepPlan(1, [], list(range(args.batch)), [1] * args.batch, [[]] * args.batch,
                       bucket=bucket)

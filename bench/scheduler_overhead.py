@@ -32,6 +32,7 @@ from spmd_runtime.protocol.buckets import PHASES, PhaseBuckets, default_ranges
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import StepResult, WorkerLoaded, scheduler_inbound_decoder
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.protocol.transport import Encoder
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.request import Request
@@ -56,7 +57,7 @@ def fake_result(step, rng: random.Random, scheduler: Scheduler | None = None) ->
                       forward_ms=0.0, prepare_ms=0.0)
 
 
-def gpu_buckets(config: EngineConfig, layout: str) -> dict[str, PhaseBuckets]:
+def gpu_buckets(config: EngineConfig, layout: str) -> dict[Phase, PhaseBuckets]:
     """What the scheduler sends a CUDA worker whose attention reads context lengths (packed),
     or the (batch, length) and (batch, context) buckets of before (padded)."""
     if layout == "packed":
@@ -74,7 +75,7 @@ def gpu_buckets(config: EngineConfig, layout: str) -> dict[str, PhaseBuckets]:
 
 
 def serve_workload(workload: ThroughputWorkload, config: EngineConfig,
-                   buckets: dict[str, PhaseBuckets], step_ms: float = 0.0) -> dict:
+                   buckets: dict[Phase, PhaseBuckets], step_ms: float = 0.0) -> dict:
     """Serve every request of the workload to its end; the padding and host-time figures."""
     rng = random.Random(workload.seed)
     blocks_per_request = -(-config.max_model_len // config.block_size)

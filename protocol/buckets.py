@@ -25,10 +25,11 @@ from functools import cached_property
 
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.env_vars import bucket_variable
+from spmd_runtime.protocol.step_shape import Phase
 
 Bucket = tuple[int, int]        # (batch size, sequence or context length)
 
-PHASES = ("prompt", "decode")
+PHASES = tuple(Phase)
 DIMENSIONS = ("bs", "seq")
 
 
@@ -70,23 +71,27 @@ class PhaseBuckets:
     """The buckets of one phase (prompt or decode) and how to pick one for a batch. A packed
     phase has none: its steps run unpadded, chunks back to back."""
 
-    phase: str
+    phase: Phase
     bs: BucketRange | None
     seq: BucketRange | None
     buckets: tuple[Bucket, ...]
     packed: bool = False
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", Phase(self.phase))     # "prompt" as well
+
     @classmethod
-    def packed_steps(cls, phase: str) -> PhaseBuckets:
+    def packed_steps(cls, phase: Phase) -> PhaseBuckets:
         return cls(phase, None, None, (), packed=True)
 
     @classmethod
-    def generate(cls, phase: str, bs: BucketRange, seq: BucketRange,
+    def generate(cls, phase: Phase, bs: BucketRange, seq: BucketRange,
                  max_num_batched_tokens: int) -> PhaseBuckets:
         """All (bs, seq) pairs whose tokens fit the budget: bs x seq for a prompt, bs for a
         decode (one new token per sequence)."""
+        phase = Phase(phase)
         buckets = tuple((b, s) for b in bs.values() for s in seq.values()
-                        if bucket_tokens(phase, b, s) <= max_num_batched_tokens)
+                        if phase.tokens(b, s) <= max_num_batched_tokens)
         return cls(phase, bs, seq, buckets)
 
     @cached_property
@@ -125,12 +130,6 @@ class PhaseBuckets:
         return f"Generated {len(self.buckets)} {self.phase} buckets: {list(self.buckets)}"
 
 
-def bucket_tokens(phase: str, batch_size: int, length: int) -> int:
-    """Tokens a bucket computes: every position of every sequence for a prompt, one new token
-    per sequence for a decode. It is also what a compiled graph's shape depends on."""
-    return batch_size * length if phase == "prompt" else batch_size
-
-
 def capture_order(buckets: tuple[Bucket, ...] | list[Bucket], strategy: str) -> list[Bucket]:
     """The order graphs are captured in: `max_bs` (batch size descending, then length
     ascending) or `min_tokens` (batch size x length ascending)."""
@@ -145,7 +144,7 @@ def capture_order(buckets: tuple[Bucket, ...] | list[Bucket], strategy: str) -> 
 class GraphPhaseReport:
     """What one phase captured, for the start-up log."""
 
-    phase: str
+    phase: Phase
     num_buckets: int
     captured: list[Bucket]
     used_bytes: int = 0
@@ -156,9 +155,9 @@ class GraphPhaseReport:
                 f"used_mem:{format_bytes(self.used_bytes)} buckets:{sorted(self.captured)}")
 
 
-def plan_graph_captures(buckets: Mapping[str, Sequence[Bucket]], budget_bytes: int,
-                        prompt_ratio: float, strategies: Mapping[str, str],
-                        capture: Callable[[str, Bucket], int]) -> dict[str, GraphPhaseReport]:
+def plan_graph_captures(buckets: Mapping[Phase, Sequence[Bucket]], budget_bytes: int,
+                        prompt_ratio: float, strategies: Mapping[Phase, str],
+                        capture: Callable[[Phase, Bucket], int]) -> dict[Phase, GraphPhaseReport]:
     """Capture graphs phase by phase, each in its strategy's order, within a memory budget.
 
     The budget is split prompt_ratio : 1 - prompt_ratio. A phase captures buckets in order
@@ -173,7 +172,7 @@ def plan_graph_captures(buckets: Mapping[str, Sequence[Bucket]], budget_bytes: i
               for phase in PHASES}
     tokens_captured = dict.fromkeys(PHASES, 0)
 
-    def run(phase: str, allowance: float) -> None:
+    def run(phase: Phase, allowance: float) -> None:
         report, skipped = reports[phase], []
         for bucket in queues[phase]:
             tokens = bucket[0] * bucket[1]
@@ -190,7 +189,8 @@ def plan_graph_captures(buckets: Mapping[str, Sequence[Bucket]], budget_bytes: i
             tokens_captured[phase] += tokens
         queues[phase] = skipped
 
-    shares = {"prompt": budget_bytes * prompt_ratio, "decode": budget_bytes * (1 - prompt_ratio)}
+    shares = {Phase.PROMPT: budget_bytes * prompt_ratio,
+              Phase.DECODE: budget_bytes * (1 - prompt_ratio)}
     for phase in PHASES:
         run(phase, shares[phase])
     for phase in PHASES:
@@ -208,7 +208,7 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.4g} GiB"
 
 
-def default_ranges(phase: str, *, max_num_seqs: int, max_num_batched_tokens: int,
+def default_ranges(phase: Phase, *, max_num_seqs: int, max_num_batched_tokens: int,
                    max_model_len: int, block_size: int, context_from_tensors: bool = False,
                    fine_batches: bool = False) -> dict[str, BucketRange]:
     """Ranges that cover what the scheduler can plan: up to max_num_seqs sequences, prompt
@@ -218,7 +218,7 @@ def default_ranges(phase: str, *, max_num_seqs: int, max_num_batched_tokens: int
     buckets have one context length, the longest. fine_batches: decode batch sizes go up in
     steps of 8 past 8 (graphs are cheap to have many of), not 32."""
     step = max(block_size, 128 // block_size * block_size)
-    if phase == "prompt":
+    if phase is Phase.PROMPT:
         longest = min(max_num_batched_tokens, max_model_len)
         seq = BucketRange(min(step, longest), step, max(step, _round_up(longest, step)))
         return {"bs": BucketRange(1, 32, max(1, min(max_num_seqs, max_num_batched_tokens // seq.min))),
@@ -229,7 +229,7 @@ def default_ranges(phase: str, *, max_num_seqs: int, max_num_batched_tokens: int
             else BucketRange(step, step, longest)}
 
 
-def resolve_ranges(phase: str, options: Mapping[str, str], defaults: dict[str, BucketRange],
+def resolve_ranges(phase: Phase, options: Mapping[str, str], defaults: dict[str, BucketRange],
                    environ: Mapping[str, str] = os.environ) -> dict[str, BucketRange]:
     """Per dimension: the engine option ('min,step,max') if set, else the defaults with any of
     SPMD_{PHASE}_{DIM}_BUCKET_{MIN,STEP,MAX} from the environment applied."""
@@ -290,20 +290,20 @@ def packs_prompts(config: EngineConfig, device_type: str,
     option or environment."""
     asked = config.prompt_bs_bucket or config.prompt_seq_bucket or any(
         name in environ for dimension in DIMENSIONS for part in ("min", "step", "max")
-        for name in [bucket_variable("prompt", dimension, part)])
+        for name in [bucket_variable(Phase.PROMPT, dimension, part)])
     return graphs_enabled(config, device_type) and not asked
 
 
 def engine_buckets(config: EngineConfig, max_model_len: int, device_type: str = "cpu",
-                   context_from_tensors: bool = False) -> dict[str, PhaseBuckets]:
+                   context_from_tensors: bool = False) -> dict[Phase, PhaseBuckets]:
     """The prompt and decode buckets of an engine, from its configuration, the environment,
     the model's context length, the workers' device and whether their attention reads
     context lengths from tensors; the scheduler's, which every worker then warms up."""
-    options = {"prompt": {"bs": config.prompt_bs_bucket, "seq": config.prompt_seq_bucket},
-               "decode": {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}}
+    options = {Phase.PROMPT: {"bs": config.prompt_bs_bucket, "seq": config.prompt_seq_bucket},
+               Phase.DECODE: {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}}
     buckets = {}
     for phase in PHASES:
-        if phase == "prompt" and packs_prompts(config, device_type):
+        if phase is Phase.PROMPT and packs_prompts(config, device_type):
             buckets[phase] = PhaseBuckets.packed_steps(phase)
             continue
         defaults = default_ranges(phase, max_num_seqs=config.max_num_seqs,
@@ -312,7 +312,7 @@ def engine_buckets(config: EngineConfig, max_model_len: int, device_type: str = 
                                   context_from_tensors=context_from_tensors,
                                   fine_batches=graphs_enabled(config, device_type))
         ranges = resolve_ranges(phase, options[phase], defaults)
-        if phase == "decode" and any(v % config.block_size for v in ranges["seq"].values()):
+        if phase is Phase.DECODE and any(v % config.block_size for v in ranges["seq"].values()):
             raise ValueError(f"decode context buckets {ranges['seq'].values()} must be multiples "
                              f"of the KV block size {config.block_size}")
         buckets[phase] = PhaseBuckets.generate(phase, ranges["bs"], ranges["seq"],

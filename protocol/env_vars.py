@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmd_runtime.protocol.step_shape import Phase
+
 
 @dataclass(frozen=True)
 class EnvVar:
@@ -21,13 +23,13 @@ SPMD_ROW_PARALLEL_CHUNKS = "SPMD_ROW_PARALLEL_CHUNKS"
 SPMD_ROW_PARALLEL_CHUNK_THRESHOLD = "SPMD_ROW_PARALLEL_CHUNK_THRESHOLD"
 
 
-def bucket_variable(phase: str, dimension: str, part: str) -> str:
+def bucket_variable(phase: Phase, dimension: str, part: str) -> str:
     """SPMD_{PROMPT,DECODE}_{BS,SEQ}_BUCKET_{MIN,STEP,MAX}: one end or step of a bucket range."""
     return f"SPMD_{phase.upper()}_{dimension.upper()}_BUCKET_{part.upper()}"
 
 
 BUCKET_VARIABLES = tuple(bucket_variable(phase, dimension, part)
-                         for phase in ("prompt", "decode") for dimension in ("bs", "seq")
+                         for phase in Phase for dimension in ("bs", "seq")
                          for part in ("min", "step", "max"))
 
 ENV_VARS: tuple[EnvVar, ...] = (

@@ -12,6 +12,7 @@ from spmd_runtime.protocol.engine_stats import EngineStats
 from spmd_runtime.protocol.engine_stats import ThermalEvent as ThermalEvent  # re-exported
 from spmd_runtime.protocol.logprobs import StepLogprobs, TokenLogprobs
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,
@@ -205,10 +206,10 @@ class WorkerLoaded(_Wire, tag="loaded"):
 
 
 class WarmupPlan(_Wire, tag="warmup"):
-    """The scheduler's buckets by phase ("prompt", "decode"), the same for every rank: what
+    """The scheduler's buckets by phase, the same for every rank: what
     it warms up (and captures) before reporting ready. None: bucketing is off."""
 
-    buckets: dict[str, PhaseBuckets] | None = None
+    buckets: dict[Phase, PhaseBuckets] | None = None
 
 
 class WorkerReady(_Wire, tag="ready"):
@@ -260,7 +261,7 @@ class StepPlan(_Wire, tag="plan"):
     swap_in: list[tuple[int, int]] = []
     # With bucketing: ("prompt", batch size, sequence length) or ("decode", batch size, context
     # length) every rank pads this step to; None runs it unpadded.
-    bucket: tuple[str, int, int] | None = None
+    bucket: StepShape | None = None
 
 
 class ThermalReading(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

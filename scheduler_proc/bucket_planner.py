@@ -8,7 +8,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spmd_runtime.protocol.buckets import Bucket, PhaseBuckets, bucket_tokens
+from spmd_runtime.protocol.buckets import PhaseBuckets
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.scheduler_proc.policy import Policy
 from spmd_runtime.scheduler_proc.request import Request
 
@@ -25,13 +26,12 @@ class BucketCounters:
         return self.padded_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
 
-def phase_of(request: Request) -> str:
-    """A request with one token left to compute decodes; any other is (still) prefilling."""
-    return "decode" if request.num_tokens - request.num_computed_tokens == 1 else "prompt"
+def phase_of(request: Request) -> Phase:
+    return Phase.of(request.num_tokens - request.num_computed_tokens)
 
 
 class BucketPlanner:
-    def __init__(self, buckets: dict[str, PhaseBuckets], policy: Policy) -> None:
+    def __init__(self, buckets: dict[Phase, PhaseBuckets], policy: Policy) -> None:
         self.buckets = buckets
         self.policy = policy
         self.max_bs = {phase: max((b for b, _ in pb.buckets), default=0)
@@ -39,30 +39,30 @@ class BucketPlanner:
         self.max_len = {phase: max((s for _, s in pb.buckets), default=0)
                         for phase, pb in buckets.items()}
         self.counters = BucketCounters()
-        self._last_phase = "prompt"
+        self._last_phase = Phase.PROMPT
 
     def pick_phase(self, running: Sequence[Request], head_of_swapped: Request | None,
-                   has_waiting: bool) -> str:
+                   has_waiting: bool) -> Phase:
         """prefill_first: a prompt step whenever prefill work exists. fifo: decodes first, but
         prompt and decode steps alternate while both have work, so neither starves."""
         phases = {phase_of(r) for r in running}
         if head_of_swapped is not None:
             phases.add(phase_of(head_of_swapped))
         if has_waiting:
-            phases.add("prompt")
-        if "prompt" not in phases:
-            return "decode"
-        if "decode" not in phases or self.policy == "prefill_first":
-            return "prompt"
-        return "decode" if self._last_phase == "prompt" else "prompt"
+            phases.add(Phase.PROMPT)
+        if Phase.PROMPT not in phases:
+            return Phase.DECODE
+        if Phase.DECODE not in phases or self.policy == "prefill_first":
+            return Phase.PROMPT
+        return self._last_phase.other
 
-    def take(self, phase: str, request: Request, num_tokens: int, num_seqs: int,
+    def take(self, phase: Phase, request: Request, num_tokens: int, num_seqs: int,
              longest: int) -> tuple[int, int]:
         """How many of its next `num_tokens` tokens the request computes in a step of `phase`
         that would then hold `num_seqs` sequences, and the step's length dimension with it
         (chunk length for a prompt step, context length for a decode step; `longest` before
         it). (0, longest) where no bucket would fit it."""
-        if phase == "decode":
+        if phase is Phase.DECODE:
             num_new, length = 1, request.num_computed_tokens + 1
         else:
             num_new = num_tokens if self.buckets[phase].packed else min(num_tokens,
@@ -71,7 +71,7 @@ class BucketPlanner:
         length = max(longest, length)
         return (num_new, length) if self.fits(phase, num_seqs, length) else (0, longest)
 
-    def fits(self, phase: str, num_seqs: int, longest: int) -> bool:
+    def fits(self, phase: Phase, num_seqs: int, longest: int) -> bool:
         """Whether a step may hold `num_seqs` sequences, the longest `longest`: if some bucket
         has room for them; a lone sequence always may, and so may sequences longer than every
         bucket, up to the largest batch size (that step runs unpadded anyway)."""
@@ -84,7 +84,8 @@ class BucketPlanner:
             return True
         return longest > self.max_len[phase] and num_seqs <= self.max_bs[phase]
 
-    def bucket_for(self, phase: str, num_seqs: int, longest: int, num_tokens: int) -> Bucket | None:
+    def shape_for(self, phase: Phase, num_seqs: int, longest: int, num_tokens: int
+                  ) -> StepShape | None:
         """The bucket a finished step runs as (None: packed, or outside every bucket;
         unpadded either way)."""
         self._last_phase = phase
@@ -100,6 +101,7 @@ class BucketPlanner:
                             "are counted in stats, batches_outside_buckets)", phase, num_seqs,
                             longest)
             return None
-        self.counters.padded_tokens += bucket_tokens(phase, *bucket) - num_tokens
+        shape = StepShape(phase, *bucket)
+        self.counters.padded_tokens += shape.num_tokens - num_tokens
         self.counters.computed_tokens += num_tokens
-        return bucket
+        return shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.request import Request
 
@@ -32,7 +33,7 @@ class StepDraft:
     cached_blocks: list[list[int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
-    phase: str | None = None        # with buckets: "prompt" or "decode"
+    phase: Phase | None = None      # with buckets: the phase of every request in the step
     longest: int = 0                # with buckets: the step's length dimension so far
 
 
@@ -112,10 +113,9 @@ class PlanBuilder:
         self.dropped = []
         self.swap_out = []
 
-    def _bucket(self, draft: StepDraft) -> tuple[str, int, int] | None:
+    def _bucket(self, draft: StepDraft) -> StepShape | None:
         if self.planner is None:
             return None
         num_tokens = sum(draft.num_scheduled.values())
-        bucket = self.planner.bucket_for(draft.phase, len(draft.num_scheduled), draft.longest,
-                                         num_tokens)
-        return None if bucket is None else (draft.phase, *bucket)
+        return self.planner.shape_for(draft.phase, len(draft.num_scheduled), draft.longest,
+                                      num_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
+from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, ScheduledStep, StepDraft
 from spmd_runtime.scheduler_proc.policy import Policy, running_order
@@ -50,13 +51,13 @@ def plan_ahead(scheduler: SchedulerView, step: ScheduledStep) -> ScheduledStep |
     # Context of each decode after `step`: what it has computed, plus `step`, plus one.
     longest = max(r.num_computed_tokens + n + 1 for r, n in continuing)
     planner = scheduler.planner
-    if planner is not None and not planner.fits("decode", len(continuing), longest):
+    if planner is not None and not planner.fits(Phase.DECODE, len(continuing), longest):
         return None
     for request, num_tokens in continuing:
         # Blocks allocated before a refusal stay the request's: it needs them next anyway.
         if not scheduler.allocate(request, num_tokens + 1):
             return None
-    draft = StepDraft(phase="decode" if planner is not None else None)
+    draft = StepDraft(phase=Phase.DECODE if planner is not None else None)
     for request, _ in continuing:
         scheduler.plans.add_running(request, 1, draft)
     draft.longest = longest

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.buckets import PhaseBuckets
 from spmd_runtime.protocol.messages import StepPlan, StepResult
+from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
@@ -80,7 +81,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: list[int], policy: Policy = "fifo",
                  num_cpu_blocks: int = 0, admission_watermark: float = 0.0,
-                 buckets: dict[str, PhaseBuckets] | None = None,
+                 buckets: dict[Phase, PhaseBuckets] | None = None,
                  thermal: ThermalControl | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -176,8 +177,7 @@ class Scheduler:
         if not draft.num_scheduled:
             # Nothing of that phase could run (its only candidate may even have had to give
             # its blocks up): the other phase's requests must not wait on it.
-            draft = self._schedule_pass("decode" if phase == "prompt" else "prompt",
-                                        draft.preempted)
+            draft = self._schedule_pass(phase.other, draft.preempted)
         return self.plans.finalize(draft)
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep | None:
@@ -185,7 +185,7 @@ class Scheduler:
         (scheduler_proc.schedule_ahead); None where it cannot."""
         return plan_ahead(self, step)
 
-    def _schedule_pass(self, phase: str | None, preempted: bool = False) -> StepDraft:
+    def _schedule_pass(self, phase: Phase | None, preempted: bool = False) -> StepDraft:
         """Fill a step; with buckets, only with requests of `phase` and only while the batch
         still fits a bucket."""
         draft = StepDraft(phase=phase, preempted=preempted)
@@ -208,7 +208,7 @@ class Scheduler:
             while (self.swapped and budget > 0 and len(self.running) < self.running_cap
                    and self._swap_in(self.swapped[0], budget, draft)):
                 budget -= draft.num_scheduled[self.swapped.popleft().request_id]
-            while (not self.swapped and self.waiting and budget > 0 and phase != "decode"
+            while (not self.swapped and self.waiting and budget > 0 and phase is not Phase.DECODE
                    and len(self.running) < self.running_cap
                    and self._admit(self.waiting[0], budget, draft)):
                 budget -= draft.num_scheduled[self.waiting.popleft().request_id]
@@ -242,8 +242,8 @@ class Scheduler:
         if planner is None:
             return min(num_left, budget), 0
         # phase_of(request), inlined: this runs for every request of every step.
-        phase = "decode" if num_left == 1 and not admitting else "prompt"
-        if phase != draft.phase:
+        phase = Phase.PROMPT if admitting else Phase.of(num_left)
+        if phase is not draft.phase:
             return 0, draft.longest
         return planner.take(phase, request, min(num_left, budget), len(draft.num_scheduled) + 1,
                             draft.longest)

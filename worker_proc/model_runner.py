@@ -5,8 +5,8 @@ import logging
 import time
 
 import torch
-from spmd_runtime.protocol.buckets import bucket_tokens
 from spmd_runtime.protocol.messages import StepPlan
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
 from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
@@ -48,8 +48,8 @@ class ModelRunner(WarmupAndGraphs):
         # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
         self.compiled: LayerPieces | None = None
         self.compiled_shapes: set[int] = set()
-        # Captured graphs by (phase, batch size, length); a bucket without one runs eagerly.
-        self.graphs: dict[tuple[str, int, int], BucketGraph] = {}
+        # Captured graphs by their bucket; a bucket without one runs eagerly.
+        self.graphs: dict[StepShape, BucketGraph] = {}
         self.warmed_up = False
         self.block_size = block_size
         self.device = device
@@ -128,9 +128,10 @@ class ModelRunner(WarmupAndGraphs):
                 unread_positions.append(offset + state.unread[0] - state.num_computed_tokens)
                 unread_rows.append(state.unread[1])
             offset += num_tokens
-        return PreparedStep(scheduled, plan.bucket, graph, inputs, sample_rows, sample_ids,
-                            unread_positions, unread_rows,
-                            (time.perf_counter() - started) * 1e3)
+        return PreparedStep(scheduled=scheduled, bucket=plan.bucket, graph=graph, inputs=inputs,
+                            sample_rows=sample_rows, sample_ids=sample_ids,
+                            unread_positions=unread_positions, unread_rows=unread_rows,
+                            prepare_ms=(time.perf_counter() - started) * 1e3)
 
     @torch.inference_mode()
     def launch(self, step: PreparedStep, in_flight: LaunchedStep | None = None) -> LaunchedStep:
@@ -146,8 +147,10 @@ class ModelRunner(WarmupAndGraphs):
         if not step.scheduled:
             if done is not None:
                 done.record()
-            return LaunchedStep([], [], None, None, step.prepare_ms, 0, launched_at, started,
-                                done, launched_at)
+            return LaunchedStep(sample_ids=[], token_slots=[], tokens=None, host_tokens=None,
+                                prepare_ms=step.prepare_ms, num_compilations=0,
+                                launched_at=launched_at, started=started, done=done,
+                                finished_at=launched_at)
         if step.unread_positions and (in_flight is None or in_flight.tokens is None):
             raise RuntimeError("the step's inputs need the tokens of a step in flight: launch "
                                "it with in_flight=")
@@ -162,7 +165,8 @@ class ModelRunner(WarmupAndGraphs):
             pieces, num_compilations = self._pieces_for(step.bucket, len(inputs.input_ids))
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
                                 pieces)
-        row_length = step.bucket[2] if step.graph is not None and step.bucket[0] == "prompt" else None
+        row_length = (step.bucket.length if step.graph is not None
+                      and step.bucket.phase is Phase.PROMPT else None)
         prompt = prompt_logprobs(self.model, hidden, step.scheduled, self.requests, row_length)
         tokens, host_tokens, token_slots, sampled = self._sample(step, hidden, cuda, in_flight)
         for request_id, num_tokens in step.scheduled:
@@ -175,9 +179,12 @@ class ModelRunner(WarmupAndGraphs):
             # On CPU the step ran in this call: the device (the host) was idle from the end
             # of the step before to the start of this one, input preparation included.
             idle_ms = max(0.0, (launched_at - previous.finished_at) * 1e3)
-        launched = LaunchedStep(step.sample_ids, token_slots, tokens, host_tokens, step.prepare_ms,
-                                num_compilations, launched_at, started, done, finished_at,
-                                idle_ms, previous=previous if cuda else None,
+        launched = LaunchedStep(sample_ids=step.sample_ids, token_slots=token_slots,
+                                tokens=tokens, host_tokens=host_tokens,
+                                prepare_ms=step.prepare_ms, num_compilations=num_compilations,
+                                launched_at=launched_at, started=started, done=done,
+                                finished_at=finished_at, idle_ms=idle_ms,
+                                previous=previous if cuda else None,
                                 overlapped=in_flight is not None,
                                 logprobs=[sampled, prompt])
         self._last_launched = launched
@@ -251,7 +258,7 @@ class ModelRunner(WarmupAndGraphs):
         mask = (context < torch.tensor(lengths)[:, None]).view(len(rows), 1, 1, -1)
         return DecodeGroup(first, len(rows), blocks.to(device), mask.to(device))
 
-    def _prepare(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int] | None = None,
+    def _prepare(self, scheduled: list[tuple[int, int]], bucket: StepShape | None = None,
                  device: torch.device | None = None):
         block_size = self.block_size
         input_ids: list[int] = []
@@ -283,14 +290,13 @@ class ModelRunner(WarmupAndGraphs):
 
         pad_start = None
         if bucket is not None:
-            phase, bucket_bs, bucket_len = bucket
             pad_start = len(input_ids)
-            num_padding = bucket_tokens(phase, bucket_bs, bucket_len) - pad_start
+            num_padding = bucket.num_tokens - pad_start
             scratch = self.scratch_block * block_size
             input_ids.extend([0] * num_padding)
             positions.extend([0] * num_padding)
             slots.extend(scratch + i % block_size for i in range(num_padding))
-            if phase == "decode":
+            if bucket.phase is Phase.DECODE:
                 # Padding rows attend to the scratch block's first slot only.
                 decode_rows.extend([BlockTables.PADDING_ROW] * num_padding)
                 decode_lengths.extend([1] * num_padding)
@@ -305,13 +311,13 @@ class ModelRunner(WarmupAndGraphs):
                 batch, sample_rows, sample_ids)
 
     def _decode_groups(self, rows: list[int], lengths: list[int],
-                       bucket: tuple[str, int, int] | None, device: torch.device
+                       bucket: StepShape | None, device: torch.device
                        ) -> list[DecodeGroup]:
         """The decode path: single-token queries grouped for attention."""
         block_size = self.block_size
-        if bucket is not None and bucket[0] == "decode":
-            # One group of the bucket's shape: bucket_bs rows over bucket_len context tokens.
-            return [self._decode_group(0, rows, lengths, bucket[2] // block_size, device)]
+        if bucket is not None and bucket.phase is Phase.DECODE:
+            # One group of the bucket's shape: its batch size in rows over its context length.
+            return [self._decode_group(0, rows, lengths, bucket.length // block_size, device)]
         if self.attention.reads_cache_in_place and rows:
             # The kernel reads each sequence's own context length: one group, no grouping.
             return [self._decode_group(0, rows, lengths, -(-max(lengths) // block_size), device)]

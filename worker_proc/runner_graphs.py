@@ -6,12 +6,13 @@ import logging
 
 import torch
 from spmd_runtime.protocol.buckets import (
+    PHASES,
     Bucket,
     GraphPhaseReport,
     PhaseBuckets,
-    bucket_tokens,
     plan_graph_captures,
 )
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention import AttentionBatch
 from spmd_runtime.runtime.models.llama import LayerPieces
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
@@ -32,7 +33,7 @@ class WarmupAndGraphs:
         self.compiled = LayerPieces(torch.compile(eager.attention_inputs, dynamic=False),
                                     torch.compile(eager.mlp_inputs, dynamic=False))
 
-    def _pieces_for(self, bucket: tuple[str, int, int] | None, num_tokens: int
+    def _pieces_for(self, bucket: StepShape | None, num_tokens: int
                     ) -> tuple[LayerPieces, int]:
         """Compiled pieces for a bucketed batch, eager ones otherwise (a batch outside every
         bucket is not worth a compilation). Also: 1 if this shape compiles after warmup."""
@@ -43,43 +44,45 @@ class WarmupAndGraphs:
         return self.compiled, int(new_shape and self.warmed_up)
 
     @torch.inference_mode()
-    def warmup(self, buckets: dict[str, PhaseBuckets], free_memory, packed_tokens: int = 0) -> None:
+    def warmup(self, buckets: dict[Phase, PhaseBuckets], free_memory, packed_tokens: int = 0) -> None:
         """Run each bucket shape once with padding only, largest first, before serving; a
         packed phase once at `packed_tokens` (the token budget), its largest step.
 
         The dense pieces (what compiles) depend on the token count alone and attention runs
         eagerly, so buckets with the same token count share one run: for decode, the one with
         the shortest context."""
-        for phase in ("prompt", "decode"):
+        for phase in PHASES:
             order = warmup_shapes(buckets[phase], packed_tokens)
             for index, (bs, length) in enumerate(order, 1):
                 log.info("[Warmup][%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB",
                          phase.capitalize(), index, len(order), bs, length,
                          free_memory() / 2**30)
-                input_ids, positions, batch, _, _ = self._prepare([], (phase, bs, length))
-                pieces, _ = self._pieces_for((phase, bs, length), len(input_ids))
+                shape = StepShape(phase, bs, length)
+                input_ids, positions, batch, _, _ = self._prepare([], shape)
+                pieces, _ = self._pieces_for(shape, len(input_ids))
                 self.model(input_ids, positions, self.kv_caches, batch, pieces)
         self.warmed_up = True
 
     # ------------------------------------------------------------------ graphs
 
-    def _graph_for(self, bucket: tuple[str, int, int] | None,
+    def _graph_for(self, bucket: StepShape | None,
                    scheduled: list[tuple[int, int]]) -> BucketGraph | None:
         """The bucket's graph, if it has one and the batch has its layout: every decode
         bucket does; a prompt graph takes fresh prompts only (no cached context to attend)."""
         graph = self.graphs.get(bucket) if bucket is not None else None
-        if graph is None or bucket[0] == "decode":
+        if graph is None or bucket.phase is Phase.DECODE:
             return graph
-        fits = len(scheduled) <= bucket[1] and all(n <= bucket[2] for _, n in scheduled)
+        fits = len(scheduled) <= bucket.batch_size and all(n <= bucket.length
+                                                          for _, n in scheduled)
         fresh = all(self.requests[r].num_computed_tokens == 0 for r, _ in scheduled)
         return graph if fits and fresh else None
 
-    def _prepare_for_graph(self, scheduled: list[tuple[int, int]], bucket: tuple[str, int, int]
+    def _prepare_for_graph(self, scheduled: list[tuple[int, int]], bucket: StepShape
                            ) -> tuple[StaticInputs, list[int], list[int]]:
         """Host tensors of the bucket's shape (copied into the graph's own by BucketGraph)."""
         host = torch.device("cpu")
-        if bucket[0] == "prompt":
-            return self._prepare_prompt_rows(scheduled, bucket[1], bucket[2], host)
+        if bucket.phase is Phase.PROMPT:
+            return self._prepare_prompt_rows(scheduled, bucket.batch_size, bucket.length, host)
         input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled, bucket, host)
         return StaticInputs(input_ids, positions, batch), sample_rows, sample_ids
 
@@ -110,33 +113,34 @@ class WarmupAndGraphs:
                               torch.tensor(positions, device=device), batch)
         return inputs, sample_rows, sample_ids
 
-    def _static_inputs(self, phase: str, bucket: Bucket) -> StaticInputs:
+    def _static_inputs(self, shape: StepShape) -> StaticInputs:
         """Padding-only inputs of a bucket's shape, on the device: what its graph reads."""
-        if phase == "prompt":
-            return self._prepare_prompt_rows([], bucket[0], bucket[1], self.device)[0]
-        input_ids, positions, batch, _, _ = self._prepare([], (phase, *bucket))
+        if shape.phase is Phase.PROMPT:
+            return self._prepare_prompt_rows([], shape.batch_size, shape.length, self.device)[0]
+        input_ids, positions, batch, _, _ = self._prepare([], shape)
         # The decode group covers every row, padding included: nothing to zero.
         batch.pad_start = None
         return StaticInputs(input_ids, positions, batch)
 
     @torch.inference_mode()
-    def capture_graphs(self, buckets: dict[str, PhaseBuckets], budget_bytes: int,
-                       prompt_ratio: float, strategies: dict[str, str], free_memory,
-                       capturer: GraphCapturer) -> dict[str, GraphPhaseReport]:
+    def capture_graphs(self, buckets: dict[Phase, PhaseBuckets], budget_bytes: int,
+                       prompt_ratio: float, strategies: dict[Phase, str], free_memory,
+                       capturer: GraphCapturer) -> dict[Phase, GraphPhaseReport]:
         """Capture bucket graphs within `budget_bytes`, split between the phases and ordered
         by their strategies (protocol.buckets.plan_graph_captures); logs each capture."""
         counters = dict.fromkeys(buckets, 0)
 
-        def capture(phase: str, bucket: Bucket) -> int:
+        def capture(phase: Phase, bucket: Bucket) -> int:
             counters[phase] += 1
             before = free_memory()
             log.info("[Warmup][Graph/%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB",
                      phase.capitalize(), counters[phase], len(buckets[phase].buckets), *bucket,
                      before / 2**30)
-            inputs = self._static_inputs(phase, bucket)
+            shape = StepShape(phase, *bucket)
+            inputs = self._static_inputs(shape)
             replay = capturer.capture(lambda: self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch))
-            self.graphs[(phase, *bucket)] = BucketGraph(inputs, replay)
+            self.graphs[shape] = BucketGraph(inputs, replay)
             return before - free_memory()
 
         reports = plan_graph_captures({p: b.buckets for p, b in buckets.items()}, budget_bytes,
@@ -152,9 +156,9 @@ def warmup_shapes(phase_buckets: PhaseBuckets, packed_tokens: int) -> list[Bucke
     `packed_tokens` tokens."""
     if phase_buckets.packed:
         return [(1, packed_tokens)] if packed_tokens else []
-    shapes: dict[int, Bucket] = {}
+    phase, shapes = phase_buckets.phase, {}
     for bs, length in phase_buckets.buckets:
-        tokens = bucket_tokens(phase_buckets.phase, bs, length)
-        if tokens not in shapes or (phase_buckets.phase == "decode" and length < shapes[tokens][1]):
+        tokens = phase.tokens(bs, length)
+        if tokens not in shapes or (phase is Phase.DECODE and length < shapes[tokens][1]):
             shapes[tokens] = (bs, length)
     return [shape for _, shape in sorted(shapes.items(), reverse=True)]

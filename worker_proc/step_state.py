@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from spmd_runtime.protocol.logprobs import StepLogprobs
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import StepShape
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
 from spmd_runtime.worker_proc.logprobs import LogprobRows
 
@@ -44,12 +45,12 @@ class StepOutput:
     logprobs: list[StepLogprobs] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PreparedStep:
     """A step's inputs, built on the host (possibly while the step before it still runs)."""
 
     scheduled: list[tuple[int, int]]
-    bucket: tuple[str, int, int] | None
+    bucket: StepShape | None
     graph: BucketGraph | None
     inputs: StaticInputs | None
     sample_rows: list[int]
@@ -61,7 +62,7 @@ class PreparedStep:
     prepare_ms: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LaunchedStep:
     """A step queued on the device; `ModelRunner.finish` waits for it and reads its tokens."""
 

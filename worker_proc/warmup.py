@@ -7,6 +7,7 @@ import time
 
 from spmd_runtime.protocol.buckets import PhaseBuckets, compiling, format_bytes
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.worker_proc.distributed import DistributedContext
 from spmd_runtime.worker_proc.graphs import GraphCapturer
 from spmd_runtime.worker_proc.kv_cache import free_memory
@@ -16,7 +17,7 @@ log = logging.getLogger("spmd.worker")
 
 
 def prepare_buckets(runner: ModelRunner, config: EngineConfig,
-                    buckets: dict[str, PhaseBuckets] | None, ctx: DistributedContext,
+                    buckets: dict[Phase, PhaseBuckets] | None, ctx: DistributedContext,
                     graph_budget: int | None = None) -> None:
     """With the scheduler's buckets (None: bucketing is off): log them, compile the layer
     pieces (--execution-mode compiled, on CPU), warm every bucket shape up and (graph_budget
@@ -45,7 +46,7 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig,
 
 
 def capture_graphs(runner: ModelRunner, config: EngineConfig,
-                   buckets: dict[str, PhaseBuckets], budget: int,
+                   buckets: dict[Phase, PhaseBuckets], budget: int,
                    ctx: DistributedContext) -> None:
     """CUDA graphs of the buckets within the memory reserved for them before the KV cache was
     sized (or, with the cache sized by hand, that share of what is free now)."""
@@ -57,6 +58,6 @@ def capture_graphs(runner: ModelRunner, config: EngineConfig,
              "(graph_prompt_ratio=%g)", format_bytes(budget), format_bytes(free_now),
              format_bytes(prompt), format_bytes(budget - prompt), config.graph_prompt_ratio)
     runner.capture_graphs(buckets, budget, config.graph_prompt_ratio,
-                          {"prompt": config.graph_prompt_strategy,
-                           "decode": config.graph_decode_strategy},
+                          {Phase.PROMPT: config.graph_prompt_strategy,
+                           Phase.DECODE: config.graph_decode_strategy},
                           lambda: free_memory(ctx.device, 1), GraphCapturer(ctx.device))

@@ -33,6 +33,7 @@ from spmd_runtime.protocol.messages import (
 )
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.process_entry import report_error, report_failure
+from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 from spmd_runtime.runtime.cpu_features import resolve_dtype_name
 from spmd_runtime.runtime.layers import cpu_ops
@@ -64,7 +65,7 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
 
 
 # What the scheduler answers a rank's WorkerLoaded with: the buckets to warm up (None: off).
-BucketsFromScheduler = Callable[[WorkerLoaded], dict[str, PhaseBuckets] | None]
+BucketsFromScheduler = Callable[[WorkerLoaded], dict[Phase, PhaseBuckets] | None]
 
 
 def build_runner(config: EngineConfig, ctx: DistributedContext,
@@ -312,7 +313,7 @@ def ask_for_buckets(sock: zmq.Socket, config: EngineConfig, encoder: Encoder, de
     """Send WorkerLoaded and wait for the scheduler's WarmupPlan (heartbeats may come first):
     every rank warms up the buckets the scheduler derived, whatever its own environment."""
 
-    def exchange(loaded: WorkerLoaded) -> dict[str, PhaseBuckets] | None:
+    def exchange(loaded: WorkerLoaded) -> dict[Phase, PhaseBuckets] | None:
         send(sock, config, encoder.encode(loaded))
         deadline = time.monotonic() + config.dist_timeout_s
         while True:

@@ -110,10 +110,13 @@ def _value_for(kind, n: int):
         return tuple(_value_for(item, n + i) for i, item in enumerate(kind.item_types))
     if isinstance(kind, inspect.DictType):
         return {_value_for(kind.key_type, n): _value_for(kind.value_type, n)}
-    if isinstance(kind, (inspect.StructType, inspect.DataclassType)):
+    if isinstance(kind, (inspect.StructType, inspect.DataclassType, inspect.NamedTupleType)):
         if kind.cls is SamplingParams:
             return PARAMS
         return auto_sample(kind.cls, n)
+    if isinstance(kind, inspect.EnumType):
+        members = list(kind.cls)
+        return members[n % len(members)]
     raise AssertionError(f"no sample value for {kind}")
 
 

@@ -12,12 +12,13 @@ from fake_engine import EOS, VOCAB, EngineLoop, FakeWorker, add, assert_pool_ful
 from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS
 from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
 
 def buckets(prompt_bs=(1, 2, 4), prompt_seq=(16, 16, 64), decode_bs=(1, 4, 8),
-            decode_seq=(32, 32, 128), budget=64) -> dict[str, PhaseBuckets]:
+            decode_seq=(32, 32, 128), budget=64) -> dict[Phase, PhaseBuckets]:
     return {"prompt": PhaseBuckets.generate("prompt", BucketRange(*prompt_bs),
                                             BucketRange(*prompt_seq), budget),
             "decode": PhaseBuckets.generate("decode", BucketRange(*decode_bs),
@@ -126,7 +127,7 @@ def test_decodes_longer_than_every_bucket_still_batch_and_are_counted() -> None:
     assert_pool_full(scheduler)
 
 
-def packed_prompts(decode_bs=(1, 4, 8), decode_seq=(128, 128, 128)) -> dict[str, PhaseBuckets]:
+def packed_prompts(decode_bs=(1, 4, 8), decode_seq=(128, 128, 128)) -> dict[Phase, PhaseBuckets]:
     """What a GPU engine gets: prompt steps packed, decode buckets by batch size alone."""
     return {"prompt": PhaseBuckets.packed_steps("prompt"),
             "decode": PhaseBuckets.generate("decode", BucketRange(*decode_bs),

@@ -13,6 +13,7 @@ import torch
 from cpu_library import needs_cpu_ops
 from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import CPP
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
@@ -69,7 +70,8 @@ class Driver:
         plan = StepPlan(step_id=self.step, new_requests=[
             NewRequestData(rid, tokens, blocks, computed, len(tokens) - computed, GREEDY)
             for rid, tokens, blocks, computed in requests], cached_request_ids=[],
-            cached_num_scheduled_tokens=[], cached_new_block_ids=[], bucket=("prompt", *bucket))
+            cached_num_scheduled_tokens=[], cached_new_block_ids=[],
+            bucket=StepShape(Phase.PROMPT, *bucket))
         return self._run(plan)
 
     def decode(self, request_ids: list[int]) -> dict[int, int]:
@@ -78,7 +80,8 @@ class Driver:
         bucket = BUCKETS["decode"].find(len(request_ids), longest)
         plan = StepPlan(step_id=self.step, new_requests=[], cached_request_ids=list(request_ids),
                         cached_num_scheduled_tokens=[1] * len(request_ids),
-                        cached_new_block_ids=[[] for _ in request_ids], bucket=("decode", *bucket))
+                        cached_new_block_ids=[[] for _ in request_ids],
+                        bucket=StepShape(Phase.DECODE, *bucket))
         return self._run(plan)
 
     def _run(self, plan: StepPlan) -> dict[int, int]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.worker_proc.graphs import GraphCapturer
 from test_graphs import BUCKETS, STRATEGIES, blocks_of, make_runner
 from test_model_runner import build_pair, prompt
@@ -83,7 +84,7 @@ def test_prompt_records_through_a_prompt_graph_layout(pair) -> None:
     runner.capture_graphs(BUCKETS, 1 << 30, 0.3, STRATEGIES, lambda: 0,
                           GraphCapturer(torch.device("cpu"), emulate=True))
     prompts = {0: prompt(30, 5), 1: prompt(31, 9), 2: prompt(32, 14)}
-    bucket = ("prompt", *BUCKETS["prompt"].find(3, 14))
+    bucket = StepShape(Phase.PROMPT, *BUCKETS["prompt"].find(3, 14))
     assert runner.graphs.get(bucket) is not None
     output = runner.execute(plan(0, new=[(rid, tokens, 0, len(tokens), ASKS)
                                          for rid, tokens in prompts.items()], bucket=bucket))

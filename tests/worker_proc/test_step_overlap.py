@@ -10,6 +10,7 @@ import pytest
 import torch
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import TORCH, TRITON
 from spmd_runtime.worker_proc.graphs import GraphCapturer
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache
@@ -48,7 +49,7 @@ class Plans:
         bucket = None
         if self.buckets and not new and all(n == 1 for _, n in cached):
             longest = max(self.lengths[rid] for rid, _ in cached)
-            bucket = ("decode", *BUCKETS["decode"].find(len(cached), longest))
+            bucket = StepShape(Phase.DECODE, *BUCKETS["decode"].find(len(cached), longest))
         self.plans.append(StepPlan(
             step_id=len(self.plans),
             new_requests=[NewRequestData(rid, tokens, blocks_of(rid), 0, scheduled, params)

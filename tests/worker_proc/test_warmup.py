@@ -10,6 +10,7 @@ import torch
 from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import WorkerLoaded
+from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.runtime.layers.attention_backend import choose_attention_backend
 from spmd_runtime.worker_proc.distributed import DistributedContext
 from spmd_runtime.worker_proc.model_runner import ModelRunner
@@ -37,11 +38,11 @@ def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
     # This worker's own environment asks for other decode buckets: it must not matter.
     monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MIN", "4")
     monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MAX", "8")
-    warmed: list[dict[str, PhaseBuckets]] = []
+    warmed: list[dict[Phase, PhaseBuckets]] = []
     monkeypatch.setattr(ModelRunner, "warmup", record_warmup(warmed))
     asked: list[WorkerLoaded] = []
 
-    def scheduler(loaded: WorkerLoaded) -> dict[str, PhaseBuckets]:
+    def scheduler(loaded: WorkerLoaded) -> dict[Phase, PhaseBuckets]:
         asked.append(loaded)
         return SCHEDULER_BUCKETS
 
