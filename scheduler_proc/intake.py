@@ -2,9 +2,6 @@
 and, where asked, a deadline); deadlines that pass end their requests."""
 from __future__ import annotations
 
-import heapq
-import time
-
 from spmd_runtime.protocol.messages import AddRequest, ErrorReply, ModelInfo, RequestAccepted
 from spmd_runtime.scheduler_proc.admission import refusal
 from spmd_runtime.scheduler_proc.request import FinishReason, Request
@@ -20,8 +17,6 @@ class RequestIntake:
         self.model_info = model_info
         self._next_request_id = 0
         self._arrivals = 0
-        # (deadline, request id, arrival) of requests with a timeout, soonest first.
-        self._deadlines: list[tuple[float, int, int]] = []
 
     def add(self, client: bytes, message: AddRequest) -> RequestAccepted | ErrorReply:
         """Queue the request; the reply says its id, or why it cannot be served."""
@@ -38,13 +33,13 @@ class RequestIntake:
         if request_id is None:
             request_id = self._free_request_id()
         self._arrivals += 1
-        self.scheduler.add(Request(request_id, prompt, message.params, client, self._arrivals,
-                                   message.priority))
+        request = Request(request_id, prompt, message.params, client, self._arrivals,
+                          message.priority)
+        self.scheduler.add(request)
         if message.detokenize:
             self.tokenizer.start(request_id, message.params.stop)
         if message.timeout_s is not None:
-            heapq.heappush(self._deadlines, (time.monotonic() + message.timeout_s, request_id,
-                                             self._arrivals))
+            self.scheduler.finish_rules.add_deadline(request, message.timeout_s)
         tokenized = prompt if prompt is not message.prompt_token_ids else []
         return RequestAccepted(tag=message.tag, request_id=request_id, prompt_token_ids=tokenized)
 
@@ -56,12 +51,7 @@ class RequestIntake:
 
     def expire_deadlines(self) -> list[Request]:
         """End the requests past their timeout (finish_reason "timeout"); returns them."""
-        now = time.monotonic()
-        expired = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, request_id, arrival = heapq.heappop(self._deadlines)
-            request = self.scheduler.get(request_id)
-            if request is not None and request.arrival_seq == arrival:   # not a reused id
-                self.scheduler.abort(request_id, FinishReason.TIMEOUT)
-                expired.append(request)
+        expired = self.scheduler.finish_rules.past_deadline(self.scheduler.get)
+        for request in expired:
+            self.scheduler.abort(request.request_id, FinishReason.TIMEOUT)
         return expired

@@ -37,6 +37,7 @@ from spmd_runtime.protocol.messages import StepPlan, StepResult
 from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
+from spmd_runtime.scheduler_proc.finishing import FinishRules
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, ScheduledStep, StepDraft
 from spmd_runtime.scheduler_proc.policy import Policy, running_order
@@ -91,7 +92,8 @@ class Scheduler:
         self.running_cap = max_num_seqs
         self.thermal = thermal or ThermalControl(ProportionalThermalPolicy())
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
+        # Every way a request ends is decided there (stop tokens, length, text, deadline).
+        self.finish_rules = FinishRules(eos_token_ids, max_model_len)
         self.policy = policy
         # With buckets, every step is a prompt or a decode step that fits a bucket.
         self.planner = BucketPlanner(buckets, policy) if buckets else None
@@ -311,7 +313,7 @@ class Scheduler:
             request.output_token_ids.append(token)
             self.counters.num_generated_tokens += 1
             update.progressed.append(request)
-            reason = self._stop_reason(request, token)
+            reason = self.finish_rules.after_token(request, token)
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, free_now=False)
@@ -375,14 +377,6 @@ class Scheduler:
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ internals
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason, free_now: bool = True) -> None:
         if request.cpu_block_ids:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spmd_runtime.protocol.messages import Outputs, RequestDelta
-from spmd_runtime.scheduler_proc.request import FinishReason
+from spmd_runtime.scheduler_proc.finishing import FinishRules
 from spmd_runtime.scheduler_proc.rpc_front import RpcFront
 from spmd_runtime.scheduler_proc.scheduler import StepUpdate
 from spmd_runtime.scheduler_proc.served_tokenizer import ServedTokenizer
@@ -28,8 +28,9 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
         request.num_tokens_streamed = len(request.output_token_ids)
         reason = request.finish_reason.value if request.finish_reason else None
         text, hit_stop = tokenizer.text(request.request_id, new_tokens, reason is not None)
-        if hit_stop and reason is None:
-            reason = FinishReason.STOP.value
+        text_reason = FinishRules.after_text(hit_stop)
+        if text_reason is not None and reason is None:
+            reason = text_reason.value
             stopped.append(request.request_id)
         by_client.setdefault(request.client, []).append(
             RequestDelta(request.request_id, new_tokens, reason, text,
