@@ -7,6 +7,7 @@ import os
 
 import msgspec
 from spmd_runtime.protocol.config import EngineConfig, engine_config_fields
+from spmd_runtime.protocol.config_resolve import environment_options
 from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS, replace_deprecated
 from spmd_runtime.protocol.env_vars import SPMD_ADMIN_TOKEN, SPMD_API_KEY
 from spmd_runtime.protocol.model_source import config_source_kind
@@ -50,7 +51,8 @@ def _option_values(args: argparse.Namespace) -> tuple[dict, list[str]]:
         if field not in values and os.environ.get(variable):
             values[field] = os.environ[variable]
     try:
-        return replace_deprecated(values)
+        values, warnings = replace_deprecated(values)
+        return {**environment_options(values), **values}, warnings
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -1,6 +1,7 @@
 """Bucketing math: the few batch shapes a worker warms up and captures, and which one a batch
 pads to. The scheduler derives the buckets once (engine_buckets) and hands every worker the
-same ones (messages.WarmupPlan), so no worker reads the SPMD_*_BUCKET_* environment itself.
+same ones (messages.WarmupPlan). No process reads the SPMD_*_BUCKET_* environment: it is
+folded into the bucket options where the config is made (protocol/config_resolve.py).
 
 A range (min, step, max) ramps up from min by powers of two while below step, then goes up in
 steps of `step` to max: (2, 32, 64) gives 2, 4, 8, 16, 32, 64. Prompt buckets are (batch size,
@@ -18,13 +19,11 @@ Only what changes a graph deserves a bucket dimension. Where the workers capture
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from spmd_runtime.protocol.config import EngineConfig
-from spmd_runtime.protocol.env_vars import bucket_variable
 from spmd_runtime.protocol.step_shape import Phase
 
 Bucket = tuple[int, int]        # (batch size, sequence or context length)
@@ -45,12 +44,18 @@ class BucketRange:
                              f"(min, step, max) = ({self.min}, {self.step}, {self.max})")
 
     @classmethod
-    def parse(cls, text: str) -> BucketRange:
-        """'min,step,max', as in an engine option or an environment variable."""
+    def parse(cls, text: str, default: BucketRange | None = None) -> BucketRange:
+        """'min,step,max', as in an engine option; with a default, parts may be left empty
+        (',,16': the default's min and step, max 16)."""
+        parts = text.split(",")
         try:
-            low, step, high = (int(part) for part in text.split(","))
+            if len(parts) != 3 or (default is None and not all(parts)):
+                raise ValueError
+            low, step, high = (int(part) if part else getattr(default, name)
+                               for part, name in zip(parts, ("min", "step", "max"), strict=True))
         except ValueError:
-            raise ValueError(f"a bucket range is three integers 'min,step,max', got {text!r}") from None
+            raise ValueError(f"a bucket range is three integers 'min,step,max' (parts left "
+                             f"empty take the default), got {text!r}") from None
         return cls(low, step, high)
 
     def values(self) -> list[int]:
@@ -229,27 +234,13 @@ def default_ranges(phase: Phase, *, max_num_seqs: int, max_num_batched_tokens: i
             else BucketRange(step, step, longest)}
 
 
-def resolve_ranges(phase: Phase, options: Mapping[str, str], defaults: dict[str, BucketRange],
-                   environ: Mapping[str, str] = os.environ) -> dict[str, BucketRange]:
-    """Per dimension: the engine option ('min,step,max') if set, else the defaults with any of
-    SPMD_{PHASE}_{DIM}_BUCKET_{MIN,STEP,MAX} from the environment applied."""
-    ranges = {}
-    for dimension in DIMENSIONS:
-        option = options.get(dimension, "")
-        if option:
-            ranges[dimension] = BucketRange.parse(option)
-            continue
-        default = defaults[dimension]
-        parts = {}
-        for part in ("min", "step", "max"):
-            name = bucket_variable(phase, dimension, part)
-            raw = environ.get(name)
-            try:
-                parts[part] = int(raw) if raw else getattr(default, part)
-            except ValueError:
-                raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-        ranges[dimension] = BucketRange(**parts)
-    return ranges
+def resolve_ranges(options: Mapping[str, str], defaults: dict[str, BucketRange]
+                   ) -> dict[str, BucketRange]:
+    """Per dimension: the engine option ('min,step,max', parts left empty taking the
+    default's; the environment's SPMD_*_BUCKET_* were folded into it where the config was
+    made, protocol/config_resolve.py), else the default."""
+    return {dimension: BucketRange.parse(options[dimension], defaults[dimension])
+            if options.get(dimension) else defaults[dimension] for dimension in DIMENSIONS}
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -283,22 +274,18 @@ def bucketing_enabled(config: EngineConfig, device_type: str = "cpu") -> bool:
         device_type == "cuda" or compiling(config, device_type)))
 
 
-def packs_prompts(config: EngineConfig, device_type: str,
-                  environ: Mapping[str, str] = os.environ) -> bool:
+def packs_prompts(config: EngineConfig, device_type: str) -> bool:
     """Whether prompt steps run packed and unpadded: where the workers capture graphs (prompt
-    steps, compute-bound, gain little from a graph) and no prompt bucket is asked for, by
-    option or environment."""
-    asked = config.prompt_bs_bucket or config.prompt_seq_bucket or any(
-        name in environ for dimension in DIMENSIONS for part in ("min", "step", "max")
-        for name in [bucket_variable(Phase.PROMPT, dimension, part)])
+    steps, compute-bound, gain little from a graph) and no prompt bucket is asked for."""
+    asked = config.prompt_bs_bucket or config.prompt_seq_bucket
     return graphs_enabled(config, device_type) and not asked
 
 
 def engine_buckets(config: EngineConfig, max_model_len: int, device_type: str = "cpu",
                    context_from_tensors: bool = False) -> dict[Phase, PhaseBuckets]:
-    """The prompt and decode buckets of an engine, from its configuration, the environment,
-    the model's context length, the workers' device and whether their attention reads
-    context lengths from tensors; the scheduler's, which every worker then warms up."""
+    """The prompt and decode buckets of an engine, from its configuration, the model's
+    context length, the workers' device and whether their attention reads context lengths
+    from tensors; the scheduler's, which every worker then warms up."""
     options = {Phase.PROMPT: {"bs": config.prompt_bs_bucket, "seq": config.prompt_seq_bucket},
                Phase.DECODE: {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}}
     buckets = {}
@@ -311,7 +298,7 @@ def engine_buckets(config: EngineConfig, max_model_len: int, device_type: str = 
                                   max_model_len=max_model_len, block_size=config.block_size,
                                   context_from_tensors=context_from_tensors,
                                   fine_batches=graphs_enabled(config, device_type))
-        ranges = resolve_ranges(phase, options[phase], defaults)
+        ranges = resolve_ranges(options[phase], defaults)
         if phase is Phase.DECODE and any(v % config.block_size for v in ranges["seq"].values()):
             raise ValueError(f"decode context buckets {ranges['seq'].values()} must be multiples "
                              f"of the KV block size {config.block_size}")

@@ -55,16 +55,16 @@ class ParallelOptions(ModelOptions, kw_only=True):
         "seconds a worker waits to join the process group (reach the master) before it "
         "exits with an error"))] = 300.0
     # "auto", or a count (a string of digits from the command line becomes an int).
-    row_parallel_chunks: Annotated[Annotated[int, Meta(ge=0)] | str, Meta(
+    row_parallel_chunks: Annotated[Annotated[int, Meta(ge=1)] | str, Meta(
         description=(
             "split row-parallel layers' input into this many chunks and overlap each chunk's "
             "all-reduce with the next chunk's matmul (TP > 1 only); auto: the workers time "
             "the layer on the group's own link at start-up and pick the chunk count and the "
-            "threshold (or off) that is fastest; 0 reads SPMD_ROW_PARALLEL_CHUNKS, else 1 "
-            "(off)"))] = 0
+            "threshold (or off) that is fastest; 1: off (where not given: "
+            "SPMD_ROW_PARALLEL_CHUNKS, else 1)"))] = 1
     row_parallel_chunk_threshold: Annotated[int, Meta(ge=0, description=(
-        "fewest tokens a batch needs for row-parallel chunking; 0 reads "
-        "SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, else 8192"))] = 0
+        "fewest tokens a batch needs for row-parallel chunking (where not given: "
+        "SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, else 8192)"))] = 8192
 
 
 class SchedulingOptions(ParallelOptions, kw_only=True):

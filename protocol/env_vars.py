@@ -28,9 +28,10 @@ def bucket_variable(phase: Phase, dimension: str, part: str) -> str:
     return f"SPMD_{phase.upper()}_{dimension.upper()}_BUCKET_{part.upper()}"
 
 
+BUCKET_PARTS = ("min", "step", "max")
 BUCKET_VARIABLES = tuple(bucket_variable(phase, dimension, part)
                          for phase in Phase for dimension in ("bs", "seq")
-                         for part in ("min", "step", "max"))
+                         for part in BUCKET_PARTS)
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(SPMD_ENGINE_CONFIG, "the EngineConfig JSON handed to a child process (the "
@@ -41,13 +42,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(SPMD_API_KEY, "--auth-token when the flag is not given", "launch/options.py"),
     EnvVar(SPMD_ADMIN_TOKEN, "--admin-token when the flag is not given (with --enable-admin)",
            "launch/options.py"),
-    EnvVar(SPMD_ROW_PARALLEL_CHUNKS, "--row-parallel-chunks when it is 0 (default 1: off)",
-           "worker_proc/worker.py"),
-    EnvVar(SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, "--row-parallel-chunk-threshold when it is 0 "
-           "(default 8192)", "worker_proc/worker.py"),
+    EnvVar(SPMD_ROW_PARALLEL_CHUNKS, "--row-parallel-chunks when it is not given (default 1: "
+           "off)",
+           "protocol/config_resolve.py (where the config is made: the command line, LLM)"),
+    EnvVar(SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, "--row-parallel-chunk-threshold when it is not "
+           "given (default 8192)",
+           "protocol/config_resolve.py (where the config is made: the command line, LLM)"),
     *(EnvVar(name, "one part (min, step or max) of a bucket range whose option "
              f"(--{name.split('_')[1].lower()}-{name.split('_')[2].lower()}-bucket) is empty",
-             "protocol/buckets.py (scheduler)") for name in BUCKET_VARIABLES),
+             "protocol/config_resolve.py (where the config is made: the command line, LLM)")
+      for name in BUCKET_VARIABLES),
     EnvVar("RANK", "this worker's global rank (torchrun or the launcher)",
            "worker_proc/distributed.py, worker_proc/worker.py"),
     EnvVar("LOCAL_RANK", "this worker's rank on its node", "worker_proc/distributed.py"),

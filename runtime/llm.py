@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config_resolve import environment_options
 from spmd_runtime.protocol.curve import rpc_server_key
 from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS, replace_deprecated
 from spmd_runtime.protocol.process_entry import config_env
@@ -33,6 +34,7 @@ class LLM:
         for message in deprecations:
             warnings.warn(message, DeprecationWarning, stacklevel=2)
         engine_options.setdefault("rpc_address", private_ipc_address("llm"))
+        engine_options = {**environment_options(engine_options), **engine_options}
         config = EngineConfig(model=model, **engine_options)
         # The constructor checks no types or ranges; decoding does. Refuse bad options here,
         # naming the option, rather than in the launcher after a process has started; then

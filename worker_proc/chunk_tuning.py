@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 from spmd_runtime.protocol.config import EngineConfig
-from spmd_runtime.protocol.env_vars import (
-    SPMD_ROW_PARALLEL_CHUNK_THRESHOLD,
-    SPMD_ROW_PARALLEL_CHUNKS,
-)
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.parallel import TensorParallel, row_parallel_linear
 from spmd_runtime.worker_proc.distributed import DistributedContext
@@ -111,9 +106,7 @@ def tensor_parallel(config: EngineConfig, ctx: DistributedContext) -> TensorPara
     chunks = config.row_parallel_chunks
     if chunks == "auto":
         chunks = 1
-    chunks = chunks or int(os.environ.get(SPMD_ROW_PARALLEL_CHUNKS, "1"))
-    threshold = config.row_parallel_chunk_threshold or int(
-        os.environ.get(SPMD_ROW_PARALLEL_CHUNK_THRESHOLD, "8192"))
+    threshold = config.row_parallel_chunk_threshold
     return TensorParallel(rank=ctx.rank, size=ctx.world_size, row_parallel_chunks=chunks,
                           row_parallel_chunk_threshold=threshold)
 

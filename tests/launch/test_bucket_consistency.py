@@ -8,6 +8,7 @@ from conftest import wait_until
 from sharp_llama import GREEDY, SMALL, prompts, sharp_llama
 from spmd_runtime.protocol.buckets import engine_buckets
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config_resolve import environment_options
 from spmd_runtime.runtime import LLM
 from test_multinode import free_port_pair, generate
 
@@ -27,11 +28,10 @@ NODE_ENVS = (
 
 def bucket_lines(env: dict[str, str], monkeypatch) -> list[str]:
     """The 'Generated N <phase> buckets: [...]' lines an engine with this environment logs."""
-    config = EngineConfig(model="unused", execution_mode="bucketed", **SMALL)
-    with monkeypatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, value)
-        return [b.list_line() for b in engine_buckets(config, SMALL["max_model_len"]).values()]
+    # The launcher folds its environment into the bucket options (protocol/config_resolve.py).
+    config = EngineConfig(model="unused", execution_mode="bucketed", **SMALL,
+                          **environment_options(SMALL, env))
+    return [b.list_line() for b in engine_buckets(config, SMALL["max_model_len"]).values()]
 
 
 @pytest.mark.timeout(300)

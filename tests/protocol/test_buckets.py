@@ -16,6 +16,7 @@ from spmd_runtime.protocol.buckets import (
     resolve_ranges,
 )
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config_resolve import environment_options
 
 PROMPT = PhaseBuckets.generate("prompt", BucketRange(1, 32, 4), BucketRange(128, 128, 1024), 4096)
 DECODE = PhaseBuckets.generate("decode", BucketRange(1, 128, 4), BucketRange(128, 128, 2048), 4096)
@@ -88,14 +89,21 @@ def test_options_then_environment_then_defaults() -> None:
     assert defaults["bs"] == BucketRange(1, 32, 64)
     assert defaults["seq"] == BucketRange(128, 128, 8192)
     env = {"SPMD_DECODE_BS_BUCKET_MAX": "16", "SPMD_DECODE_SEQ_BUCKET_STEP": "256"}
-    ranges = resolve_ranges("decode", {"bs": "", "seq": ""}, defaults, env)
+    ranges = resolve_ranges(decode_options(env), defaults)
     assert ranges == {"bs": BucketRange(1, 32, 16), "seq": BucketRange(128, 256, 8192)}
-    ranges = resolve_ranges("decode", {"bs": "2,4,8", "seq": ""}, defaults, env)
+    ranges = resolve_ranges(decode_options(env, decode_bs_bucket="2,4,8"), defaults)
     assert ranges["bs"] == BucketRange(2, 4, 8)
     with pytest.raises(ValueError, match="SPMD_DECODE_BS_BUCKET_MAX"):
-        resolve_ranges("decode", {}, defaults, {"SPMD_DECODE_BS_BUCKET_MAX": "many"})
+        resolve_ranges(decode_options({"SPMD_DECODE_BS_BUCKET_MAX": "many"}), defaults)
     with pytest.raises(ValueError, match="min,step,max"):
-        resolve_ranges("decode", {"seq": "128,256"}, defaults, {})
+        resolve_ranges({"seq": "128,256"}, defaults)
+
+
+def decode_options(environ: dict[str, str], **options) -> dict[str, str]:
+    """The decode bucket options of a config made with this environment: its variables are
+    folded in where the config is made (protocol/config_resolve.py)."""
+    config = EngineConfig(model="unused", **{**environment_options(options, environ), **options})
+    return {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}
 
 
 def test_default_prompt_ranges_cover_the_token_budget() -> None:
@@ -194,9 +202,10 @@ def test_prompt_buckets_asked_for_or_no_graphs_keep_prompts_padded(monkeypatch) 
     assert not packs_prompts(config, "cpu"), "CPU compiled: torch.compile per token count"
     assert not packs_prompts(EngineConfig(**dict(GPU, execution_mode="bucketed")), "cuda")
     assert not packs_prompts(EngineConfig(**dict(GPU, prompt_seq_bucket="64,64,512")), "cuda")
-    monkeypatch.setenv("SPMD_PROMPT_BS_BUCKET_MAX", "4")
-    assert not packs_prompts(config, "cuda")
-    assert not engine_buckets(config, 2176, "cuda", True)["prompt"].packed
+    # A prompt bucket asked for through the environment, folded into the config where it is made.
+    asked = EngineConfig(**GPU, **environment_options(GPU, {"SPMD_PROMPT_BS_BUCKET_MAX": "4"}))
+    assert asked.prompt_bs_bucket == ",,4" and not packs_prompts(asked, "cuda")
+    assert not engine_buckets(asked, 2176, "cuda", True)["prompt"].packed
     # Without graphs, decode batch sizes keep their coarser default steps.
     cpu = engine_buckets(EngineConfig(**dict(GPU, device="cpu")), 2176, "cpu", True)
     assert [bs for bs, _ in cpu["decode"].buckets][:7] == [1, 2, 4, 8, 16, 32, 64]
