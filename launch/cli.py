@@ -2,7 +2,8 @@
 
 Every engine option is generated from the fields of protocol.config.EngineConfig and shown in
 the --help section of the domain declaring it (protocol/config_fields.py); each subcommand takes
-the options it uses, and the deprecated spellings of those (protocol/deprecated_options.py).
+the options it uses (the removed spellings of those are parsed only to be refused with the
+option that replaced them, protocol/deprecated_options.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from spmd_runtime.launch.bench import add_peer_options, add_throughput_workload_
 from spmd_runtime.launch.command_options import bench_model, command_options
 from spmd_runtime.launch.options import (
     config_from_args,
-    deprecation_warnings,
     prompts_from_args,
     sampling_from_args,
     token_warnings,
@@ -29,7 +29,7 @@ from spmd_runtime.protocol.config import (
     engine_config_fields,
 )
 from spmd_runtime.protocol.curve import CurveKeyError, make_job_keys
-from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS
+from spmd_runtime.protocol.deprecated_options import REMOVED_OPTIONS
 from spmd_runtime.protocol.model_config import MODEL_PRESETS
 from spmd_runtime.runtime.log_format import configure_logging
 from spmd_runtime.runtime.preflight import ConfigError, check_config, security_warnings
@@ -96,26 +96,21 @@ def add_engine_options(parser: argparse.ArgumentParser, fields) -> None:
                                    default=argparse.SUPPRESS,
                                    help="tensor-parallel size over all nodes: sets "
                                    "--nproc-per-node to N / --nnodes")
-    _add_deprecated_options(parser, fields)
+    if "execution_mode" in fields:
+        _add_removed_options(parser)
 
 
-def _add_deprecated_options(parser: argparse.ArgumentParser, fields) -> None:
-    """The old spellings of the options in `fields`, each warning and mapping onto its new
-    option (protocol/deprecated_options.py)."""
-    old = [option for option in DEPRECATED_OPTIONS.values() if option.field in fields]
-    if not old:
-        return
-    group = parser.add_argument_group("deprecated spellings (each warns; use the new option)")
-    for option in old:
-        flag = "--" + option.name.replace("_", "-")
-        help_text = f"deprecated: use {option.replacement}"
+def _add_removed_options(parser: argparse.ArgumentParser) -> None:
+    """The removed spellings, out of --help, parsed only so that giving one is refused with
+    the option that replaced it (launch/options.py)."""
+    for option in REMOVED_OPTIONS.values():
         if option.kind is bool:
-            group.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(option.flag, dest=option.name,
+                                action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:
-            group.add_argument(flag, dest=option.name, type=option.kind, choices=option.choices,
-                               default=argparse.SUPPRESS, help=help_text,
-                               metavar=None if option.choices else option.name.upper())
+            parser.add_argument(option.flag, dest=option.name, nargs="?",
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def engine_fields(*, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -349,7 +344,7 @@ def prepare(args: argparse.Namespace) -> EngineConfig:
         args.sampling = sampling_from_args(args)
     if not getattr(args, "url", ""):              # bench serving --url starts no engine
         check_config(config, serves_rpc=args.command == "serve")
-    for warning in token_warnings(args) + deprecation_warnings(args) + security_warnings(config):
+    for warning in token_warnings(args) + security_warnings(config):
         print(f"spmdrun: warning: {warning}", file=sys.stderr, flush=True)
     if args.command in ("generate", "serve") and config.log_level in ("debug", "info"):
         print(f"spmdrun: loading model {config.model} …", file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ import os
 import msgspec
 from spmd_runtime.protocol.config import EngineConfig, engine_config_fields
 from spmd_runtime.protocol.config_resolve import environment_options
-from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS, replace_deprecated
+from spmd_runtime.protocol.deprecated_options import refuse_removed
 from spmd_runtime.protocol.env_vars import SPMD_ADMIN_TOKEN, SPMD_API_KEY
 from spmd_runtime.protocol.model_source import config_source_kind
 from spmd_runtime.protocol.sampling import SamplingParams
@@ -27,32 +27,30 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             return EngineConfig.from_json(args.config_json)
         except msgspec.ValidationError as error:
             raise ConfigError(validation_message(error)) from None
-    values, _ = _option_values(args)
+    values = _option_values(args)
     try:
         return msgspec.convert(values, EngineConfig)
     except msgspec.ValidationError as error:
         raise ConfigError(validation_message(error, values)) from None
 
 
-def deprecation_warnings(args: argparse.Namespace) -> list[str]:
-    """One warning per deprecated option given (protocol/deprecated_options.py)."""
-    if getattr(args, "config_json", None):
-        return []
-    return _option_values(args)[1]
-
-
-def _option_values(args: argparse.Namespace) -> tuple[dict, list[str]]:
-    """The EngineConfig fields given (old spellings replaced, tokens from the environment)
-    and the deprecation warnings of the old spellings."""
-    names = {name for name, *_ in engine_config_fields()} | set(DEPRECATED_OPTIONS)
+def _option_values(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields given, then those the environment sets (tokens, option
+    variables: protocol/config_resolve.py); ConfigError for a removed spelling."""
+    names = {name for name, *_ in engine_config_fields()}
+    try:
+        refuse_removed(vars(args))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     values = {k: v for k, v in vars(args).items() if k in names}
     values.update(_tensor_parallel(values, getattr(args, "tensor_parallel_size", None)))
     for field, (_, variable) in TOKEN_VARIABLES.items():
-        if field not in values and os.environ.get(variable):
+        # The admin token only where admin calls are asked for (--enable-admin).
+        wanted = field != "admin_token" or values.get("enable_admin")
+        if field not in values and os.environ.get(variable) and wanted:
             values[field] = os.environ[variable]
     try:
-        values, warnings = replace_deprecated(values)
-        return {**environment_options(values), **values}, warnings
+        return {**environment_options(values), **values}
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 import difflib
 import signal
 import subprocess
-import warnings
 from collections.abc import Mapping, Sequence
 
 import msgspec
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.config_resolve import environment_options
 from spmd_runtime.protocol.curve import rpc_server_key
-from spmd_runtime.protocol.deprecated_options import DEPRECATED_OPTIONS, replace_deprecated
+from spmd_runtime.protocol.deprecated_options import refuse_removed
 from spmd_runtime.protocol.process_entry import config_env
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.transport import private_ipc_address
@@ -29,10 +28,9 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", *, startup_timeout_s: float = 900.0,
                  **engine_options) -> None:
+        refuse_removed(engine_options)
         _check_option_names(engine_options)
-        engine_options, deprecations = replace_deprecated(engine_options)
-        for message in deprecations:
-            warnings.warn(message, DeprecationWarning, stacklevel=2)
+        engine_options = dict(engine_options)
         engine_options.setdefault("rpc_address", private_ipc_address("llm"))
         engine_options = {**environment_options(engine_options), **engine_options}
         config = EngineConfig(model=model, **engine_options)
@@ -108,8 +106,7 @@ class LLM:
 
 def _check_option_names(options: dict) -> None:
     """ValueError naming an unknown option and the nearest valid one."""
-    valid = [name for name in (*EngineConfig.__struct_fields__, *DEPRECATED_OPTIONS)
-             if name != "model"]
+    valid = [name for name in EngineConfig.__struct_fields__ if name != "model"]
     for name in options:
         if name not in valid:
             close = difflib.get_close_matches(name, [*valid, "startup_timeout_s"], n=1)
