@@ -12,10 +12,10 @@ import difflib
 import math
 import sys
 import traceback
-from typing import NoReturn
 
 from spmd_runtime.launch.bench import add_peer_options, add_throughput_workload_options
 from spmd_runtime.launch.command_options import bench_model, command_options
+from spmd_runtime.launch.help_format import ADVANCED_FIELDS, CommandLineParser, HelpAll
 from spmd_runtime.launch.options import (
     config_from_args,
     prompts_from_args,
@@ -47,50 +47,34 @@ FIELDS = {name: (kind, default, description)
           for name, kind, default, description in engine_config_fields()}
 
 
-class DefaultsShown(argparse.HelpFormatter):
-    """--help shows each option's default, unless its help already tells it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" in text or not action.option_strings or action.default is False
-                or action.default in (None, argparse.SUPPRESS)):
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class CommandLineParser(argparse.ArgumentParser):
-    """No abbreviated options; a mistake is one line on stderr and exit code 2."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", DefaultsShown)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"spmdrun: error: {message} (see {self.prog} --help)\n")
-
-
 def add_engine_options(parser: argparse.ArgumentParser, fields) -> None:
-    """One flag per EngineConfig field in `fields`, in its --help section; flags not given
-    stay absent from the namespace, so that the defaults live in EngineConfig alone."""
+    """One flag per EngineConfig field in `fields`, in its --help section (advanced ones only
+    in --help-all); flags not given stay absent from the namespace, so that the defaults live
+    in EngineConfig alone."""
     choices = engine_config_choices()
+    parser.add_argument("--help-all", action=HelpAll,
+                        help="show this help with every option, the advanced ones too")
     for title, names in OPTION_GROUPS.items():
         names = [name for name in names if name in fields]
         if not names:
             continue
-        group = parser.add_argument_group(title)
+        hidden = sum(name in ADVANCED_FIELDS for name in names)
+        group = parser.add_argument_group(title, f"{hidden} more: --help-all" if hidden else None)
         for name in names:
             kind, default, description = FIELDS[name]
             flags = ["--" + name.replace("_", "-"), *ALIASES.get(name, ())]
             help_text = f"{description} (default: {default!r})".replace("%", "%%")
             if kind is bool:
-                group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS, help=help_text)
+                action = group.add_argument(*flags, dest=name, default=argparse.SUPPRESS,
+                                            action=argparse.BooleanOptionalAction,
+                                            help=help_text)
             else:
-                group.add_argument(*flags, dest=name, type=kind, default=argparse.SUPPRESS,
-                                   choices=choices.get(name),
-                                   metavar=None if name in choices else name.upper(),
-                                   help=help_text)
+                action = group.add_argument(*flags, dest=name, type=kind,
+                                            default=argparse.SUPPRESS, choices=choices.get(name),
+                                            metavar=None if name in choices else name.upper(),
+                                            help=help_text)
+            if name in ADVANCED_FIELDS:
+                action.advanced_help, action.help = action.help, argparse.SUPPRESS
             if name == "nproc_per_node":
                 group.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
                                    default=argparse.SUPPRESS,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,8 +16,9 @@ import psutil
 import pytest
 from spmd_runtime.launch.cli import build_parser, parse_command_line, subcommand_parsers
 from spmd_runtime.launch.commands import answer_line
+from spmd_runtime.launch.help_format import ADVANCED_FIELDS
 from spmd_runtime.launch.options import config_from_args, prompts_from_args, token_warnings
-from spmd_runtime.protocol.config import OPTION_GROUPS
+from spmd_runtime.protocol.config import OPTION_GROUPS, engine_config_fields
 from spmd_runtime.runtime.outputs import RequestOutput
 from spmd_runtime.runtime.preflight import ConfigError
 
@@ -419,3 +421,19 @@ def test_generate_prints_json_lines_for_scripts() -> None:
     assert all(a["finish_reason"] in ("stop", "length") and 0 < len(a["token_ids"]) <= 12
                for a in answers)
     assert "Paris" in answers[0]["text"]
+
+
+def help_flags(argv: list[str], capsys) -> set[str]:
+    """The options a help text lists (the first spelling of each)."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    return set(re.findall(r"^  (-{1,2}[\w-]+)", capsys.readouterr().out, re.M))
+
+
+def test_serve_help_lists_at_most_45_options_and_help_all_lists_every_one(capsys) -> None:
+    shown = help_flags(["serve", "--help"], capsys)
+    assert len(shown) <= 45, sorted(shown)
+    every = help_flags(["serve", "--help-all"], capsys)
+    fields = {"--" + name.replace("_", "-") for name, *_ in engine_config_fields()}
+    assert fields - {"--config-json"} <= every
+    assert every - shown == {"--" + name.replace("_", "-") for name in ADVANCED_FIELDS}
