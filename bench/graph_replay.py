@@ -30,6 +30,7 @@ from spmd_runtime.protocol.buckets import BucketRange, PhaseBuckets, format_byte
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import NewRequestData, StepPlan
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.worker_proc.distributed import DistributedContext
 from spmd_runtime.worker_proc.graphs import GraphCapturer
 from spmd_runtime.worker_proc.kv_cache import free_memory
@@ -69,7 +70,7 @@ class Bench:
                                               cached_new_block_ids=[[]]))
         return ids
 
-    def decode_ms(self, ids: list[int], bucket: tuple[int, int], steps: int, sync) -> list[float]:
+    def decode_ms(self, ids: list[int], bucket: StepShape, steps: int, sync) -> list[float]:
         times = []
         for _ in range(steps):
             sync()
@@ -77,12 +78,12 @@ class Bench:
             self.runner.execute(self.plan(cached_request_ids=ids,
                                           cached_num_scheduled_tokens=[1] * len(ids),
                                           cached_new_block_ids=[[] for _ in ids],
-                                          bucket=("decode", *bucket)))
+                                          bucket=bucket))
             sync()
             times.append((time.perf_counter() - started) * 1e3)
         return times
 
-    def overlapped(self, ids: list[int], bucket: tuple[int, int], steps: int, sync) -> dict:
+    def overlapped(self, ids: list[int], bucket: StepShape, steps: int, sync) -> dict:
         """`steps` decode steps, each launched before the one before it is finished."""
         outputs, in_flight = [], None
         sync()
@@ -90,7 +91,7 @@ class Bench:
         for _ in range(steps):
             prepared = self.runner.prepare(self.plan(
                 cached_request_ids=ids, cached_num_scheduled_tokens=[1] * len(ids),
-                cached_new_block_ids=[[] for _ in ids], bucket=("decode", *bucket)))
+                cached_new_block_ids=[[] for _ in ids], bucket=bucket))
             launched = self.runner.launch(prepared, in_flight)
             if in_flight is not None:
                 outputs.append(self.runner.finish(in_flight))
@@ -139,19 +140,22 @@ def main() -> int:
     runner, ready = build_runner(config, ctx)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     bench = Bench(runner, block_size, ready.vocab_size)
+    # One capturer throughout: each batch's graphs are dropped before the next batch's are
+    # captured, into a new pool then (a pool whose graphs are all gone takes no more captures).
     capturer = GraphCapturer(device, emulate=args.emulate or device.type != "cuda")
     rows = []
     for batch in sorted(batches, reverse=True):
         ids = bench.prefill(batch, args.context, blocks_per_request, config.max_num_batched_tokens)
-        bucket = (batch, context_bucket)
+        bucket = StepShape(Phase.DECODE, batch, context_bucket)
         bench.decode_ms(ids, bucket, args.warmup_steps, sync)
         eager = bench.decode_ms(ids, bucket, args.steps, sync)
-        buckets = {"decode": PhaseBuckets("decode", BucketRange(batch, batch, batch),
-                                          BucketRange(context_bucket, context_bucket,
-                                                      context_bucket), (bucket,))}
-        report = runner.capture_graphs(buckets, 1 << 50, 0.0, {"prompt": "min_tokens",
-                                                               "decode": "max_bs"},
-                                       lambda: free_memory(device, 1), capturer)["decode"]
+        buckets = {Phase.DECODE: PhaseBuckets(Phase.DECODE, BucketRange(batch, batch, batch),
+                                              BucketRange(context_bucket, context_bucket,
+                                                          context_bucket),
+                                              ((batch, context_bucket),))}
+        report = runner.capture_graphs(buckets, 1 << 50, 0.0, {Phase.PROMPT: "min_tokens",
+                                                               Phase.DECODE: "max_bs"},
+                                       lambda: free_memory(device, 1), capturer)[Phase.DECODE]
         bench.decode_ms(ids, bucket, args.warmup_steps, sync)
         graphed = bench.decode_ms(ids, bucket, args.steps, sync)
         profile = bench.overlapped(ids, bucket, args.steps, sync)

@@ -4,8 +4,8 @@ A graph replays the kernels it recorded on the tensors it recorded them with, so
 keeps persistent (static) inputs: the token ids, positions, KV slots and attention tensors of a
 batch of exactly that shape. Running a batch copies its prepared tensors into them (non-blocking,
 from pinned host memory on CUDA) and replays; the output is the graph's own hidden-state buffer,
-valid until the next replay. Every graph draws on one shared memory pool, captured largest
-first, so the smaller ones reuse the larger ones' activations.
+valid until the next replay. The graphs of one capturer draw on one shared memory pool, captured
+largest first, so the smaller ones reuse the larger ones' activations.
 
 On CUDA the recording is a torch.cuda.CUDAGraph. Elsewhere `GraphCapturer(emulate=True)`
 "replays" by calling the forward pass on the static tensors: the same staging code path, run
@@ -13,6 +13,7 @@ eagerly, which is how CPU tests check it.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,14 +67,23 @@ class BucketGraph:
 
 
 class GraphCapturer:
-    """Records forward passes as CUDA graphs sharing one memory pool (or emulates that)."""
+    """Records forward passes as CUDA graphs sharing one memory pool (or emulates that).
+
+    The caching allocator keeps a pool for as long as a graph captured into it lives: it counts
+    them, and once the last is destroyed it takes no more captures into that pool id (they fail
+    with `it->second->use_count > 0 INTERNAL ASSERT FAILED`) and frees the pool when its memory
+    is released. So the capturer keeps the pool while one of its graphs is alive, and starts a
+    new one for a capture that follows the release of them all (a bench that captures one batch
+    size's graphs, drops them and captures the next one's)."""
 
     def __init__(self, device: torch.device, emulate: bool = False) -> None:
         if device.type != "cuda" and not emulate:
             raise ValueError(f"graphs are captured on CUDA only, not on {device}")
         self.device = device
         self.emulate = emulate
-        self.pool = None if emulate else torch.cuda.graph_pool_handle()
+        self.pool = None
+        # The graphs captured into self.pool that are still alive.
+        self.pool_graphs: weakref.WeakSet = weakref.WeakSet()
 
     def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Run `forward` once to warm it up, record it, and return its replay."""
@@ -86,9 +96,12 @@ class GraphCapturer:
         with torch.cuda.stream(stream):
             forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if not self.pool_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = forward()
+        self.pool_graphs.add(graph)
         torch.cuda.synchronize(self.device)
 
         def replay() -> torch.Tensor:
@@ -96,4 +109,3 @@ class GraphCapturer:
             return output
 
         return replay
-

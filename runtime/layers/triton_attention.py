@@ -12,7 +12,9 @@ max grows) accumulates the output in fp32. The grid's shape depends only on the 
 the head count, so the launch is captured in a decode bucket's CUDA graph like any other.
 
 Triton is optional (it comes with CUDA builds of torch); `available()` says whether the kernel
-can run. With TRITON_INTERPRET=1 it runs on CPU tensors, which is how it is tested without a GPU.
+can run. With TRITON_INTERPRET=1 it runs on CPU tensors, which is how it is tested without a GPU;
+there it walks the tiles with a while loop instead of the compiled for loop (see the kernel), the
+same tile step either way.
 """
 from __future__ import annotations
 
@@ -57,5 +59,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE=TILE,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=interpreting())
     return out

@@ -5,8 +5,11 @@ so these tests check everything but the CUDA recording itself: the fixed bucket 
 copy of each batch into the static tensors, the one-prompt-per-row layout of prompt graphs,
 padding that never reaches a real KV block, and the eager fallback of prompts with cached
 context. The same comparison on CUDA, with real graphs, is in tests/runtime/test_bucketing_engine.py.
+The capturer's use of graph memory pools is checked against a model of the CUDA allocator's.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -203,3 +206,90 @@ def test_capture_stops_at_the_memory_budget(pair) -> None:
 def test_graphs_are_cuda_only_unless_emulated() -> None:
     with pytest.raises(ValueError, match="CUDA only"):
         GraphCapturer(torch.device("cpu"))
+
+
+class GraphPools:
+    """The CUDA caching allocator's count of live graphs per private pool (c10's
+    create_or_incref_pool and releasePool): a capture into a pool id creates the pool or counts
+    one more graph into it, and refuses a pool whose count has dropped to 0, which stays listed
+    while memory of it is still held; a destroyed graph counts one out."""
+
+    def __init__(self) -> None:
+        self.use_counts: dict[tuple[int, int], int] = {}
+        self.handles = 0
+
+    def handle(self) -> tuple[int, int]:
+        """A new pool id, as torch.cuda.graph_pool_handle() gives."""
+        self.handles += 1
+        return (0, self.handles)
+
+    def incref(self, pool: tuple[int, int]) -> None:
+        if self.use_counts.get(pool, 1) <= 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED at "
+                               "CUDACachingAllocator.cpp")
+        self.use_counts[pool] = self.use_counts.get(pool, 0) + 1
+
+
+class FakeGraph:
+    def __init__(self, pools: GraphPools) -> None:
+        self.pools, self.pool = pools, None
+
+    def capture_begin(self, pool: tuple[int, int]) -> None:
+        self.pools.incref(pool)
+        self.pool = pool
+
+    def replay(self) -> None:
+        pass
+
+    def __del__(self) -> None:
+        if self.pool is not None:
+            self.pools.use_counts[self.pool] -= 1
+
+
+class FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.fixture
+def graph_pools(monkeypatch) -> GraphPools:
+    """torch.cuda's graph capture on CPU, its pools counted by a GraphPools."""
+    pools = GraphPools()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph: FakeGraph, pool: tuple[int, int]):
+        cuda_graph.capture_begin(pool)
+        yield
+
+    for name, value in {"graph_pool_handle": pools.handle, "CUDAGraph": lambda: FakeGraph(pools),
+                        "graph": graph, "Stream": lambda device: FakeStream(),
+                        "current_stream": lambda device: FakeStream(),
+                        "stream": lambda stream: contextlib.nullcontext(),
+                        "synchronize": lambda device: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    return pools
+
+
+def test_graph_replays_batches_capture_into_a_live_pool(pair, graph_pools) -> None:
+    """bench/graph_replay.py's sequence: one capturer; per batch size, capture its buckets'
+    graphs, time them, drop them. The graphs of one batch share a pool; the next batch's go to
+    a new pool, never to the one whose graphs are all gone (the allocator asserts on that)."""
+    _, model, config = pair
+    runner = make_runner(model, config)
+    capturer = GraphCapturer(torch.device("cuda"))
+    for batch, lengths in [(4, (16, 32)), (2, (16, 32)), (1, (32,))]:
+        buckets = {Phase.DECODE: PhaseBuckets(Phase.DECODE, BucketRange(batch, batch, batch),
+                                              BucketRange(min(lengths), 16, max(lengths)),
+                                              tuple((batch, n) for n in lengths))}
+        runner.capture_graphs(buckets, 1 << 50, 0.0, STRATEGIES, lambda: 0, capturer)
+        assert graph_pools.use_counts[(0, graph_pools.handles)] == len(lengths)
+        runner.graphs.clear()
+    assert graph_pools.use_counts == {(0, 1): 0, (0, 2): 0, (0, 3): 0}
+
+
+def test_a_capturer_keeps_its_pool_while_one_of_its_graphs_lives(graph_pools) -> None:
+    capturer = GraphCapturer(torch.device("cuda"))
+    replays = [capturer.capture(lambda: torch.zeros(4)) for _ in range(2)]
+    replays.pop()
+    replays.append(capturer.capture(lambda: torch.zeros(2)))
+    assert graph_pools.use_counts == {(0, 1): 2}
