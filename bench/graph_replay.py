@@ -153,7 +153,7 @@ def main() -> int:
                                               BucketRange(context_bucket, context_bucket,
                                                           context_bucket),
                                               ((batch, context_bucket),))}
-        report = runner.capture_graphs(buckets, 1 << 50, 0.0, {Phase.PROMPT: "min_tokens",
+        report = runner.graph_runner.capture_graphs(buckets, 1 << 50, 0.0, {Phase.PROMPT: "min_tokens",
                                                                Phase.DECODE: "max_bs"},
                                        lambda: free_memory(device, 1), capturer)[Phase.DECODE]
         bench.decode_ms(ids, bucket, args.warmup_steps, sync)

@@ -3,36 +3,13 @@ room, else soft reset), bringing swapped ones back, and checking the victims a p
 from __future__ import annotations
 
 import logging
-from collections import deque
-from typing import Protocol
 
-from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
-from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
-from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, StepDraft
+from spmd_runtime.scheduler_proc.plan_builder import StepDraft
 from spmd_runtime.scheduler_proc.request import Request, RequestStatus
+from spmd_runtime.scheduler_proc.scheduler_state import SchedulerState
 from spmd_runtime.scheduler_proc.thermal import ThermalPolicy, select_victims
 
 log = logging.getLogger("spmd.scheduler")
-
-
-class SwapCounters(Protocol):
-    num_swaps_out: int
-    num_swaps_in: int
-    num_soft_resets: int
-
-
-class SchedulerView(Protocol):
-    """What preemption works on: the scheduler's queues, block pools, plans and counters."""
-
-    running: list[Request]
-    waiting: deque[Request]
-    swapped: deque[Request]
-    kv: KVCacheManager
-    cpu_pool: CpuBlockPool
-    plans: PlanBuilder
-    counters: SwapCounters
-
-    def allocate(self, request: Request, num_new_tokens: int) -> bool: ...
 
 
 def checked_victims(policy: ThermalPolicy, running: list[Request], n: int) -> list[Request]:
@@ -49,7 +26,7 @@ def checked_victims(policy: ThermalPolicy, running: list[Request], n: int) -> li
     return select_victims(running, n, "lru")
 
 
-def preempt(scheduler: SchedulerView, request: Request) -> None:
+def preempt(scheduler: SchedulerState, request: Request) -> None:
     """Take a running request off the batch: swap it out if the CPU pool has room for its
     computed blocks, else soft reset it (recomputed later from prompt + output)."""
     scheduler.running.remove(request)
@@ -70,7 +47,7 @@ def preempt(scheduler: SchedulerView, request: Request) -> None:
     scheduler.kv.free(request)
 
 
-def allocate_or_preempt(scheduler: SchedulerView, request: Request, num_new: int,
+def allocate_or_preempt(scheduler: SchedulerState, request: Request, num_new: int,
                         draft: StepDraft) -> bool:
     """Blocks for a running request's next tokens, preempting the newest running requests not
     yet in this step until they fit; False if the request itself had to be preempted."""
@@ -84,7 +61,7 @@ def allocate_or_preempt(scheduler: SchedulerView, request: Request, num_new: int
     return True
 
 
-def restore_swapped(scheduler: SchedulerView, request: Request, draft: StepDraft) -> None:
+def restore_swapped(scheduler: SchedulerState, request: Request, draft: StepDraft) -> None:
     """A swapped request got fresh device blocks: its computed blocks are copied back into the
     first ones before the forward pass, and its CPU blocks are free again."""
     draft.swap_in.extend(zip(request.block_ids, request.cpu_block_ids, strict=False))

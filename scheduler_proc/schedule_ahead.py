@@ -2,35 +2,14 @@
 step still runs, so the workers start it without waiting for its result to be read."""
 from __future__ import annotations
 
-from collections import deque
-from typing import Protocol
-
 from spmd_runtime.protocol.step_shape import Phase
-from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
-from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, ScheduledStep, StepDraft
-from spmd_runtime.scheduler_proc.policy import Policy, running_order
+from spmd_runtime.scheduler_proc.plan_builder import ScheduledStep, StepDraft
+from spmd_runtime.scheduler_proc.policy import running_order
 from spmd_runtime.scheduler_proc.request import Request
-from spmd_runtime.scheduler_proc.thermal import ThermalControl
+from spmd_runtime.scheduler_proc.scheduler_state import SchedulerState
 
 
-class SchedulerView(Protocol):
-    """What scheduling ahead reads of the scheduler, and the one thing it changes: blocks."""
-
-    running: list[Request]
-    waiting: deque[Request]
-    swapped: deque[Request]
-    plans: PlanBuilder
-    planner: BucketPlanner | None
-    thermal: ThermalControl
-    policy: Policy
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-
-    def allocate(self, request: Request, num_new_tokens: int) -> bool: ...
-
-
-def plan_ahead(scheduler: SchedulerView, step: ScheduledStep) -> ScheduledStep | None:
+def plan_ahead(scheduler: SchedulerState, step: ScheduledStep) -> ScheduledStep | None:
     """The step after `step`, planned while `step` still runs, before its result: the
     workers then start it as soon as they finish `step`, without waiting for the scheduler
     to read the result, stream it and plan. None where that cannot be planned blind.
@@ -64,7 +43,7 @@ def plan_ahead(scheduler: SchedulerView, step: ScheduledStep) -> ScheduledStep |
     return scheduler.plans.finalize(draft)
 
 
-def _continuing(scheduler: SchedulerView, step: ScheduledStep) -> list[tuple[Request, int]] | None:
+def _continuing(scheduler: SchedulerState, step: ScheduledStep) -> list[tuple[Request, int]] | None:
     """The running requests with their tokens in `step`, in scheduling order, where all of
     them continue as plain decodes after it and nothing else wants in; else None."""
     if (scheduler.waiting or scheduler.swapped or scheduler.plans.swap_out

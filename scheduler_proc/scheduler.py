@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.buckets import PhaseBuckets
@@ -39,7 +38,7 @@ from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
 from spmd_runtime.scheduler_proc.finishing import FinishRules
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
-from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder, ScheduledStep, StepDraft
+from spmd_runtime.scheduler_proc.plan_builder import ScheduledStep, StepDraft
 from spmd_runtime.scheduler_proc.policy import Policy, running_order
 from spmd_runtime.scheduler_proc.preemption import (
     allocate_or_preempt,
@@ -49,6 +48,8 @@ from spmd_runtime.scheduler_proc.preemption import (
 )
 from spmd_runtime.scheduler_proc.request import FinishReason, Request, RequestStatus
 from spmd_runtime.scheduler_proc.schedule_ahead import plan_ahead
+from spmd_runtime.scheduler_proc.scheduler_state import SchedulerCounters as SchedulerCounters  # re-exported
+from spmd_runtime.scheduler_proc.scheduler_state import SchedulerState
 from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl
 
 log = logging.getLogger("spmd.scheduler")
@@ -62,51 +63,24 @@ class StepUpdate:
     finished: list[Request] = field(default_factory=list)
 
 
-@dataclass
-class SchedulerCounters:
-    num_steps: int = 0
-    num_finished: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_swaps_out: int = 0
-    num_swaps_in: int = 0
-    num_soft_resets: int = 0
-    num_worker_restarts: int = 0
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.num_swaps_out + self.num_soft_resets
-
-
-class Scheduler:
+class Scheduler(SchedulerState):
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: list[int], policy: Policy = "fifo",
                  num_cpu_blocks: int = 0, admission_watermark: float = 0.0,
                  buckets: dict[Phase, PhaseBuckets] | None = None,
                  thermal: ThermalControl | None = None) -> None:
-        self.kv = kv
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        super().__init__(kv, max_num_batched_tokens=max_num_batched_tokens,
+                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, policy=policy,
+                         planner=BucketPlanner(buckets, policy) if buckets else None,
+                         thermal=thermal or ThermalControl(ProportionalThermalPolicy()),
+                         num_cpu_blocks=num_cpu_blocks)
         # The most requests allowed to run in the step being planned: max_num_seqs, or less
         # while the thermal policy throttles.
         self.running_cap = max_num_seqs
-        self.thermal = thermal or ThermalControl(ProportionalThermalPolicy())
-        self.max_model_len = max_model_len
         # Every way a request ends is decided there (stop tokens, length, text, deadline).
         self.finish_rules = FinishRules(eos_token_ids, max_model_len)
-        self.policy = policy
-        # With buckets, every step is a prompt or a decode step that fits a bucket.
-        self.planner = BucketPlanner(buckets, policy) if buckets else None
-        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.admission_watermark = admission_watermark
         self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
-        self.requests: dict[int, Request] = {}
-        self.counters = SchedulerCounters()
-        self.plans = PlanBuilder(self.planner)
-        self._finished_unfreed: list[Request] = []
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -332,22 +306,6 @@ class Scheduler:
                         // block_size > request.num_cached_blocks:
                     self.kv.cache_full_blocks(request, request.num_computed_tokens + num_tokens)
         self._free_finished()
-
-    def _free_finished(self) -> None:
-        for request in self._finished_unfreed:
-            self.kv.free(request)
-        self._finished_unfreed.clear()
-
-    def allocate(self, request: Request, num_new_tokens: int, hits: list = (),
-                  reserve: int = 0) -> bool:
-        """Allocate; when short of blocks, first take back those of finished requests whose
-        freeing was deferred to maintenance, rather than preempt or stall."""
-        if self.kv.allocate_slots(request, num_new_tokens, hits, reserve):
-            return True
-        if not self._finished_unfreed:
-            return False
-        self._free_finished()
-        return self.kv.allocate_slots(request, num_new_tokens, hits, reserve)
 
     def restart(self, kv: KVCacheManager, num_cpu_blocks: int) -> list[Request]:
         """The worker group was replaced: every KV block, on the devices and in the CPU swap

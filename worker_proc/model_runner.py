@@ -7,15 +7,15 @@ import time
 import torch
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.step_shape import Phase, StepShape
-from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
 from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
 from spmd_runtime.worker_proc.logprobs import prompt_logprobs, read_logprobs, sampled_logprobs
 from spmd_runtime.worker_proc.penalties import penalize_requests
-from spmd_runtime.worker_proc.runner_graphs import WarmupAndGraphs
+from spmd_runtime.worker_proc.runner_graphs import GraphRunner
 from spmd_runtime.worker_proc.sampler import sample_on_device
+from spmd_runtime.worker_proc.step_inputs import StepInputs
 from spmd_runtime.worker_proc.step_state import (
     UNREAD_TOKEN,
     LaunchedStep,
@@ -27,35 +27,30 @@ from spmd_runtime.worker_proc.swap_space import SwapSpace
 
 log = logging.getLogger("spmd.worker")
 
-# Single-token queries are attended in groups of this many, longest context first.
-DECODE_GROUP_SIZE = 8
 HOST = torch.device("cpu")
 
-class ModelRunner(WarmupAndGraphs):
+class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, seed: int | None = None,
                  num_cpu_blocks: int = 0, scratch_block: int | None = None,
                  attention: AttentionBackend = TORCH) -> None:
         self.model = model
-        # Chosen once for the worker (runtime/layers/attention_backend.py).
-        self.attention = attention
         self.kv_caches = kv_caches
         self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size)
         # A block no request ever gets (the last one unless told): padding rows read and
         # write it, and decode groups pad their block tables with it.
         self.scratch_block = (kv_caches[0][0].shape[0] // block_size - 1
                               if scratch_block is None else scratch_block)
-        # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
-        self.compiled: LayerPieces | None = None
-        self.compiled_shapes: set[int] = set()
-        # Captured graphs by their bucket; a bucket without one runs eagerly.
-        self.graphs: dict[StepShape, BucketGraph] = {}
-        self.warmed_up = False
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
         # Their block ids, the worker's only record of them (decode batches gather rows).
         self.block_tables = BlockTables(self.scratch_block)
+        # Its components: input building (with the attention backend chosen once for the
+        # worker, runtime/layers/attention_backend.py), and compilation, warmup and graphs.
+        self.inputs = StepInputs(self.requests, self.block_tables, block_size,
+                                 self.scratch_block, device, attention)
+        self.graph_runner = GraphRunner(model, kv_caches, self.inputs, lambda: self.eager_pieces)
         # The step launched last (the device's idle time before the next one).
         self._last_launched: LaunchedStep | None = None
         # Draws for requests without a seed of their own; seeded requests use per-position seeds.
@@ -64,6 +59,19 @@ class ModelRunner(WarmupAndGraphs):
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+
+    @property
+    def attention(self) -> AttentionBackend:
+        return self.inputs.attention
+
+    @attention.setter
+    def attention(self, backend: AttentionBackend) -> None:
+        self.inputs.attention = backend
+
+    @property
+    def graphs(self) -> dict[StepShape, BucketGraph]:
+        """Captured graphs by their bucket (the graph runner's)."""
+        return self.graph_runner.graphs
 
     @property
     def eager_pieces(self) -> LayerPieces:
@@ -112,12 +120,13 @@ class ModelRunner(WarmupAndGraphs):
         self.swap_space.swap_in(plan.swap_in)
         # Single-token queries first, longest context first, so attention can group them.
         scheduled.sort(key=lambda item: (item[1] != 1, -self.requests[item[0]].num_computed_tokens))
-        graph = self._graph_for(plan.bucket, scheduled) if scheduled else None
+        graph = self.graph_runner.graph_for(plan.bucket, scheduled) if scheduled else None
         inputs, sample_rows, sample_ids = None, [], []
         if graph is not None:
-            inputs, sample_rows, sample_ids = self._prepare_for_graph(scheduled, plan.bucket)
+            inputs, sample_rows, sample_ids = self.graph_runner.prepare_for_graph(scheduled,
+                                                                                  plan.bucket)
         elif scheduled:
-            input_ids, positions, batch, sample_rows, sample_ids = self._prepare(
+            input_ids, positions, batch, sample_rows, sample_ids = self.inputs.build(
                 scheduled, plan.bucket, HOST)
             inputs = StaticInputs(input_ids, positions, batch)
         unread_positions, unread_rows, offset = [], [], 0
@@ -162,7 +171,8 @@ class ModelRunner(WarmupAndGraphs):
         else:
             inputs = step.inputs.to(self.device)
             self._fill_unread(inputs.input_ids, step, in_flight)
-            pieces, num_compilations = self._pieces_for(step.bucket, len(inputs.input_ids))
+            pieces, num_compilations = self.graph_runner.pieces_for(step.bucket,
+                                                                    len(inputs.input_ids))
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
                                 pieces)
         row_length = (step.bucket.length if step.graph is not None
@@ -244,101 +254,3 @@ class ModelRunner(WarmupAndGraphs):
                           step.num_compilations, idle_ms, step.overlapped,
                           read_logprobs(step.logprobs))
 
-    def _decode_group(self, first: int, rows: list[int], lengths: list[int],
-                      num_blocks: int, device: torch.device) -> DecodeGroup:
-        """Single-token queries `first`..`first + len(rows)` over `num_blocks` context blocks
-        each, from those block-table rows; tables are padded with the scratch block, which the
-        mask (or for the kernel, the context lengths) hides."""
-        if self.attention.reads_cache_in_place:
-            tables = self.block_tables.gather(rows, num_blocks, torch.int32)
-            return DecodeGroup(first, len(rows), tables.view(-1).to(device), None,
-                               torch.tensor(lengths, dtype=torch.int32, device=device))
-        blocks = self.block_tables.gather(rows, num_blocks, torch.int64).view(-1)
-        context = torch.arange(num_blocks * self.block_size)
-        mask = (context < torch.tensor(lengths)[:, None]).view(len(rows), 1, 1, -1)
-        return DecodeGroup(first, len(rows), blocks.to(device), mask.to(device))
-
-    def _prepare(self, scheduled: list[tuple[int, int]], bucket: StepShape | None = None,
-                 device: torch.device | None = None):
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[int] = []
-        decode_rows: list[int] = []        # block-table rows
-        decode_lengths: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int]]] = []
-        for request_id, num_tokens in scheduled:
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + num_tokens
-            table = self.block_tables.block_ids(request_id)
-            offset = len(input_ids)
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // block_size] * block_size + p % block_size
-                         for p in range(start, end))
-            if num_tokens == 1:
-                decode_rows.append(self.block_tables.row(request_id))
-                decode_lengths.append(end)
-            else:
-                prefill_specs.append((offset, num_tokens, start, table))
-            if end == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sample_ids.append(request_id)
-
-        pad_start = None
-        if bucket is not None:
-            pad_start = len(input_ids)
-            num_padding = bucket.num_tokens - pad_start
-            scratch = self.scratch_block * block_size
-            input_ids.extend([0] * num_padding)
-            positions.extend([0] * num_padding)
-            slots.extend(scratch + i % block_size for i in range(num_padding))
-            if bucket.phase is Phase.DECODE:
-                # Padding rows attend to the scratch block's first slot only.
-                decode_rows.extend([BlockTables.PADDING_ROW] * num_padding)
-                decode_lengths.extend([1] * num_padding)
-
-        device = device or self.device
-        batch = AttentionBatch(
-            block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
-            decodes=self._decode_groups(decode_rows, decode_lengths, bucket, device),
-            prefills=self._prefill_chunks(prefill_specs, device), pad_start=pad_start,
-            backend=self.attention)
-        return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                batch, sample_rows, sample_ids)
-
-    def _decode_groups(self, rows: list[int], lengths: list[int],
-                       bucket: StepShape | None, device: torch.device
-                       ) -> list[DecodeGroup]:
-        """The decode path: single-token queries grouped for attention."""
-        block_size = self.block_size
-        if bucket is not None and bucket.phase is Phase.DECODE:
-            # One group of the bucket's shape: its batch size in rows over its context length.
-            return [self._decode_group(0, rows, lengths, bucket.length // block_size, device)]
-        if self.attention.reads_cache_in_place and rows:
-            # The kernel reads each sequence's own context length: one group, no grouping.
-            return [self._decode_group(0, rows, lengths, -(-max(lengths) // block_size), device)]
-        return [self._decode_group(
-            first, rows[first:first + DECODE_GROUP_SIZE], lengths[first:first + DECODE_GROUP_SIZE],
-            -(-max(lengths[first:first + DECODE_GROUP_SIZE]) // block_size), device)
-            for first in range(0, len(rows), DECODE_GROUP_SIZE)]
-
-    def _prefill_chunks(self, specs: list[tuple[int, int, int, list[int]]],
-                        device: torch.device) -> list[PrefillChunk]:
-        """The prefill path: a chunk per prompt; one with cached context attends to it too."""
-        block_size = self.block_size
-        prefills = []
-        for offset, length, start, table in specs:
-            if start == 0:
-                prefills.append(PrefillChunk(offset, length, None, None))
-                continue
-            num_blocks = -(-(start + length) // block_size)
-            context = torch.arange(num_blocks * block_size)
-            mask = context[None, :] <= torch.arange(start, start + length)[:, None]
-            prefills.append(PrefillChunk(offset, length,
-                                         torch.tensor(table[:num_blocks], device=device),
-                                         mask.to(device)))
-        return prefills

@@ -1,8 +1,10 @@
-"""The ModelRunner's compilation, warmup and bucket-graph capture (a mixin of
-worker_proc.model_runner.ModelRunner, whose state and input building it uses)."""
+"""The ModelRunner's graph runner: compilation of the layer pieces, warmup of every bucket, and
+CUDA graphs of the buckets with their lookup. A component the ModelRunner owns; it builds its
+inputs with the StepInputs it shares with its owner."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from spmd_runtime.protocol.buckets import (
@@ -13,15 +15,29 @@ from spmd_runtime.protocol.buckets import (
     plan_graph_captures,
 )
 from spmd_runtime.protocol.step_shape import Phase, StepShape
-from spmd_runtime.runtime.layers.attention import AttentionBatch
-from spmd_runtime.runtime.models.llama import LayerPieces
+from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
+from spmd_runtime.worker_proc.step_inputs import StepInputs
 
 log = logging.getLogger("spmd.worker")
 
 
-class WarmupAndGraphs:
+class GraphRunner:
     """Compiled pieces per token count, warmup of every bucket, and graph capture and lookup."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 inputs: StepInputs, eager_pieces: Callable[[], LayerPieces]) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.inputs = inputs
+        # The layers' eager dense parts, for the backend the owner runs at the time.
+        self.eager_pieces = eager_pieces
+        # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
+        self.compiled: LayerPieces | None = None
+        self.compiled_shapes: set[int] = set()
+        # Captured graphs by their bucket; a bucket without one runs eagerly.
+        self.graphs: dict[StepShape, BucketGraph] = {}
+        self.warmed_up = False
 
     def compile_pieces(self, num_shapes: int) -> None:
         """Compile the layers' dense pieces, one graph per token count (dynamic=False)."""
@@ -33,12 +49,12 @@ class WarmupAndGraphs:
         self.compiled = LayerPieces(torch.compile(eager.attention_inputs, dynamic=False),
                                     torch.compile(eager.mlp_inputs, dynamic=False))
 
-    def _pieces_for(self, bucket: StepShape | None, num_tokens: int
+    def pieces_for(self, bucket: StepShape | None, num_tokens: int
                     ) -> tuple[LayerPieces, int]:
         """Compiled pieces for a bucketed batch, eager ones otherwise (a batch outside every
         bucket is not worth a compilation). Also: 1 if this shape compiles after warmup."""
         if self.compiled is None or bucket is None:
-            return self.eager_pieces, 0
+            return self.eager_pieces(), 0
         new_shape = num_tokens not in self.compiled_shapes
         self.compiled_shapes.add(num_tokens)
         return self.compiled, int(new_shape and self.warmed_up)
@@ -58,14 +74,14 @@ class WarmupAndGraphs:
                          phase.capitalize(), index, len(order), bs, length,
                          free_memory() / 2**30)
                 shape = StepShape(phase, bs, length)
-                input_ids, positions, batch, _, _ = self._prepare([], shape)
-                pieces, _ = self._pieces_for(shape, len(input_ids))
+                input_ids, positions, batch, _, _ = self.inputs.build([], shape)
+                pieces, _ = self.pieces_for(shape, len(input_ids))
                 self.model(input_ids, positions, self.kv_caches, batch, pieces)
         self.warmed_up = True
 
     # ------------------------------------------------------------------ graphs
 
-    def _graph_for(self, bucket: StepShape | None,
+    def graph_for(self, bucket: StepShape | None,
                    scheduled: list[tuple[int, int]]) -> BucketGraph | None:
         """The bucket's graph, if it has one and the batch has its layout: every decode
         bucket does; a prompt graph takes fresh prompts only (no cached context to attend)."""
@@ -74,50 +90,25 @@ class WarmupAndGraphs:
             return graph
         fits = len(scheduled) <= bucket.batch_size and all(n <= bucket.length
                                                           for _, n in scheduled)
-        fresh = all(self.requests[r].num_computed_tokens == 0 for r, _ in scheduled)
+        fresh = all(self.inputs.requests[r].num_computed_tokens == 0 for r, _ in scheduled)
         return graph if fits and fresh else None
 
-    def _prepare_for_graph(self, scheduled: list[tuple[int, int]], bucket: StepShape
+    def prepare_for_graph(self, scheduled: list[tuple[int, int]], bucket: StepShape
                            ) -> tuple[StaticInputs, list[int], list[int]]:
         """Host tensors of the bucket's shape (copied into the graph's own by BucketGraph)."""
         host = torch.device("cpu")
         if bucket.phase is Phase.PROMPT:
-            return self._prepare_prompt_rows(scheduled, bucket.batch_size, bucket.length, host)
-        input_ids, positions, batch, sample_rows, sample_ids = self._prepare(scheduled, bucket, host)
+            return self.inputs.prompt_rows(scheduled, bucket.batch_size, bucket.length, host)
+        input_ids, positions, batch, sample_rows, sample_ids = self.inputs.build(scheduled, bucket,
+                                                                                 host)
         return StaticInputs(input_ids, positions, batch), sample_rows, sample_ids
-
-    def _prepare_prompt_rows(self, scheduled: list[tuple[int, int]], num_rows: int,
-                             row_length: int, device: torch.device
-                             ) -> tuple[StaticInputs, list[int], list[int]]:
-        """Fresh prompts (or their first chunks) one per row of `row_length` positions."""
-        block_size = self.block_size
-        size = num_rows * row_length
-        scratch = self.scratch_block * block_size
-        input_ids, positions = [0] * size, [0] * size
-        slots = [scratch + i % block_size for i in range(size)]
-        sample_rows, sample_ids = [], []
-        for row, (request_id, num_tokens) in enumerate(scheduled):
-            state, base = self.requests[request_id], row * row_length
-            table = self.block_tables.block_ids(request_id)
-            input_ids[base:base + num_tokens] = state.token_ids[:num_tokens]
-            positions[base:base + num_tokens] = range(num_tokens)
-            slots[base:base + num_tokens] = [table[p // block_size] * block_size + p % block_size
-                                             for p in range(num_tokens)]
-            if num_tokens == len(state.token_ids):
-                sample_rows.append(base + num_tokens - 1)
-                sample_ids.append(request_id)
-        batch = AttentionBatch(block_size=block_size,
-                               slot_mapping=torch.tensor(slots, device=device), decodes=[],
-                               prefills=[], prompt_rows=row_length)
-        inputs = StaticInputs(torch.tensor(input_ids, device=device),
-                              torch.tensor(positions, device=device), batch)
-        return inputs, sample_rows, sample_ids
 
     def _static_inputs(self, shape: StepShape) -> StaticInputs:
         """Padding-only inputs of a bucket's shape, on the device: what its graph reads."""
         if shape.phase is Phase.PROMPT:
-            return self._prepare_prompt_rows([], shape.batch_size, shape.length, self.device)[0]
-        input_ids, positions, batch, _, _ = self._prepare([], shape)
+            return self.inputs.prompt_rows([], shape.batch_size, shape.length,
+                                           self.inputs.device)[0]
+        input_ids, positions, batch, _, _ = self.inputs.build([], shape)
         # The decode group covers every row, padding included: nothing to zero.
         batch.pad_start = None
         return StaticInputs(input_ids, positions, batch)

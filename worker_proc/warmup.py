@@ -32,14 +32,14 @@ def prepare_buckets(runner: ModelRunner, config: EngineConfig,
             if not phase_buckets.packed:
                 log.info("%s", phase_buckets.list_line())
     if compiling(config, ctx.device.type):
-        runner.compile_pieces(sum(len(b.buckets) for b in buckets.values()))
+        runner.graph_runner.compile_pieces(sum(len(b.buckets) for b in buckets.values()))
     if config.skip_warmup:
         log.warning("warmup skipped (--skip-warmup): the first batch of each bucket shape will "
                     "pay for its compilation while serving")
-        runner.warmed_up = True
+        runner.graph_runner.warmed_up = True
         return
     started = time.perf_counter()
-    runner.warmup(buckets, lambda: free_memory(ctx.device, 1), config.max_num_batched_tokens)
+    runner.graph_runner.warmup(buckets, lambda: free_memory(ctx.device, 1), config.max_num_batched_tokens)
     if graph_budget is not None:
         capture_graphs(runner, config, buckets, graph_budget, ctx)
     log.info("rank %d warmup finished in %.1fs", ctx.rank, time.perf_counter() - started)
@@ -57,7 +57,7 @@ def capture_graphs(runner: ModelRunner, config: EngineConfig,
     log.info("Using %s/%s of free device memory for graphs, %s for prompt and %s for decode "
              "(graph_prompt_ratio=%g)", format_bytes(budget), format_bytes(free_now),
              format_bytes(prompt), format_bytes(budget - prompt), config.graph_prompt_ratio)
-    runner.capture_graphs(buckets, budget, config.graph_prompt_ratio,
+    runner.graph_runner.capture_graphs(buckets, budget, config.graph_prompt_ratio,
                           {Phase.PROMPT: config.graph_prompt_strategy,
                            Phase.DECODE: config.graph_decode_strategy},
                           lambda: free_memory(ctx.device, 1), GraphCapturer(ctx.device))

@@ -11,6 +11,7 @@ import msgspec
 import zmq
 from spmd_runtime.protocol.buckets import engine_buckets
 from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config_resolve import environment_options
 from spmd_runtime.protocol.messages import (
     WarmupPlan,
     WorkerLoaded,
@@ -41,10 +42,11 @@ def fake_rank(ctx: zmq.Context, address: str, rank: int, max_model_len: int,
 
 def test_every_rank_warms_up_the_buckets_the_scheduler_derived_once(tmp_path,
                                                                     monkeypatch) -> None:
-    monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MAX", "8")      # the scheduler's environment
+    # The scheduler's node's environment, folded into the config where it is made.
+    environment = environment_options((), {"SPMD_DECODE_BS_BUCKET_MAX": "8"})
     config = EngineConfig(model="dummy:tiny-llama", nproc_per_node=2, execution_mode="bucketed",
                           max_num_seqs=16, max_num_batched_tokens=256,
-                          worker_address=f"ipc://{tmp_path}/workers")
+                          worker_address=f"ipc://{tmp_path}/workers", **environment)
     server = SimpleNamespace(config=config, warmup=None)
     ctx = zmq.Context()
     group = WorkerGroup(config, ctx, Encoder(), lambda: False)

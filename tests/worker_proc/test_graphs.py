@@ -113,7 +113,7 @@ def run_workload(runner: ModelRunner) -> list[dict[int, int]]:
 
 
 def capture_all(runner: ModelRunner, budget: int = 1 << 30, free_memory=lambda: 0):
-    return runner.capture_graphs(BUCKETS, budget, 0.3, STRATEGIES, free_memory,
+    return runner.graph_runner.capture_graphs(BUCKETS, budget, 0.3, STRATEGIES, free_memory,
                                  GraphCapturer(torch.device("cpu"), emulate=True))
 
 
@@ -281,7 +281,7 @@ def test_graph_replays_batches_capture_into_a_live_pool(pair, graph_pools) -> No
         buckets = {Phase.DECODE: PhaseBuckets(Phase.DECODE, BucketRange(batch, batch, batch),
                                               BucketRange(min(lengths), 16, max(lengths)),
                                               tuple((batch, n) for n in lengths))}
-        runner.capture_graphs(buckets, 1 << 50, 0.0, STRATEGIES, lambda: 0, capturer)
+        runner.graph_runner.capture_graphs(buckets, 1 << 50, 0.0, STRATEGIES, lambda: 0, capturer)
         assert graph_pools.use_counts[(0, graph_pools.handles)] == len(lengths)
         runner.graphs.clear()
     assert graph_pools.use_counts == {(0, 1): 0, (0, 2): 0, (0, 3): 0}

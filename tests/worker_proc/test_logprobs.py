@@ -81,7 +81,7 @@ def test_prompt_records_over_chunks_in_a_mixed_batch(pair) -> None:
 def test_prompt_records_through_a_prompt_graph_layout(pair) -> None:
     hf, model, config = pair
     runner = make_runner(model, config)
-    runner.capture_graphs(BUCKETS, 1 << 30, 0.3, STRATEGIES, lambda: 0,
+    runner.graph_runner.capture_graphs(BUCKETS, 1 << 30, 0.3, STRATEGIES, lambda: 0,
                           GraphCapturer(torch.device("cpu"), emulate=True))
     prompts = {0: prompt(30, 5), 1: prompt(31, 9), 2: prompt(32, 14)}
     bucket = StepShape(Phase.PROMPT, *BUCKETS["prompt"].find(3, 14))

@@ -92,21 +92,22 @@ class Harness:
         hidden: list[torch.Tensor] = []
         layouts: list[list[tuple[int, int]]] = []
         runner = self.runner
-        prepare = type(runner)._prepare
+        inputs = runner.inputs
+        prepare = type(inputs).build
 
         def recording_prepare(scheduled, bucket=None, device=None):
             # The flattened batch holds each scheduled request's tokens, in this order.
             layouts.append([(rid, n) for rid, n in scheduled])
-            return prepare(runner, scheduled, bucket, device)
+            return prepare(inputs, scheduled, bucket, device)
 
-        runner._prepare = recording_prepare
+        inputs.build = recording_prepare
         hook = self.model.register_forward_hook(
             lambda _m, _i, out: hidden.append(out.detach().clone()))
         try:
             output = runner.execute(plan)
         finally:
             hook.remove()
-            del runner._prepare
+            del inputs.build
         if not new and not cached:
             assert hidden == [] and output.request_ids == []
             return {}, {}

@@ -145,7 +145,7 @@ def test_overlapped_steps_on_cuda_with_real_graphs(pair, kernel) -> None:
     def runner() -> ModelRunner:
         kv = allocate_kv_cache(config, NUM_BLOCKS, 4, torch.float32, device)
         built = ModelRunner(cuda_model, kv, 4, device, seed=0, attention=kernel)
-        built.capture_graphs(BUCKETS, 1 << 30, 0.3, STRATEGIES, lambda: 0, GraphCapturer(device))
+        built.graph_runner.capture_graphs(BUCKETS, 1 << 30, 0.3, STRATEGIES, lambda: 0, GraphCapturer(device))
         return built
 
     plans = workload(buckets=True)

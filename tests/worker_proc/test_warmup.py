@@ -13,8 +13,7 @@ from spmd_runtime.protocol.messages import WorkerLoaded
 from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.runtime.layers.attention_backend import choose_attention_backend
 from spmd_runtime.worker_proc.distributed import DistributedContext
-from spmd_runtime.worker_proc.model_runner import ModelRunner
-from spmd_runtime.worker_proc.runner_graphs import warmup_shapes
+from spmd_runtime.worker_proc.runner_graphs import GraphRunner, warmup_shapes
 from spmd_runtime.worker_proc.worker import build_runner
 from test_kv_cache import TINY_LLAMA
 
@@ -39,7 +38,7 @@ def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
     monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MIN", "4")
     monkeypatch.setenv("SPMD_DECODE_BS_BUCKET_MAX", "8")
     warmed: list[dict[Phase, PhaseBuckets]] = []
-    monkeypatch.setattr(ModelRunner, "warmup", record_warmup(warmed))
+    monkeypatch.setattr(GraphRunner, "warmup", record_warmup(warmed))
     asked: list[WorkerLoaded] = []
 
     def scheduler(loaded: WorkerLoaded) -> dict[Phase, PhaseBuckets]:
@@ -61,7 +60,7 @@ def test_a_worker_warms_up_the_schedulers_buckets_not_its_environments(
 def test_without_buckets_from_the_scheduler_nothing_is_warmed_up(tiny_model_name,
                                                                  monkeypatch) -> None:
     warmed = []
-    monkeypatch.setattr(ModelRunner, "warmup", record_warmup(warmed))
+    monkeypatch.setattr(GraphRunner, "warmup", record_warmup(warmed))
     config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=16,
                           execution_mode="bucketed")
     runner, _ = build_runner(config, CPU_CONTEXT, lambda loaded: None)
