@@ -3,14 +3,15 @@ worker each, each pinned to a core: on a 2-core machine TP=2 is the experiment w
 cores; --hosts 3 is the TP=3 that issue 21 asks for, and on 2 cores it oversubscribes them),
 each host's egress shaped by tc's token bucket and delayed so that the one-way latency between
 hosts is the link's (1 Gbit/s + 200 us, 10 Gbit/s + 50 us). This kernel has no netem, so the
-delay is launch/link_delay.c behind an NFQUEUE rule; the queue costs some tens of microseconds
-a packet of its own, which is measured first (delay 1 us) and subtracted from the delay asked,
-and the latency reached is measured (32-byte TCP round trips) and printed. SmolLM2-shaped
-random weights. Each round starts one job per --row-parallel-chunks setting (1, 2, 4, auto), in
-turn (the order reversed every other round), and takes the time of a 2,048-token prefill (time
-to first token of a 2,048-token prompt) and of one decode step (median inter-token gap of one
-request), medians of --requests requests after a warm-up one; the figures are medians over
-rounds, and the speedups medians of each round's ratio to chunking off. Not in CI.
+delay is tests/netns_tools/link_delay.c behind an NFQUEUE rule; the queue costs some tens of
+microseconds a packet of its own, which is measured first (delay 1 us) and subtracted from the
+delay asked, and the latency reached is measured (32-byte TCP round trips) and printed.
+SmolLM2-shaped random weights. Each round starts one job per --row-parallel-chunks setting (1,
+2, 4, auto), in turn (the order reversed every other round), and takes the time of a
+2,048-token prefill (time to first token of a 2,048-token prompt) and of one decode step
+(median inter-token gap of one request), medians of --requests requests after a warm-up one;
+the figures are medians over rounds, and the speedups medians of each round's ratio to
+chunking off. Not in CI.
 
     sudo .venv/bin/python bench/netns_links.py [--rounds 3] [--hosts 3]
         [--links 1gbit+200us] [--settings 1,auto]
@@ -25,9 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from spmd_runtime.launch.link_delay import link_delay_unavailable, measure_link
-from spmd_runtime.launch.netns import NamespaceHosts, namespaces_unavailable
+# The namespace hosts and link delay are test tooling, kept out of the installed package.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
+from netns_tools.link_delay import link_delay_unavailable, measure_link  # noqa: E402
+from netns_tools.netns import NamespaceHosts, namespaces_unavailable  # noqa: E402
 
 LINKS = (("1gbit", 200), ("10gbit", 50))    # (rate, one-way latency in microseconds)
 SETTINGS = ("1", "2", "4", "auto")

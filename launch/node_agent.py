@@ -16,6 +16,7 @@ import time
 import zmq
 from spmd_runtime.launch.engine import start_workers
 from spmd_runtime.launch.supervisor import Child, Supervisor
+from spmd_runtime.protocol.auth import framed
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.messages import (
@@ -76,7 +77,6 @@ class NodeAgent:
 
     def _serve(self, sock: zmq.Socket) -> None:
         encoder, decoder = Encoder(), launcher_inbound_decoder()
-        frames = [self.config.auth_token.encode()] if self.config.auth_token else []
         last_beat, last_heard = 0.0, time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
@@ -86,8 +86,8 @@ class NodeAgent:
                 last_beat = now
             while not self._outbox.empty():
                 try:
-                    sock.send_multipart([*frames, encoder.encode(self._outbox.get())],
-                                        zmq.NOBLOCK)
+                    sock.send_multipart(framed(self.config.auth_token,
+                                               encoder.encode(self._outbox.get())), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass                    # cut off: the next heartbeat says it all again
             if sock.poll(200, zmq.POLLIN):

@@ -12,6 +12,7 @@ import zmq
 from spmd_runtime.launch.engine import start_engine, start_workers
 from spmd_runtime.launch.node_agent import NodeAgent
 from spmd_runtime.launch.supervisor import Child, ChildExited, JobEnded, Supervisor
+from spmd_runtime.protocol.auth import framed
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import rpc_server_key, socket_keys
 from spmd_runtime.protocol.messages import WorkersLost
@@ -86,8 +87,7 @@ class RunningEngine:
                            curve=socket_keys(self.config.curve_keys, address, server=False))
         sock.setsockopt(zmq.LINGER, 2000)
         try:
-            frames = [self.config.auth_token.encode()] if self.config.auth_token else []
-            sock.send_multipart([*frames, msgspec.msgpack.encode(message)])
+            sock.send_multipart(framed(self.config.auth_token, msgspec.msgpack.encode(message)))
         finally:
             sock.close()
             ctx.term()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import zmq
+from spmd_runtime.protocol.auth import AuthRejected, checked_payload
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.messages import (
@@ -15,7 +16,6 @@ from spmd_runtime.protocol.messages import (
     client_decoder,
 )
 from spmd_runtime.protocol.transport import Encoder, bound_address, make_socket
-from spmd_runtime.scheduler_proc.worker_group import authentic
 
 CLIENT_MESSAGE_TAGS = frozenset(
     msgspec.inspect.type_info(kind).tag for kind in ClientMessage.__args__)
@@ -51,12 +51,14 @@ class RpcFront:
                 return
             if len(frames) < 2:
                 continue
-            client, payload = frames[0], frames[-1]
-            if not authentic(frames, self.config.auth_token):
+            client = frames[0]
+            try:
+                payload = checked_payload(frames[1:], self.config.auth_token)
+            except AuthRejected as error:
                 self.rejected_frames += 1
                 self.reply(client, ErrorReply(tag=None, code="forbidden", message=(
-                    "this server requires its auth token on every message: "
-                    "Client(address, auth_token=...)")))
+                    f"{error} (Client(address, auth_token=...) takes the server's "
+                    "--auth-token)")))
                 continue
             limit = self.config.max_message_bytes
             if len(payload) > limit:

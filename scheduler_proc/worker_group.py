@@ -2,12 +2,12 @@
 launchers report when a worker dies."""
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Callable
 
 import zmq
+from spmd_runtime.protocol.auth import AuthRejected, checked_payload
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.messages import (
@@ -53,11 +53,6 @@ class GroupLost(Exception):
 
 def worker_identity(rank: int) -> bytes:
     return f"rank-{rank}".encode()
-
-
-def authentic(frames: list[bytes], token: str | None) -> bool:
-    """With --auth-token, a frame is [identity, token, payload]."""
-    return not token or (len(frames) == 3 and hmac.compare_digest(frames[1], token.encode()))
 
 
 class WorkerGroup:
@@ -160,10 +155,12 @@ class WorkerGroup:
         return None if frames is None else self._decode(frames)
 
     def _decode(self, frames: list[bytes]):
-        if not authentic(frames, self.config.auth_token):
-            log.warning("ignored a frame on the worker socket without the auth token")
+        try:
+            payload = checked_payload(frames[1:], self.config.auth_token)
+        except AuthRejected as error:
+            log.warning("ignored a frame on the worker socket: %s", error)
             return None
-        return self.decoder.decode(frames[-1])
+        return self.decoder.decode(payload)
 
     def drain(self) -> None:
         """While idle: a launcher may report a dead worker, or a worker its own failure."""

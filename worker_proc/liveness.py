@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import zmq
+from spmd_runtime.protocol.auth import framed
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.messages import WorkerAlive
@@ -24,12 +25,12 @@ def start_liveness_beats(config: EngineConfig, rank: int, generation: int) -> th
                            identity=f"alive-{rank}-{generation}".encode(),
                            curve=socket_keys(config.curve_keys, config.worker_address,
                                              server=False))
-        frames = [config.auth_token.encode()] if config.auth_token else []
-        payload = Encoder().encode(WorkerAlive(rank=rank, generation=generation))
+        frames = framed(config.auth_token,
+                        Encoder().encode(WorkerAlive(rank=rank, generation=generation)))
         try:
             while not stop.is_set():
                 try:
-                    sock.send_multipart([*frames, payload], zmq.NOBLOCK)
+                    sock.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass            # cut off: the queue is full, the scheduler will notice
                 stop.wait(INTERVAL_S)

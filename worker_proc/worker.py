@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 import zmq
+from spmd_runtime.protocol.auth import framed
 from spmd_runtime.protocol.buckets import PhaseBuckets, compiling, graphs_enabled
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import socket_keys
@@ -194,10 +195,7 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 def send(sock: zmq.Socket, config: EngineConfig, payload: bytes, flags: int = 0) -> None:
     """With --auth-token, every frame to the scheduler carries it."""
-    if config.auth_token:
-        sock.send_multipart([config.auth_token.encode(), payload], flags)
-    else:
-        sock.send(payload, flags)
+    sock.send_multipart(framed(config.auth_token, payload), flags)
 
 
 class WorkerExit(Exception):

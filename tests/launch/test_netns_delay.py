@@ -1,10 +1,10 @@
-"""Delayed links between namespace hosts (launch/link_delay.py): a delay of D on each host's
-egress adds 2*D to a round trip, and a shaped link still carries close to its rate."""
+"""Delayed links between namespace hosts (tests/netns_tools/link_delay.py): a delay of D on
+each host's egress adds 2*D to a round trip, and a shaped link still carries close to its rate."""
 from __future__ import annotations
 
 import pytest
-from spmd_runtime.launch.link_delay import link_delay_unavailable, measure_link
-from spmd_runtime.launch.netns import NamespaceHosts, namespaces_unavailable
+from netns_tools.link_delay import link_delay_unavailable, measure_link
+from netns_tools.netns import NamespaceHosts, namespaces_unavailable
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from datetime import datetime
 import psutil
 import pytest
 from conftest import wait_until
+from netns_tools.netns import NamespaceHosts, namespaces_unavailable
 from sharp_llama import sharp_llama
-from spmd_runtime.launch.netns import NamespaceHosts, namespaces_unavailable
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,
                                 reason=f"no test hosts: {namespaces_unavailable()}")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from spmd_runtime.launch.netns import NamespaceHosts, namespaces_unavailable
+from netns_tools.netns import NamespaceHosts, namespaces_unavailable
 from spmd_runtime.protocol.curve import make_job_keys
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,

@@ -1,4 +1,4 @@
-"""Link delay for namespace hosts on kernels without netem (bench and test only): a netfilter
+"""Link delay for namespace hosts on kernels without netem (tests and bench): a netfilter
 rule sends a host's egress to an NFQUEUE, and link_delay.c, run in the host's namespace,
 accepts each packet a fixed number of microseconds after it arrived. The trip through user
 space costs about 40 us a packet more on this project's VMs (measured with a delay of 1 us).

@@ -9,8 +9,8 @@ does on many machines and containers.
         hosts.popen(0, [sys.executable, "-m", "spmd_runtime.launch", ...])
 
 `shape` limits a host's sending rate and can add a fixed delay to each packet it sends (see
-launch/link_delay.py). Every namespace, and every process inside one, is removed on exit, also
-when the test fails;
+link_delay.py beside this file). Every namespace, and every process inside one, is removed
+on exit, also when the test fails;
 `namespaces_unavailable()` says why a test must skip where namespaces cannot be made."""
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psutil
-from spmd_runtime.launch import link_delay
+
+from netns_tools import link_delay
+
+PACKET_CAPTURE = Path(__file__).with_name("packet_capture.py")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -110,8 +114,8 @@ class NamespaceHosts:
     def capture(self, host: int, out_path: str | os.PathLike):
         """Capture every frame on the host's interface while the block runs; yields a callable
         that returns the bytes captured (after the block: all of them)."""
-        sniffer = self.popen(host, [sys.executable, "-m", "spmd_runtime.launch.packet_capture",
-                                    self.interface, os.fspath(out_path)],
+        sniffer = self.popen(host, [sys.executable, str(PACKET_CAPTURE), self.interface,
+                                    os.fspath(out_path)],
                              stdout=subprocess.PIPE, text=True)
         try:
             if sniffer.stdout.readline().strip() != "capturing":
@@ -128,7 +132,7 @@ class NamespaceHosts:
         """Limit what the host sends to `rate` (tc's token bucket, e.g. "1gbit") and, with
         `delay_us`, hold each packet it sends that long first. Kernels built without modules,
         as this project's VMs, lack netem, so the delay is link_delay.c behind an iptables
-        NFQUEUE rule (bench and test only; see launch/link_delay.py for what it needs). A delay
+        NFQUEUE rule (see link_delay.py beside this file for what it needs). A delay
         of D on every host makes a one-way latency of D between any two of them."""
         self.run(host, ["tc", "qdisc", "replace", "dev", self.interface, "root", "tbf", "rate",
                         rate, "burst", "512kb", "latency", "50ms"], check=True,

@@ -1,7 +1,7 @@
 """A minimal packet capture (what tcpdump would see): every frame on one interface, appended
 raw to a file until SIGTERM. Run inside a test host's namespace:
 
-    ip netns exec HOST python -m spmd_runtime.launch.packet_capture eth0 OUT_FILE
+    ip netns exec HOST python tests/netns_tools/packet_capture.py eth0 OUT_FILE
 
 It prints "capturing" once the socket is bound, so the caller can wait for that."""
 from __future__ import annotations
