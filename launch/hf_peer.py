@@ -4,6 +4,9 @@ prompts and per-request output lengths, greedy with EOS ignored, the same dtype 
 `spmdrun bench throughput --with-peer` and bench/hf_peer.py run it (see that script's notes)."""
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import time
 
 from spmd_runtime.launch.bench import ThroughputReport
@@ -15,6 +18,10 @@ from spmd_runtime.runtime.loaders import load_model, resolve_model
 ENGINE = "transformers (sdpa)"
 # A prompt no benchmark prompt starts with (as our warm-up's), and too short to share a block.
 WARMUP_PROMPT = [3] * 8
+# The attention the peer runs (ENGINE's label): transformers_model() loads it.
+ATTENTION = "sdpa"
+
+log = logging.getLogger("spmd.launch")
 
 
 def resolve_dtype_device(dtype: str = "auto", device: str = "auto"):
@@ -43,22 +50,61 @@ def transformers_model(model: str, dtype: str = "auto", device: str = "auto", se
     # Built on the device with uninitialised parameters: every one is loaded just below.
     with torch.device(torch_device), no_init_weights():
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype,
-                                                    attn_implementation="sdpa")
+                                                    attn_implementation=ATTENTION)
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     hf_model.load_state_dict(weights, strict=True)
     return hf_model.eval()
 
 
-def batching_config(max_batch_tokens: int | None = None, kv_tokens: int | None = None):
-    """transformers' ContinuousBatchingConfig: sdpa kept, and where given, the step token budget
-    and a KV cache of at least kv_tokens tokens (else sized from free memory, as generate_batch
-    does; on CPU that takes ~15 s to set up, for a cache of gigabytes)."""
-    from transformers import ContinuousBatchingConfig
-    config = ContinuousBatchingConfig(auto_switch_to_flash=False, max_batch_tokens=max_batch_tokens)
+def accepted_options(config_class) -> frozenset[str]:
+    """The keyword arguments `config_class(...)` takes by name (a dataclass: its init fields)."""
+    parameters = inspect.signature(config_class.__init__).parameters.values()
+    return frozenset(p.name for p in parameters if p.name != "self"
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def batching_config(max_batch_tokens: int | None = None, kv_tokens: int | None = None,
+                    config_class=None):
+    """transformers' ContinuousBatchingConfig (or `config_class`, one of its versions): sdpa
+    kept, and where given, the step token budget and a KV cache of at least kv_tokens tokens
+    (else sized from free memory, as generate_batch does; on CPU that takes ~15 s to set up,
+    for a cache of gigabytes). Only the options this version takes are passed, each one left
+    out is logged: 5.17 has no auto_switch_to_flash (sdpa_held() keeps sdpa there instead),
+    and it counts its page in block_size where later versions have page_size."""
+    if config_class is None:
+        from transformers import ContinuousBatchingConfig as config_class
+    wanted = {"auto_switch_to_flash": False}
+    if max_batch_tokens is not None:
+        wanted["max_batch_tokens"] = max_batch_tokens
+    accepted = accepted_options(config_class)
+    for name in sorted(wanted.keys() - accepted):
+        log.info("this transformers' ContinuousBatchingConfig takes no %s: left at its default "
+                 "(%s=%s not applied)", name, name, wanted[name])
+    config = config_class(**{name: value for name, value in wanted.items() if name in accepted})
     if kv_tokens:
-        config.num_blocks = -(-kv_tokens // config.page_size)
+        page_tokens = getattr(config, "page_size", None) or config.block_size
+        config.num_blocks = -(-kv_tokens // page_tokens)
     return config
+
+
+@contextlib.contextmanager
+def sdpa_held(hf_model, batching):
+    """Keep the model on sdpa through a continuous-batching run. A config with
+    auto_switch_to_flash (False, from batching_config()) does it. transformers 5.17 has none:
+    its manager switches an sdpa model to flash attention wherever flash is installed, unless
+    the model is on a paged implementation already; so the model is put on "paged|sdpa" for
+    the run (what that manager itself sets when it does not switch), and back on sdpa after."""
+    if hasattr(batching, "auto_switch_to_flash"):
+        yield
+        return
+    log.info("no auto_switch_to_flash in this transformers: the peer sets paged|%s for the run, "
+             "which its manager keeps", ATTENTION)
+    hf_model.set_attn_implementation(f"paged|{ATTENTION}")
+    try:
+        yield
+    finally:
+        hf_model.set_attn_implementation(ATTENTION)
 
 
 def same_sizes(config: EngineConfig) -> dict:
@@ -82,9 +128,10 @@ def generate_per_request(hf_model, prompts: list[list[int]], output_lens: list[i
     # What generate_batch hints for the same requests; it sizes the batch and the cache.
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
                           max_generated_length=max(output_lens), num_requests=len(prompts))
-    with hf_model.continuous_batching_context_manager(
+    batching = batching or batching_config()
+    with sdpa_held(hf_model, batching), hf_model.continuous_batching_context_manager(
             generation_config=config, block=True, timeout=5, workload_hints=hints,
-            continuous_batching_config=batching or batching_config(),
+            continuous_batching_config=batching,
     ) as manager:
         _finish(manager, [manager.add_request(WARMUP_PROMPT, max_new_tokens=2)])
         started = time.perf_counter()
