@@ -1,4 +1,5 @@
-"""Asyncio RPC client of a running engine: many concurrent requests share one DEALER socket.
+"""Asyncio RPC client of a running engine, the awaiting face of runtime/client_core.py (Client is
+the blocking one, with the same methods): many concurrent requests share one DEALER socket.
 
 One reader task files every frame: control replies resolve the caller's future by tag, output
 deltas go to the queue of their request's RequestStream. Used by the HTTP front and by
@@ -8,26 +9,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 import zmq
 import zmq.asyncio
 from spmd_runtime.protocol.messages import (
     AbortRequest,
+    AddRequest,
     AdminBatchReply,
     EngineStats,
-    ErrorReply,
     ModelInfo,
     ModelInfoRequest,
     Ping,
-    RequestAccepted,
     RequestDelta,
+    ResetPrefixCacheRequest,
     StatsRequest,
+    VictimPolicy,
 )
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.runtime.client_core import (
+    PING_AFTER_S,
+    READY_TIMEOUT_S,
+    TIMEOUT_S,
+    ClientCore,
+    Prompt,
+    StreamDelta,
+    output_of,
+    prompt_refused,
+)
 from spmd_runtime.runtime.outputs import RequestOutput
-from spmd_runtime.runtime.rpc import EngineError, Prompt, RpcCore, add_request, reply_or_raise
+from spmd_runtime.runtime.rpc import EngineError, reply_or_raise
 
 log = logging.getLogger("spmd.async_client")
 
@@ -74,131 +86,138 @@ class RequestStream:
             self._queue.put_nowait(None)
 
 
-class AsyncClient(RpcCore):
+class AsyncClient(ClientCore):
     """Talks to an engine over its RPC address from one asyncio event loop.
 
-    A call waits as long as the engine answers anything; when the engine has been silent for
-    timeout_s while calls or requests are outstanding (it is pinged in between), or `alive()`
-    says its process is gone, they fail with EngineError. Texts are tokenized by the engine and
-    deltas carry its text: the client needs no tokenizer.
+    The same methods, parameters and defaults as Client (awaited; `async for` over stream()),
+    plus submit(), the HTTP front's building block. A call waits as long as the engine answers
+    anything; when the engine has been silent for timeout_s while calls or requests are
+    outstanding (it is pinged after ping_after_s), or `alive()` says its process is gone, they
+    fail with EngineError. Texts are tokenized by the engine and deltas carry its text: the
+    client needs no tokenizer.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 600.0, ping_after_s: float = 5.0,
+    def __init__(self, address: str, *, timeout_s: float = TIMEOUT_S,
+                 ping_after_s: float = PING_AFTER_S, alive: Callable[[], bool] | None = None,
                  admin_token: str = "", auth_token: str = "",
-                 alive: Callable[[], bool] | None = None, server_key: str | bytes = "") -> None:
-        # Ping early enough that a busy engine answers before a short timeout runs out. Sends
-        # queue locally (bounded by the high-water mark) and never block the event loop.
+                 server_key: str | bytes = "") -> None:
+        # Sends queue locally (bounded by the high-water mark) and never block the event loop.
         super().__init__(zmq.asyncio.Context(), address, timeout_s=timeout_s,
-                         ping_after_s=min(ping_after_s, timeout_s / 3), alive=alive,
-                         admin_token=admin_token, auth_token=auth_token, send_flags=zmq.NOBLOCK,
-                         server_key=server_key)
+                         ping_after_s=ping_after_s, alive=alive, admin_token=admin_token,
+                         auth_token=auth_token, server_key=server_key, send_flags=zmq.NOBLOCK)
         self._calls: dict[int, asyncio.Future] = {}
         self._adds: dict[int, asyncio.Future] = {}
         self._streams: dict[int, RequestStream] = {}
         self._reader: asyncio.Task | None = None
-        self._model_info: ModelInfo | None = None
 
     # ------------------------------------------------------------------ public API
 
-    async def wait_ready(self, timeout_s: float | None = None) -> ModelInfo:
-        """Wait until the engine answers (every worker loaded). EngineError when it answers
-        nothing for the client's timeout_s, or is not ready within timeout_s (None: as long as
-        it answers pings)."""
-        call = self._call(ModelInfoRequest(tag=next(self._tags)))
+    async def wait_ready(self, timeout_s: float | None = READY_TIMEOUT_S) -> ModelInfo:
+        """As Client.wait_ready."""
+        frames = self._frames
         try:
-            self._model_info = await asyncio.wait_for(call, timeout_s)
+            self._model_info = await asyncio.wait_for(
+                self._call(self._tagged(ModelInfoRequest)), timeout_s)
         except asyncio.TimeoutError:
-            raise EngineError(f"the engine at {self.address} was not ready within {timeout_s:g}s",
-                              kind="not_ready", address=self.address) from None
+            raise self._timed_out(timeout_s, heard=self._frames > frames) from None
         return self._model_info
 
     async def model_info(self) -> ModelInfo:
+        """As Client.model_info."""
         if self._model_info is None:
             await self.wait_ready()
         return self._model_info
 
     async def ping(self, timeout_s: float) -> bool:
-        """True when the scheduler answers within timeout_s (it does even in the middle of a step)."""
+        """As Client.ping."""
         try:
-            await asyncio.wait_for(self._call(Ping(tag=next(self._tags))), timeout_s)
+            await asyncio.wait_for(self._call(self._tagged(Ping)), timeout_s)
             return True
         except (asyncio.TimeoutError, EngineError, PermissionError):
             return False
 
-    async def submit(self, prompt: Prompt, params: SamplingParams,
-                     request_id: int | None = None, priority: int = 0,
-                     timeout_s: float | None = None, *, chat: bool = False,
-                     detokenize: bool = True) -> RequestStream:
-        """Add a request (token ids, a text, or with chat a text or conversation the engine
-        renders with its chat template); raises ValueError with the engine's reason when it is
-        refused. One still running timeout_s after acceptance ends with finish_reason
-        "timeout". detokenize=False: the deltas carry no text (for callers that decode
-        themselves)."""
-        return await self._send_add(prompt, params, request_id, priority, timeout_s, chat=chat,
-                                    detokenize=detokenize)
-
-    def _send_add(self, prompt: Prompt, params: SamplingParams, request_id: int | None = None,
-                  priority: int = 0, timeout_s: float | None = None, *, chat: bool = False,
-                  detokenize: bool = True) -> asyncio.Future:
-        """Send an AddRequest; the future resolves to its stream once the engine accepts it."""
-        request = add_request(next(self._tags), prompt, params, chat=chat, request_id=request_id,
-                              priority=priority, timeout_s=timeout_s, detokenize=detokenize)
-        future = self._expect(self._adds, request.tag)
-        self._send(request)
-        return future
-
-    async def generate(self, prompts: list[Prompt], params: list[SamplingParams],
-                       on_finished: Callable[[RequestOutput], None] | None = None, *,
-                       chat: bool = False) -> list[RequestOutput]:
-        """Run every prompt (token ids or a text; with chat a text or conversation) to
-        completion, batched by the engine; outputs keep the input order and carry the engine's
-        text. on_finished is called as each one finishes, in whatever order they finish."""
+    async def generate(self, prompts: Prompt | Sequence[Prompt],
+                       params: SamplingParams | Sequence[SamplingParams] | None = None,
+                       priority: int | Sequence[int] = 0, request_timeout_s: float | None = None,
+                       *, chat: bool = False,
+                       on_finished: Callable[[RequestOutput], None] | None = None,
+                       ) -> list[RequestOutput]:
+        """As Client.generate."""
+        requests = self._batch_requests(prompts, params, priority, request_timeout_s, chat)
         streams: list[RequestStream] = []
         try:
             # Every request is sent before any acceptance is awaited: the engine accepts what
             # has arrived between two steps, so awaiting each in turn would admit one per step.
-            accepted = [self._send_add(prompt, p, chat=chat)
-                        for prompt, p in zip(prompts, params, strict=True)]
+            accepted = [self._send_add(request) for request in requests]
             refused = None
             for index, future in enumerate(accepted):
                 try:
                     streams.append(await future)
                 except ValueError as error:
-                    refused = refused or ValueError(f"prompt {index}: {error}")
+                    refused = refused or prompt_refused(index, error)
             if refused is not None:
                 raise refused       # the accepted ones are aborted below
 
-            async def collect(prompt: Prompt, stream: RequestStream) -> RequestOutput:
-                output = RequestOutput(stream.request_id, stream.prompt_token_ids or list(prompt))
+            async def collect(request: AddRequest, stream: RequestStream) -> RequestOutput:
+                output = output_of(request, stream.request_id, stream.prompt_token_ids)
                 async for delta in stream:
                     output.add(delta)
                 if on_finished is not None:
                     on_finished(output)
                 return output
 
-            return list(await asyncio.gather(*(collect(prompt, stream) for prompt, stream
-                                               in zip(prompts, streams, strict=False))))
+            return list(await asyncio.gather(*(collect(request, stream) for request, stream
+                                               in zip(requests, streams, strict=True))))
         finally:
             for stream in streams:
                 stream.close()
 
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     request_id: int | None = None, priority: int = 0,
+                     request_timeout_s: float | None = None, *, chat: bool = False,
+                     ) -> AsyncIterator[StreamDelta]:
+        """As Client.stream: `async for delta in client.stream(...)`."""
+        request = self._stream_request(prompt, params, request_id, priority, request_timeout_s,
+                                       chat)
+        request_stream = await self._send_add(request)
+        try:
+            async for delta in request_stream:
+                yield StreamDelta.of(delta)
+        finally:
+            request_stream.close()
+
+    async def submit(self, prompt: Prompt, params: SamplingParams | None = None,
+                     request_id: int | None = None, priority: int = 0,
+                     timeout_s: float | None = None, *, chat: bool = False,
+                     detokenize: bool = True) -> RequestStream:
+        """Add a request, as stream() does, and return its RequestStream of raw RequestDeltas
+        once the engine accepts it (ValueError with the engine's reason when it refuses it).
+        timeout_s is stream()'s request_timeout_s. detokenize=False: the deltas carry no text
+        (for callers that decode themselves)."""
+        return await self._send_add(self._stream_request(
+            prompt, params, request_id, priority, timeout_s, chat, detokenize))
+
     async def abort(self, request_id: int) -> None:
-        """Stop a request; raises ValueError for unknown (or already finished) ids."""
-        await self._call(AbortRequest(tag=next(self._tags), request_id=request_id))
+        """As Client.abort."""
+        await self._call(self._tagged(AbortRequest, request_id=request_id))
 
     def abort_nowait(self, request_id: int) -> None:
-        """Send an abort and forget it: the reply and any later deltas are dropped."""
+        """As Client.abort_nowait (not awaited: safe in the `finally` of a cancelled task)."""
         self._streams.pop(request_id, None)
-        self._send(AbortRequest(tag=next(self._tags), request_id=request_id))
+        self._send(self._tagged(AbortRequest, request_id=request_id))
 
     async def stats(self) -> EngineStats:
-        return await self._call(StatsRequest(tag=next(self._tags)))
+        """As Client.stats."""
+        return await self._call(self._tagged(StatsRequest))
 
-    async def admin_batch(self, *, token: str | None = None, max_num_seqs: int | None = None,
-                          force_evict: int | None = None, target_temp_c: float | None = None,
-                          policy: str | None = None, dry_run: bool = False) -> AdminBatchReply:
-        """Operator control of the running batch (see AdminBatchRequest). Raises PermissionError
-        when the engine refuses the token or has admin calls off, ValueError for bad values."""
+    async def reset_prefix_cache(self) -> None:
+        """As Client.reset_prefix_cache."""
+        await self._call(self._tagged(ResetPrefixCacheRequest))
+
+    async def admin_batch(self, max_num_seqs: int | None = None, force_evict: int | None = None,
+                          target_temp_c: float | None = None, policy: VictimPolicy | None = None,
+                          dry_run: bool = False, *, token: str | None = None) -> AdminBatchReply:
+        """As Client.admin_batch."""
         return await self._call(self._admin_batch_request(
             token, max_num_seqs=max_num_seqs, force_evict=force_evict,
             target_temp_c=target_temp_c, policy=policy, dry_run=dry_run))
@@ -216,6 +235,12 @@ class AsyncClient(RpcCore):
         self.close()
 
     # ------------------------------------------------------------------ plumbing
+
+    def _send_add(self, request: AddRequest) -> asyncio.Future:
+        """Send an AddRequest; the future resolves to its stream once the engine accepts it."""
+        future = self._expect(self._adds, request.tag)
+        self._send(request)
+        return future
 
     def _expect(self, table: dict[int, asyncio.Future], tag: int) -> asyncio.Future:
         if self._reader is None or self._reader.done():
@@ -278,7 +303,7 @@ class AsyncClient(RpcCore):
     def _on_request_failed(self, request_id: int | None, reason: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream._queue.put_nowait(EngineError(reason, address=self.address))
+            stream._queue.put_nowait(self._request_failed(reason))
         else:
             log.warning("engine error: %s", reason)
 
@@ -292,17 +317,19 @@ class AsyncClient(RpcCore):
             call.set_result(message)
 
     def _resolve_add(self, future: asyncio.Future, message: msgspec.Struct) -> None:
-        if isinstance(message, RequestAccepted):
-            # Registered before the caller resumes: the next frame may already carry its tokens.
-            stream = RequestStream(self, message.request_id, message.prompt_token_ids or None)
-            self._streams[message.request_id] = stream
-            if future.done():   # the caller gave up (cancelled) while the add was in flight
-                stream.close()
-            else:
-                future.set_result(stream)
-        elif not future.done():
-            text = message.message if isinstance(message, ErrorReply) else repr(message)
-            future.set_exception(ValueError(text))
+        try:
+            accepted = self._accepted(message)
+        except ValueError as error:
+            if not future.done():
+                future.set_exception(error)
+            return
+        # Registered before the caller resumes: the next frame may already carry its tokens.
+        stream = RequestStream(self, accepted.request_id, accepted.prompt_token_ids or None)
+        self._streams[accepted.request_id] = stream
+        if future.done():   # the caller gave up (cancelled) while the add was in flight
+            stream.close()
+        else:
+            future.set_result(stream)
 
     def _fail_all(self, error: Exception) -> None:
         for table in (self._calls, self._adds):

@@ -1,71 +1,59 @@
-"""Programmatic RPC client of a running engine (`spmdrun serve`, or the one an LLM starts)."""
+"""Programmatic RPC client of a running engine (`spmdrun serve`, or the one an LLM starts): the
+blocking face of runtime/client_core.py; AsyncClient is the asyncio one, with the same methods."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import msgspec
 import zmq
-from spmd_runtime.protocol.logprobs import TokenLogprobs
 from spmd_runtime.protocol.messages import (
     AbortRequest,
     AddRequest,
     AdminBatchReply,
     EngineStats,
-    ErrorReply,
     ModelInfo,
     ModelInfoRequest,
-    RequestAccepted,
+    Ping,
     RequestDelta,
     ResetPrefixCacheRequest,
     StatsRequest,
     VictimPolicy,
 )
 from spmd_runtime.protocol.sampling import SamplingParams
-from spmd_runtime.runtime.outputs import RequestOutput
-from spmd_runtime.runtime.rpc import (
-    EngineError,
+from spmd_runtime.runtime.client_core import (
+    PING_AFTER_S,
+    READY_TIMEOUT_S,
+    TIMEOUT_S,
+    ClientCore,
     Prompt,
-    RpcCore,
-    add_request,
-    as_param_list,
-    as_prompt_list,
-    reply_or_raise,
+    StreamDelta,
+    output_of,
+    prompt_refused,
 )
+from spmd_runtime.runtime.outputs import RequestOutput
+from spmd_runtime.runtime.rpc import EngineError, reply_or_raise
 
 __all__ = ["Client", "EngineError", "Prompt", "StreamDelta"]
 
 
-@dataclass
-class StreamDelta:
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    # As RequestOutput's: one record per token (with SamplingParams.logprobs); the prompt's on
-    # the first delta (with prompt_logprobs).
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-
-class Client(RpcCore):
+class Client(ClientCore):
     """Talks to an engine over its RPC address. Not thread-safe: use one Client per thread.
 
     Prompts may be texts (tokenized by the engine with the served model's tokenizer) or
     token-id lists; outputs carry the engine's text, so the client needs no tokenizer. Every
-    call fails with EngineError when the engine answers nothing, pings included, for timeout_s.
+    call fails with EngineError when the engine answers nothing, pings included, for timeout_s
+    (30 s by default; it is pinged after ping_after_s of silence), or `alive()` says its process
+    is gone. AsyncClient has the same methods, parameters and defaults.
     """
 
-    # Silence after which the client pings the engine (answered even mid-step).
-    PING_INTERVAL_S = 1.0
-
-    def __init__(self, address: str, *, tokenizer=None, timeout_s: float = 30.0,
-                 alive: Callable[[], bool] | None = None, admin_token: str = "",
-                 auth_token: str = "", server_key: str | bytes = "") -> None:
-        super().__init__(zmq.Context(), address, timeout_s=timeout_s,
-                         ping_after_s=self.PING_INTERVAL_S, alive=alive,
-                         admin_token=admin_token, auth_token=auth_token, server_key=server_key)
+    def __init__(self, address: str, *, timeout_s: float = TIMEOUT_S,
+                 ping_after_s: float = PING_AFTER_S, alive: Callable[[], bool] | None = None,
+                 admin_token: str = "", auth_token: str = "", server_key: str | bytes = "",
+                 tokenizer=None) -> None:
+        super().__init__(zmq.Context(), address, timeout_s=timeout_s, ping_after_s=ping_after_s,
+                         alive=alive, admin_token=admin_token, auth_token=auth_token,
+                         server_key=server_key)
         self._replies: dict[int, msgspec.Struct] = {}
         self._deltas: dict[int, list[RequestDelta]] = {}
         self._failures: dict[int, str] = {}
@@ -75,20 +63,29 @@ class Client(RpcCore):
         self._ignored_tags: set[int] = set()
         self._ignored_requests: set[int] = set()
         self._tokenizer = tokenizer
-        self._model_info: ModelInfo | None = None
 
     # ------------------------------------------------------------------ public API
 
-    def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
-        """Block until the engine answers (every worker loaded), or raise EngineError: when it
-        is not ready within timeout_s, or answers nothing at all for the client's timeout_s."""
-        self._model_info = self._call(ModelInfoRequest(tag=next(self._tags)), timeout_s)
+    def wait_ready(self, timeout_s: float | None = READY_TIMEOUT_S) -> ModelInfo:
+        """Wait until the engine answers (every worker loaded). EngineError when it answers
+        nothing for the client's timeout_s, or is not ready within timeout_s (None: as long as
+        it answers pings)."""
+        self._model_info = self._call(self._tagged(ModelInfoRequest), timeout_s)
         return self._model_info
 
     def model_info(self) -> ModelInfo:
+        """The served model and engine limits; the first call waits as wait_ready() does."""
         if self._model_info is None:
-            self.wait_ready(self.timeout_s)
+            self.wait_ready()
         return self._model_info
+
+    def ping(self, timeout_s: float) -> bool:
+        """True when the scheduler answers within timeout_s (it does even in the middle of a step)."""
+        try:
+            self._call(self._tagged(Ping), timeout_s)
+            return True
+        except (EngineError, PermissionError):
+            return False
 
     @property
     def tokenizer(self):
@@ -108,36 +105,38 @@ class Client(RpcCore):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: int | Sequence[int] = 0,
-                 request_timeout_s: float | None = None, *, chat: bool = False,
+                 priority: int | Sequence[int] = 0, request_timeout_s: float | None = None, *,
+                 chat: bool = False, on_finished: Callable[[RequestOutput], None] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion (batched by the engine) and return outputs in order.
 
-        With chat, each prompt (a text, taken as one user message, or a conversation) is
-        rendered with the model's chat template by the engine. priority (one for all, or one
-        per prompt; larger is more important) decides who leaves the batch first under
-        --thermal-victims lowest_priority. A request still running request_timeout_s after the
-        engine accepted it ends with finish_reason "timeout"."""
-        prompt_list = as_prompt_list(prompts)
-        param_list = as_param_list(params, len(prompt_list))
-        priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
-        requests = [add_request(next(self._tags), prompt, p, chat=chat, priority=rank,
-                                timeout_s=request_timeout_s)
-                    for prompt, p, rank in zip(prompt_list, param_list, priorities, strict=True)]
+        A prompt is a text, token ids, or with chat a text (one user message) or a conversation,
+        rendered with the model's chat template by the engine; one prompt or a list. params:
+        one for all or one per prompt. priority (one for all, or one per prompt; larger is more
+        important) decides who leaves the batch first under --thermal-victims lowest_priority.
+        A request still running request_timeout_s after the engine accepted it ends with
+        finish_reason "timeout". on_finished(output) is called as each one finishes, in
+        whatever order they finish. A refused prompt raises ValueError naming it ("prompt 2:
+        ..."), and the others are aborted."""
+        requests = self._batch_requests(prompts, params, priority, request_timeout_s, chat)
         outputs = {output.request_id: output for output in self._submit_all(requests)}
         pending = set(outputs)
-        while pending:
-            self._pump_until(lambda: any(self._deltas.get(r) or r in self._failures for r in pending))
-            for request_id in list(pending):
-                if request_id in self._failures:
-                    self._abort_quietly(pending - {request_id})
-                    raise EngineError(self._failures.pop(request_id), address=self.address)
-                for delta in self._deltas.pop(request_id, []):
-                    outputs[request_id].add(delta)
-                    if delta.finish_reason is not None:
+        try:
+            while pending:
+                self._pump_until(lambda: any(self._deltas.get(r) or r in self._failures
+                                             for r in pending))
+                for request_id in list(pending):
+                    if request_id in self._failures:
                         pending.discard(request_id)
+                        raise self._request_failed(self._failures.pop(request_id))
+                    for delta in self._deltas.pop(request_id, []):
+                        outputs[request_id].add(delta)
+                        if delta.finish_reason is not None:
+                            pending.discard(request_id)
+                            if on_finished is not None:
+                                on_finished(outputs[request_id])
+        finally:
+            self._abort_quietly(pending)     # whatever stopped the wait early
         return list(outputs.values())
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -145,11 +144,10 @@ class Client(RpcCore):
                request_timeout_s: float | None = None, *, chat: bool = False,
                ) -> Iterator[StreamDelta]:
         """Yield new tokens, and the text they add (when the engine has a tokenizer), as they
-        are generated."""
-        request = add_request(next(self._tags), prompt, params or SamplingParams(), chat=chat,
-                              request_id=request_id, priority=priority,
-                              timeout_s=request_timeout_s)
-        request_id = self._call(request).request_id
+        are generated. Sent on the first next(); leaving the loop early aborts the request."""
+        request = self._stream_request(prompt, params, request_id, priority, request_timeout_s,
+                                       chat)
+        request_id = self._accepted(self._exchange(request)).request_id
         finished = False
         try:
             while not finished:
@@ -157,31 +155,36 @@ class Client(RpcCore):
                                  or request_id in self._failures)
                 if request_id in self._failures:
                     finished = True
-                    raise EngineError(self._failures.pop(request_id), address=self.address)
+                    raise self._request_failed(self._failures.pop(request_id))
                 for delta in self._deltas.pop(request_id, []):
                     finished = delta.finish_reason is not None
-                    yield StreamDelta(request_id, delta.token_ids, delta.text, delta.finish_reason,
-                                      delta.logprobs, delta.prompt_logprobs)
+                    yield StreamDelta.of(delta)
         finally:
             if not finished:
                 self._abort_quietly({request_id})
 
     def abort(self, request_id: int) -> None:
-        """Stop a request; its stream ends with finish_reason 'abort'. Unknown ids raise ValueError."""
-        self._call(AbortRequest(tag=next(self._tags), request_id=request_id))
+        """Stop a request; its stream ends with finish_reason 'abort'. Unknown (or finished) ids
+        raise ValueError."""
+        self._call(self._tagged(AbortRequest, request_id=request_id))
+
+    def abort_nowait(self, request_id: int) -> None:
+        """Send an abort and forget it: the reply and any later outputs are dropped."""
+        self._abort_quietly({request_id})
 
     def stats(self) -> EngineStats:
-        return self._call(StatsRequest(tag=next(self._tags)))
+        """The engine's counters: a short report as str(), every figure by name in as_dict()."""
+        return self._call(self._tagged(StatsRequest))
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes. Raises ValueError while requests are running."""
-        self._call(ResetPrefixCacheRequest(tag=next(self._tags)))
+        self._call(self._tagged(ResetPrefixCacheRequest))
 
     def admin_batch(self, max_num_seqs: int | None = None, force_evict: int | None = None,
                     target_temp_c: float | None = None, policy: VictimPolicy | None = None,
-                    dry_run: bool = False) -> AdminBatchReply:
-        """Operator control of the running batch (needs --enable-admin on the server, and this
-        client's admin_token when the server has one).
+                    dry_run: bool = False, *, token: str | None = None) -> AdminBatchReply:
+        """Operator control of the running batch (needs --enable-admin on the server, and its
+        admin token when it has one: `token`, else the client's admin_token).
 
         force_evict takes that many running requests off the batch now, chosen by `policy`
         (a VictimPolicy; default: the server's --thermal-victims); they
@@ -189,10 +192,10 @@ class Client(RpcCore):
         thermal target. dry_run names the victims and changes nothing. Raises PermissionError
         when refused, ValueError for bad values."""
         return self._call(self._admin_batch_request(
-            max_num_seqs=max_num_seqs, force_evict=force_evict, target_temp_c=target_temp_c,
-            policy=policy, dry_run=dry_run))
+            token, max_num_seqs=max_num_seqs, force_evict=force_evict,
+            target_temp_c=target_temp_c, policy=policy, dry_run=dry_run))
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -208,20 +211,32 @@ class Client(RpcCore):
             self._send(request)
         tags = [request.tag for request in requests]
         self._pump_until(lambda: all(t in self._replies for t in tags))
-        replies = [self._replies.pop(t) for t in tags]
-        errors = [r for r in replies if isinstance(r, ErrorReply)]
-        if errors:
-            self._abort_quietly({r.request_id for r in replies if isinstance(r, RequestAccepted)})
-            index = replies.index(errors[0])
-            raise ValueError(f"prompt {index}: {errors[0].message}")
-        return [RequestOutput(reply.request_id, reply.prompt_token_ids or request.prompt_token_ids)
-                for request, reply in zip(requests, replies, strict=True)]
+        accepted, refused = [], None
+        for index, tag in enumerate(tags):
+            try:
+                accepted.append(self._accepted(self._replies.pop(tag)))
+            except ValueError as error:
+                refused = refused or prompt_refused(index, error)
+        if refused is not None:
+            self._abort_quietly({reply.request_id for reply in accepted})
+            raise refused
+        return [output_of(request, reply.request_id, reply.prompt_token_ids)
+                for request, reply in zip(requests, accepted, strict=True)]
 
     def _call(self, message: msgspec.Struct, within_s: float | None = None):
+        """Send a control message; its reply, or its error reply as ValueError or PermissionError."""
+        return reply_or_raise(self._exchange(message, within_s))
+
+    def _exchange(self, message: msgspec.Struct, within_s: float | None = None) -> msgspec.Struct:
+        """Send a message and wait for the reply with its tag."""
         self._send(message)
         tag = message.tag
-        self._pump_until(lambda: tag in self._replies, within_s)
-        return reply_or_raise(self._replies.pop(tag))
+        try:
+            self._pump_until(lambda: tag in self._replies, within_s)
+        except BaseException:
+            self._ignored_tags.add(tag)     # its reply, should it come, is nobody's
+            raise
+        return self._replies.pop(tag)
 
     def _abort_quietly(self, request_ids: set[int]) -> None:
         for request_id in request_ids:
@@ -236,16 +251,15 @@ class Client(RpcCore):
         process exited, or it answered nothing, pings included, for timeout_s) or `done()` is
         still false after within_s."""
         started = time.monotonic()
+        frames = self._frames
         self._heard()
-        heard = False
         while not done():
             if self._refused is not None:
                 raise PermissionError(self._refused)
             if within_s is not None and time.monotonic() - started > within_s:
-                raise self._timed_out(within_s, heard)
+                raise self._timed_out(within_s, heard=self._frames > frames)
             if self._sock.poll(200, zmq.POLLIN):
                 self._file(self._sock.recv())
-                heard = True
                 continue
             gone = self._watch()
             if gone is not None:

@@ -1,20 +1,19 @@
-"""The core both RPC clients share: the connection, auth frames, tags, the filing of what the
-engine sends, error replies as exceptions, pings and liveness, one AddRequest per prompt (texts
-and conversations are tokenized by the engine), and the EngineError they raise. `Client` and
-`AsyncClient` add only their I/O loop."""
+"""The connection both RPC clients share: the socket, auth frames, tags, the filing of what the
+engine sends, error replies as exceptions, pings and liveness, and the EngineError they raise.
+runtime/client_core.py builds on it with the requests and results; `Client` and `AsyncClient`
+add only their I/O loop."""
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 
 import msgspec
 import zmq
+from spmd_runtime.protocol.auth import framed
 from spmd_runtime.protocol.curve import load_keys
 from spmd_runtime.protocol.messages import (
-    AddRequest,
     AdminBatchRequest,
-    ChatMessage,
     ErrorReply,
     Outputs,
     Ping,
@@ -22,11 +21,7 @@ from spmd_runtime.protocol.messages import (
     RequestDelta,
     server_decoder,
 )
-from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.transport import Encoder, make_socket
-
-# A text, token ids, or (chat prompts only) a conversation of {'role', 'content'} messages.
-Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 RPC_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -128,8 +123,7 @@ class RpcCore:
         self.ping_after_s = ping_after_s
         self.admin_token = admin_token
         self._alive = alive
-        # With the server's --auth-token, every frame is [token, payload].
-        self._auth_frames = [auth_token.encode()] if auth_token else []
+        self._auth_token = auth_token
         self._send_flags = send_flags
         self._ctx = ctx
         try:
@@ -141,6 +135,8 @@ class RpcCore:
         self._encoder = Encoder()
         self._decoder = server_decoder()
         self._tags = itertools.count(1)
+        # Frames received so far: a wait that saw this grow heard the engine answer.
+        self._frames = 0
         self._last_heard = self._last_ping = time.monotonic()
 
     def close(self) -> None:
@@ -151,7 +147,7 @@ class RpcCore:
     # ------------------------------------------------------------------ for the fronts
 
     def _send(self, message: msgspec.Struct) -> None:
-        self._sock.send_multipart([*self._auth_frames, self._encoder.encode(message)],
+        self._sock.send_multipart(framed(self._auth_token, self._encoder.encode(message)),
                                   self._send_flags)
 
     def _admin_batch_request(self, token: str | None = None, **changes) -> AdminBatchRequest:
@@ -165,6 +161,7 @@ class RpcCore:
     def _file(self, payload: bytes) -> None:
         """Sort one frame from the engine into the hooks (msgspec.DecodeError when it is none)."""
         self._heard()
+        self._frames += 1
         message = self._decoder.decode(payload)
         if isinstance(message, Pong) and message.tag == 0:
             return      # the answer to a liveness ping: hearing it was the point
@@ -234,66 +231,3 @@ def reply_or_raise(reply: msgspec.Struct):
             raise PermissionError(reply.message)
         raise ValueError(reply.message)
     return reply
-
-
-def add_request(tag: int, prompt: Prompt, params: SamplingParams, *, chat: bool = False,
-                request_id: int | None = None, priority: int = 0,
-                timeout_s: float | None = None, detokenize: bool = True) -> AddRequest:
-    """The AddRequest of one prompt. Texts and conversations are tokenized by the engine; with
-    chat, a text is one user message, rendered (like a conversation) with its chat template."""
-    fields = {"tag": tag, "params": params, "request_id": request_id, "priority": priority,
-              "timeout_s": timeout_s, "detokenize": detokenize}
-    if isinstance(prompt, str):
-        if chat:
-            return AddRequest(messages=[ChatMessage("user", prompt)], **fields)
-        return AddRequest(prompt=prompt, **fields)
-    if _is_conversation(prompt):
-        if not chat:
-            raise ValueError("a conversation (a list of {'role', 'content'} messages) is a chat "
-                             "prompt: use chat()")
-        return AddRequest(messages=[_chat_message(m) for m in prompt], **fields)
-    if chat:
-        raise ValueError("a chat prompt is a text or a conversation, not token ids")
-    try:
-        token_ids = [int(t) for t in prompt]
-    except (TypeError, ValueError):
-        raise ValueError(f"a prompt is a text or a list of token ids, got {prompt!r:.80}") from None
-    return AddRequest(prompt_token_ids=token_ids, **fields)
-
-
-
-def _is_token_list(value) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) \
-        and all(isinstance(t, int) for t in value)
-
-
-def _is_conversation(value) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) \
-        and all(isinstance(m, Mapping) for m in value)
-
-
-def _chat_message(message: Mapping[str, str]) -> ChatMessage:
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise ValueError(f"a chat message is {{'role': str, 'content': str}}, got {message!r:.80}")
-    return ChatMessage(role, content)
-
-
-def as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str) or _is_token_list(prompts) or _is_conversation(prompts):
-        return [prompts]
-    prompt_list = list(prompts)
-    if not prompt_list:
-        raise ValueError("no prompts given")
-    return prompt_list
-
-
-def as_param_list(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    param_list = list(params)
-    if len(param_list) != count:
-        raise ValueError(f"got {len(param_list)} SamplingParams for {count} prompts")
-    return param_list
