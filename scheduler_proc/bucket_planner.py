@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spmd_runtime.protocol.buckets import PhaseBuckets
-from spmd_runtime.protocol.step_shape import Phase, StepShape
+from spmd_runtime.protocol.step_shape import DECODE, PROMPT, Phase, StepShape
 from spmd_runtime.scheduler_proc.policy import Policy
 from spmd_runtime.scheduler_proc.request import Request
 
@@ -45,15 +45,14 @@ class BucketPlanner:
                    has_waiting: bool) -> Phase:
         """prefill_first: a prompt step whenever prefill work exists. fifo: decodes first, but
         prompt and decode steps alternate while both have work, so neither starves."""
-        phases = {phase_of(r) for r in running}
+        # Whether each request decodes (phase_of, inlined: this walks every running request).
+        decoding = {r.num_tokens - r.num_computed_tokens == 1 for r in running}
         if head_of_swapped is not None:
-            phases.add(phase_of(head_of_swapped))
-        if has_waiting:
-            phases.add(Phase.PROMPT)
-        if Phase.PROMPT not in phases:
-            return Phase.DECODE
-        if Phase.DECODE not in phases or self.policy == "prefill_first":
-            return Phase.PROMPT
+            decoding.add(phase_of(head_of_swapped) is DECODE)
+        if not has_waiting and False not in decoding:
+            return DECODE
+        if True not in decoding or self.policy == "prefill_first":
+            return PROMPT
         return self._last_phase.other
 
     def take(self, phase: Phase, request: Request, num_tokens: int, num_seqs: int,
@@ -62,7 +61,7 @@ class BucketPlanner:
         that would then hold `num_seqs` sequences, and the step's length dimension with it
         (chunk length for a prompt step, context length for a decode step; `longest` before
         it). (0, longest) where no bucket would fit it."""
-        if phase is Phase.DECODE:
+        if phase is DECODE:
             num_new, length = 1, request.num_computed_tokens + 1
         else:
             num_new = num_tokens if self.buckets[phase].packed else min(num_tokens,

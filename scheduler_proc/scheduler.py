@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.buckets import PhaseBuckets
 from spmd_runtime.protocol.messages import StepPlan, StepResult
-from spmd_runtime.protocol.step_shape import Phase
+from spmd_runtime.protocol.step_shape import DECODE, PROMPT, Phase
 from spmd_runtime.scheduler_proc.bucket_planner import BucketPlanner
 from spmd_runtime.scheduler_proc.cpu_block_pool import CpuBlockPool
 from spmd_runtime.scheduler_proc.finishing import FinishRules
@@ -217,8 +217,8 @@ class Scheduler(SchedulerState):
         planner = self.planner
         if planner is None:
             return min(num_left, budget), 0
-        # phase_of(request), inlined: this runs for every request of every step.
-        phase = Phase.PROMPT if admitting else Phase.of(num_left)
+        # Phase.of(num_left), inlined: this runs for every request of every step.
+        phase = PROMPT if admitting or num_left != 1 else DECODE
         if phase is not draft.phase:
             return 0, draft.longest
         return planner.take(phase, request, min(num_left, budget), len(draft.num_scheduled) + 1,
