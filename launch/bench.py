@@ -113,6 +113,13 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
                         help="auto: transformers sizes its batch and KV cache from free memory, as "
                         "generate_batch does; same: our --max-num-batched-tokens as its step "
                         "budget and, with --num-kv-blocks, our KV capacity (default: %(default)s)")
+    parser.add_argument("--peer-api", choices=("manager", "generate_batch"), default="manager",
+                        help="manager: requests through generate_batch's manager, timed from the "
+                        "first request to the last result, like ours; generate_batch: one "
+                        "generate_batch call timed whole, its set-up included (fixed output "
+                        "length only) (default: %(default)s)")
+    parser.add_argument("--peer-threads", type=int, metavar="N", default=None,
+                        help="torch threads of the transformers run (default: torch's)")
 
 
 def throughput_workload_from_args(args: argparse.Namespace) -> ThroughputWorkload:

@@ -34,6 +34,8 @@ class ThroughputBenchOptions:
     with_peer: bool = False
     peer_cache: Literal["auto", "same"] = "auto"
     json: bool = False
+    peer_api: Literal["manager", "generate_batch"] = "manager"
+    peer_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def command_options(args: argparse.Namespace) -> CommandOptions:
             workload = throughput_workload_from_args(args)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        return ThroughputBenchOptions(workload, args.with_peer, args.peer_cache, args.json)
+        return ThroughputBenchOptions(workload, args.with_peer, args.peer_cache, args.json,
+                                      args.peer_api, args.peer_threads)
     return _from_namespace(_BENCH_OPTIONS[args.bench_kind], args)
 
 

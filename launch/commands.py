@@ -140,7 +140,8 @@ def bench_throughput(config: EngineConfig, options: ThroughputBenchOptions) -> i
         try:
             reports.append(hf_peer.run_transformers(config.model, prompts, output_lens,
                                                  dtype=config.dtype, device=config.device,
-                                                 seed=config.dummy_seed, **sizes))
+                                                 seed=config.dummy_seed, api=options.peer_api,
+                                                 threads=options.peer_threads, **sizes))
         except (RuntimeError, ImportError, ValueError) as error:  # CUDA OOM is a RuntimeError
             failure = f"spmdrun bench throughput: the transformers run failed: {error}"
     print(TABLE_HEADER)

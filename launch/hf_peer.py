@@ -1,7 +1,9 @@
 """Hugging Face transformers' continuous batching as the peer of our offline throughput run:
 the same model and weights (a dummy model carries the very same random weights), the same
 prompts and per-request output lengths, greedy with EOS ignored, the same dtype and device.
-`spmdrun bench throughput --with-peer` and bench/hf_peer.py run it (see that script's notes)."""
+`spmdrun bench throughput --with-peer` runs it after its own run (`--peer-api`: through
+generate_batch's manager, timed from the first request to the last result like ours, or one
+generate_batch call timed whole; flash attention is never switched in: sdpa, as loaded)."""
 from __future__ import annotations
 
 import contextlib

@@ -9,7 +9,7 @@ import pytest
 from spmd_runtime.launch import hf_peer
 from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS, ThroughputWorkload, throughput_workload_from_args
 from spmd_runtime.launch.cli import build_parser, config_from_args
-from spmd_runtime.launch.command_options import bench_model
+from spmd_runtime.launch.command_options import bench_model, command_options
 
 
 def _bench_args(*flags: str):
@@ -41,6 +41,16 @@ def test_issue10_workload_and_uniform_output_lengths() -> None:
         throughput_workload_from_args(_bench_args("--output-len", "4", "--output-len-max", "9"))
     with pytest.raises(ValueError, match="1 <= min <= max"):
         throughput_workload_from_args(_bench_args("--output-len-min", "20", "--output-len-max", "9"))
+
+
+def test_the_peer_options_reach_the_throughput_bench() -> None:
+    """One transformers peer, run by `spmdrun bench throughput --with-peer` (what
+    bench/hf_peer.py did before it was folded in)."""
+    options = command_options(_bench_args("--with-peer", "--peer-api", "generate_batch",
+                                          "--peer-threads", "2", "--peer-cache", "same"))
+    assert (options.with_peer, options.peer_api, options.peer_threads, options.peer_cache) == (
+        True, "generate_batch", 2, "same")
+    assert command_options(_bench_args()).peer_api == "manager"
 
 
 def test_bench_model_spellings() -> None:
