@@ -29,7 +29,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise ConfigError(validation_message(error)) from None
     values = _option_values(args)
     try:
-        return msgspec.convert(values, EngineConfig)
+        return EngineConfig.from_values(values)
     except msgspec.ValidationError as error:
         raise ConfigError(validation_message(error, values)) from None
 

@@ -102,6 +102,14 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
     def from_json(cls, text: str | bytes) -> "EngineConfig":
         return msgspec.json.decode(text, type=cls)
 
+    @classmethod
+    def from_values(cls, values: typing.Mapping[str, object]) -> "EngineConfig":
+        """The config of these field values, checked as the JSON a child decodes is (types,
+        ranges, choices, then __post_init__): the one validation path of the command line and
+        LLM. msgspec.ValidationError names the field; EngineConfig(...) itself checks only
+        __post_init__'s rules."""
+        return msgspec.convert(dict(values), cls)
+
 
 # The --help section of every field, in the order the sections are shown: the domain
 # (protocol/config_fields.py) that declares it.

@@ -33,12 +33,11 @@ class LLM:
         engine_options = dict(engine_options)
         engine_options.setdefault("rpc_address", private_ipc_address("llm"))
         engine_options = {**environment_options(engine_options), **engine_options}
-        config = EngineConfig(model=model, **engine_options)
-        # The constructor checks no types or ranges; decoding does. Refuse bad options here,
-        # naming the option, rather than in the launcher after a process has started; then
-        # what needs no weights (the model can be found, TP fits its heads, ports are free).
+        # Refuse bad options here, naming the option, rather than in the launcher after a
+        # process has started (the command line's path); then what needs no weights (the model
+        # can be found, TP fits its heads, ports are free).
         try:
-            self.config = EngineConfig.from_json(config.to_json())
+            self.config = EngineConfig.from_values({"model": model, **engine_options})
         except msgspec.ValidationError as error:
             raise ValueError(f"invalid engine option: {error}") from None
         check_config(self.config)
