@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch
-from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
 from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
 from spmd_runtime.runtime.layers.parallel import ShardLayout, TensorParallel, row_parallel_linear
 from spmd_runtime.runtime.models.llama import (
@@ -68,6 +67,8 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_layer = Gemma2DecoderLayer
     pieces = GEGLU
+    # No fused CPU path: they compute Llama's layers (SwiGLU, no extra norms, no soft cap).
+    fused_cpu_paths: frozenset[str] = frozenset()
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  tp: TensorParallel | None = None) -> None:
@@ -82,15 +83,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         norms = {f"model.layers.{i}.{name}.weight": (config.hidden_size,)
                  for i in range(config.num_hidden_layers) for name in LAYER_NORMS[2:]}
         return {**required, **norms}, optional
-
-    def layer_pieces(self, attention: AttentionBackend) -> LayerPieces:
-        """GEGLU everywhere: the fused C++ passes compute Llama's SwiGLU."""
-        return GEGLU
-
-    def fused_decode_weights(self, batch: AttentionBatch,
-                             num_tokens: int) -> list[torch.Tensor] | None:
-        """None: the C++ layer stack computes Llama's layers (no extra norms, GeGLU or cap)."""
-        return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embed_scale

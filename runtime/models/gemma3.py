@@ -14,6 +14,7 @@ from spmd_runtime.runtime.models.qwen3 import qk_norm_shapes
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    fused_cpu_paths: frozenset[str] = frozenset()       # Gemma 2's layers: none
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  tp: TensorParallel | None = None) -> None:
         super().__init__(config, dtype, tp)

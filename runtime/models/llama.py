@@ -144,6 +144,13 @@ def fused_mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weigh
 
 # The eager pieces of a CPU worker on the C++ attention backend (runtime/layers/cpu_ops.py).
 FUSED_CPU = LayerPieces(fused_attention_inputs, fused_mlp_inputs)
+# The fused CPU paths a family may opt into (LlamaForCausalLM.fused_cpu_paths).
+LAYER_PASSES, DECODE_STACK = "layer_passes", "decode_stack"
+
+
+def fused_cpu_paths_of(family: type) -> frozenset[str]:
+    """The fused CPU paths `family` declares itself (in its own class body); none otherwise."""
+    return family.__dict__.get("fused_cpu_paths", frozenset())
 
 
 def eager_pieces(attention: AttentionBackend) -> LayerPieces:
@@ -192,6 +199,11 @@ class LlamaForCausalLM(nn.Module):
     decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # The layers' dense pieces, eager (what --execution-mode compiled compiles).
     pieces: LayerPieces = EAGER
+    # The fused CPU paths this family's layers compute exactly: LAYER_PASSES (FUSED_CPU, a
+    # layer's norm, rotary and SiLU x up in C++) and DECODE_STACK (every layer of a decode step
+    # in one C++ call). Opt-in: a family class that does not declare its own runs neither,
+    # even if it inherits a class that does (fused_cpu_paths_of).
+    fused_cpu_paths: frozenset[str] = frozenset({LAYER_PASSES, DECODE_STACK})
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  tp: TensorParallel | None = None) -> None:
@@ -237,8 +249,11 @@ class LlamaForCausalLM(nn.Module):
                                      (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
 
     def layer_pieces(self, attention: AttentionBackend) -> LayerPieces:
-        """The eager pieces this model's layers run with that attention backend."""
-        return eager_pieces(attention)
+        """The eager pieces this model's layers run with that attention backend: the fused C++
+        passes where the backend has them and the family opted in, else its own."""
+        if LAYER_PASSES in fused_cpu_paths_of(type(self)):
+            return eager_pieces(attention)
+        return self.pieces
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden] (every rank's vocabulary shard summed)."""
@@ -271,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
         decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
         for MKL (float32) or a plain bfloat16 weight (its slot pair holds it twice), without bias
         or query/key norm; None otherwise (the layer loop runs)."""
-        if (self.tp.size != 1 or not batch.backend.fused_layers or batch.prefills
+        if (DECODE_STACK not in fused_cpu_paths_of(type(self)) or self.tp.size != 1
+                or not batch.backend.fused_layers or batch.prefills
                 or batch.prompt_rows or batch.pad_start is not None or len(batch.decodes) != 1
                 or batch.decodes[0].count != num_tokens):
             return None

@@ -6,10 +6,13 @@ which it changes nothing (ModelConfig.from_hf_dict)."""
 from __future__ import annotations
 
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+from spmd_runtime.runtime.models.llama import DECODE_STACK, LAYER_PASSES, LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    # Llama's layers, projections in its layout: both fused CPU paths compute them.
+    fused_cpu_paths = frozenset({LAYER_PASSES, DECODE_STACK})
+
     @staticmethod
     def stacked_tensors(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
         q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim

@@ -3,17 +3,26 @@ runtime/models/llama.py FUSED_CPU) and the one-call decode step (cpu_decode_laye
 float32 and bfloat16 against the torch chains they replace, and the arguments they refuse."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from cpu_library import needs_cpu_ops as needs_ops
 from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
 from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
+from spmd_runtime.runtime.models import FAMILIES
+from spmd_runtime.runtime.models.gemma2 import Gemma2ForCausalLM
 from spmd_runtime.runtime.models.llama import (
+    DECODE_STACK,
     EAGER,
     FUSED_CPU,
+    LAYER_PASSES,
+    LayerPieces,
+    LlamaForCausalLM,
     attention_inputs,
     eager_pieces,
     fused_attention_inputs,
+    fused_cpu_paths_of,
     fused_mlp_inputs,
     mlp_inputs,
 )
@@ -493,3 +502,23 @@ def test_bf16_decode_layers_refuse_packed_or_float32_weights() -> None:
                                        for i, w in enumerate(args["weights"])]}
         with pytest.raises(RuntimeError, match=message):
             torch.ops.spmd_cpu.decode_layers(*spoiled.values())
+
+
+def test_each_family_opts_into_the_fused_paths_it_declares_and_a_new_one_into_none() -> None:
+    """The fused CPU paths compute Llama's layers; a family runs them only where its own class
+    says so (a subclass that changes its decoder layer inherits no fused path by accident)."""
+    for architecture, family in FAMILIES.items():
+        model_class = getattr(importlib.import_module(
+            f"spmd_runtime.runtime.models.{family.module}"), family.class_name)
+        assert "fused_cpu_paths" in vars(model_class), f"{architecture} must declare its paths"
+        assert fused_cpu_paths_of(model_class) <= {LAYER_PASSES, DECODE_STACK}
+    assert fused_cpu_paths_of(LlamaForCausalLM) == {LAYER_PASSES, DECODE_STACK}
+    assert fused_cpu_paths_of(Gemma2ForCausalLM) == frozenset()
+
+    class NewFamily(LlamaForCausalLM):          # a new decoder layer, no declaration
+        pieces = LayerPieces(EAGER.attention_inputs, EAGER.mlp_inputs)
+
+    model = NewFamily.__new__(NewFamily)
+    assert model.layer_pieces(CPP) is NewFamily.pieces
+    llama = LlamaForCausalLM.__new__(LlamaForCausalLM)
+    assert llama.layer_pieces(CPP) is FUSED_CPU and llama.layer_pieces(TORCH) is EAGER
