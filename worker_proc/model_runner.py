@@ -8,7 +8,8 @@ import torch
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
-from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
+from spmd_runtime.runtime.models.layer_pieces import LayerPieces
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
 from spmd_runtime.worker_proc.logprobs import prompt_logprobs, read_logprobs, sampled_logprobs

@@ -15,7 +15,8 @@ from spmd_runtime.protocol.buckets import (
     plan_graph_captures,
 )
 from spmd_runtime.protocol.step_shape import Phase, StepShape
-from spmd_runtime.runtime.models.llama import LayerPieces, LlamaForCausalLM
+from spmd_runtime.runtime.models.layer_pieces import LayerPieces
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.worker_proc.graphs import BucketGraph, GraphCapturer, StaticInputs
 from spmd_runtime.worker_proc.step_inputs import StepInputs
 

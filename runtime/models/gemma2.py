@@ -12,13 +12,8 @@ from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch
 from spmd_runtime.runtime.layers.norm import RMSNorm, rms_norm
 from spmd_runtime.runtime.layers.parallel import ShardLayout, TensorParallel, row_parallel_linear
-from spmd_runtime.runtime.models.llama import (
-    LayerPieces,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    attention_inputs,
-    gate_and_up,
-)
+from spmd_runtime.runtime.models.layer_pieces import LayerPieces, attention_inputs, gate_and_up
+from spmd_runtime.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 # The four norms of a layer, in checkpoint names (the module attributes carry the same names).
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",

@@ -6,7 +6,8 @@ which it changes nothing (ModelConfig.from_hf_dict)."""
 from __future__ import annotations
 
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.models.llama import DECODE_STACK, LAYER_PASSES, LlamaForCausalLM
+from spmd_runtime.runtime.models.layer_pieces import DECODE_STACK, LAYER_PASSES
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

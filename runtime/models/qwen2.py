@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.models.llama import DECODE_STACK, LAYER_PASSES, LlamaForCausalLM
+from spmd_runtime.runtime.models.layer_pieces import DECODE_STACK, LAYER_PASSES
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

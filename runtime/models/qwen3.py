@@ -4,7 +4,8 @@ o) where the config's attention_bias asks for them."""
 from __future__ import annotations
 
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.models.llama import DECODE_STACK, LAYER_PASSES, LlamaForCausalLM
+from spmd_runtime.runtime.models.layer_pieces import DECODE_STACK, LAYER_PASSES
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
 def qk_norm_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

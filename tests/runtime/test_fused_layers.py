@@ -12,13 +12,12 @@ from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
 from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
 from spmd_runtime.runtime.models import FAMILIES
 from spmd_runtime.runtime.models.gemma2 import Gemma2ForCausalLM
-from spmd_runtime.runtime.models.llama import (
+from spmd_runtime.runtime.models.layer_pieces import (
     DECODE_STACK,
     EAGER,
     FUSED_CPU,
     LAYER_PASSES,
     LayerPieces,
-    LlamaForCausalLM,
     attention_inputs,
     eager_pieces,
     fused_attention_inputs,
@@ -26,6 +25,7 @@ from spmd_runtime.runtime.models.llama import (
     fused_mlp_inputs,
     mlp_inputs,
 )
+from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
 @needs_ops
