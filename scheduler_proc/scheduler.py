@@ -48,7 +48,6 @@ from spmd_runtime.scheduler_proc.preemption import (
 )
 from spmd_runtime.scheduler_proc.request import FinishReason, Request, RequestStatus
 from spmd_runtime.scheduler_proc.schedule_ahead import plan_ahead
-from spmd_runtime.scheduler_proc.scheduler_state import SchedulerCounters as SchedulerCounters  # re-exported
 from spmd_runtime.scheduler_proc.scheduler_state import SchedulerState
 from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl
 
@@ -184,7 +183,7 @@ class Scheduler(SchedulerState):
             while (self.swapped and budget > 0 and len(self.running) < self.running_cap
                    and self._swap_in(self.swapped[0], budget, draft)):
                 budget -= draft.num_scheduled[self.swapped.popleft().request_id]
-            while (not self.swapped and self.waiting and budget > 0 and phase is not Phase.DECODE
+            while (not self.swapped and self.waiting and budget > 0 and phase is not DECODE
                    and len(self.running) < self.running_cap
                    and self._admit(self.waiting[0], budget, draft)):
                 budget -= draft.num_scheduled[self.waiting.popleft().request_id]

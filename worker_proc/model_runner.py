@@ -8,7 +8,6 @@ import torch
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
-from spmd_runtime.runtime.models.layer_pieces import LayerPieces
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
@@ -51,7 +50,7 @@ class ModelRunner:
         # worker, runtime/layers/attention_backend.py), and compilation, warmup and graphs.
         self.inputs = StepInputs(self.requests, self.block_tables, block_size,
                                  self.scratch_block, device, attention)
-        self.graph_runner = GraphRunner(model, kv_caches, self.inputs, lambda: self.eager_pieces)
+        self.graph_runner = GraphRunner(model, kv_caches, self.inputs)
         # The step launched last (the device's idle time before the next one).
         self._last_launched: LaunchedStep | None = None
         # Draws for requests without a seed of their own; seeded requests use per-position seeds.
@@ -73,11 +72,6 @@ class ModelRunner:
     def graphs(self) -> dict[StepShape, BucketGraph]:
         """Captured graphs by their bucket (the graph runner's)."""
         return self.graph_runner.graphs
-
-    @property
-    def eager_pieces(self) -> LayerPieces:
-        """The layers' eager dense parts: the C++ fused passes where the backend has them."""
-        return self.model.layer_pieces(self.attention)
 
     def apply_plan_state(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Update per-request state from the plan; returns (request id, tokens) in plan order."""

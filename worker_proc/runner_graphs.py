@@ -4,7 +4,6 @@ inputs with the StepInputs it shares with its owner."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from spmd_runtime.protocol.buckets import (
@@ -27,12 +26,10 @@ class GraphRunner:
     """Compiled pieces per token count, warmup of every bucket, and graph capture and lookup."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 inputs: StepInputs, eager_pieces: Callable[[], LayerPieces]) -> None:
+                 inputs: StepInputs) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.inputs = inputs
-        # The layers' eager dense parts, for the backend the owner runs at the time.
-        self.eager_pieces = eager_pieces
         # Compiled layer pieces (--execution-mode compiled), and the token counts they have been run at.
         self.compiled: LayerPieces | None = None
         self.compiled_shapes: set[int] = set()
@@ -50,8 +47,12 @@ class GraphRunner:
         self.compiled = LayerPieces(torch.compile(eager.attention_inputs, dynamic=False),
                                     torch.compile(eager.mlp_inputs, dynamic=False))
 
-    def pieces_for(self, bucket: StepShape | None, num_tokens: int
-                    ) -> tuple[LayerPieces, int]:
+    def eager_pieces(self) -> LayerPieces:
+        """The layers' eager dense parts: the C++ fused passes where the worker's attention
+        backend has them (and the model's family runs them)."""
+        return self.model.layer_pieces(self.inputs.attention)
+
+    def pieces_for(self, bucket: StepShape | None, num_tokens: int) -> tuple[LayerPieces, int]:
         """Compiled pieces for a bucketed batch, eager ones otherwise (a batch outside every
         bucket is not worth a compilation). Also: 1 if this shape compiles after warmup."""
         if self.compiled is None or bucket is None:

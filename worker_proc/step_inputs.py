@@ -32,7 +32,10 @@ class StepInputs:
         self.attention = attention
 
     def build(self, scheduled: list[tuple[int, int]], bucket: StepShape | None = None,
-                 device: torch.device | None = None):
+              device: torch.device | None = None):
+        """(input ids, positions, AttentionBatch, sample rows, sample request ids) of the
+        scheduled (request id, token count) pairs, padded to `bucket` where given, on `device`
+        (the worker's by default)."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
