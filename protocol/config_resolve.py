@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping
 
+from spmd_runtime.protocol.buckets import DIMENSIONS
 from spmd_runtime.protocol.env_vars import (
     BUCKET_PARTS,
     SPMD_ROW_PARALLEL_CHUNK_THRESHOLD,
@@ -32,7 +33,7 @@ def environment_options(given: Collection[str],
     naming a variable that is not an integer."""
     options: dict[str, object] = {}
     for phase in Phase:
-        for dimension in ("bs", "seq"):
+        for dimension in DIMENSIONS:
             field = f"{phase}_{dimension}_bucket"
             if field in given:
                 continue
