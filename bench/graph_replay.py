@@ -107,6 +107,18 @@ class Bench:
                 "idle_ms": statistics.median(o.idle_ms or 0.0 for o in steady),
                 "idle_fraction": idle / (device + idle) if device + idle else 0.0}
 
+    def op_table(self, ids: list[int], bucket: StepShape, steps: int, sync, rows: int) -> str:
+        """torch's profiler over `steps` eager decode steps: the ops that took the device's
+        (or, on CPU, the host's) time, most first."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            self.decode_ms(ids, bucket, steps, sync)
+        key = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=key, row_limit=rows)
+
     def drop(self, ids: list[int]) -> None:
         self.runner.execute(self.plan(dropped_request_ids=ids))
 
@@ -123,12 +135,15 @@ def main() -> int:
     parser.add_argument("--emulate", action="store_true",
                         help="no CUDA: time the graph path's staging run eagerly (smoke test)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--op-table", type=int, default=0, metavar="ROWS",
+                        help="also profile --steps eager decode steps of each batch with torch's "
+                             "profiler and print its ROWS costliest ops (by device time)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     block_size = 16
-    steps_total = args.warmup_steps * 2 + args.steps * 3
+    steps_total = args.warmup_steps * 2 + args.steps * (4 if args.op_table else 3)
     context_bucket = -(-(args.context + steps_total + 1) // block_size) * block_size
     blocks_per_request = context_bucket // block_size
     config = EngineConfig(model=args.model, dtype=args.dtype, device=device.type,
@@ -149,6 +164,9 @@ def main() -> int:
         bucket = StepShape(Phase.DECODE, batch, context_bucket)
         bench.decode_ms(ids, bucket, args.warmup_steps, sync)
         eager = bench.decode_ms(ids, bucket, args.steps, sync)
+        if args.op_table:
+            print(f"batch {batch} eager decode, {args.steps} steps, by op:\n"
+                  + bench.op_table(ids, bucket, args.steps, sync, args.op_table), flush=True)
         buckets = {Phase.DECODE: PhaseBuckets(Phase.DECODE, BucketRange(batch, batch, batch),
                                               BucketRange(context_bucket, context_bucket,
                                                           context_bucket),

@@ -44,6 +44,12 @@ class StepOutput:
     overlapped: bool = False
     logprobs: list[StepLogprobs] = field(default_factory=list)
 
+    def describe(self) -> str:
+        """One line for the worker's per-step debug log."""
+        idle = "?" if self.idle_ms is None else f"{self.idle_ms:.2f}"
+        return (f"forward {self.forward_ms:.2f} ms, device idle before it {idle} ms, "
+                f"{'overlapped' if self.overlapped else 'not overlapped'}")
+
 
 @dataclass(kw_only=True)
 class PreparedStep:
@@ -60,6 +66,13 @@ class PreparedStep:
     unread_positions: list[int]
     unread_rows: list[int]
     prepare_ms: float
+
+    def describe(self) -> str:
+        """One line for the worker's per-step debug log."""
+        tokens = sum(n for _, n in self.scheduled)
+        return (f"{len(self.scheduled)} requests, {tokens} tokens, bucket {self.bucket}, "
+                f"{'graph' if self.graph is not None else 'eager'}, prepared in "
+                f"{self.prepare_ms:.2f} ms")
 
 
 @dataclass(kw_only=True)

@@ -275,6 +275,8 @@ class StepLoop:
                 self._complete(in_flight)
                 in_flight = None
             prepared = self.runner.prepare(message)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("step %d: %s", message.step_id, prepared.describe())
             # The sensor reading and its all-reduce run beside the forward pass (in order, on
             # one thread: every rank starts the same collectives in the same order).
             thermal = self.monitor.begin(message.step_id)
@@ -297,6 +299,8 @@ class StepLoop:
     def _complete(self, in_flight: InFlight) -> None:
         output = self.runner.finish(in_flight.launched)
         thermal = self.monitor.finish(in_flight.thermal)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d done: %s", in_flight.step_id, output.describe())
         if self.rank == 0 and in_flight.step_id >= 0:
             send(self.sock, self.config, self.encoder.encode(StepResult(
                 step_id=in_flight.step_id, request_ids=output.request_ids,
