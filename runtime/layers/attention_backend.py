@@ -82,7 +82,10 @@ def choose_attention_backend(requested: str, device: torch.device, dtype: torch.
                              head_dim: int) -> AttentionBackend:
     """--attention-backend for a worker: auto is cpp on a CPU whose library is built, triton on
     CUDA where it runs this head size, torch otherwise; a backend asked for by name that cannot
-    run here is an error saying what to change."""
+    run here is an error saying what to change. On CUDA, SDPA is kept off cuDNN whichever
+    backend is chosen (avoid_per_shape_sdpa_plans)."""
+    if device.type == "cuda":
+        avoid_per_shape_sdpa_plans()
     if requested == "torch":
         return TORCH
     if requested == "cpp" or (requested == "auto" and device.type == "cpu"):
@@ -96,6 +99,17 @@ def choose_attention_backend(requested: str, device: torch.device, dtype: torch.
             f"TRITON_INTERPRET=1 on CPU) and a power-of-two head dim >= 16 (this model: "
             f"{head_dim}, device {device}); use --attention-backend torch or auto")
     return TRITON if usable else TORCH
+
+
+def avoid_per_shape_sdpa_plans() -> None:
+    """Keep torch's SDPA on its flash, memory-efficient and math kernels, off cuDNN's.
+
+    Packed prompt steps attend each prompt with its own SDPA call, and prompt lengths vary
+    from step to step. cuDNN's attention (which torch may pick on Hopper) builds an execution
+    plan for every new shape, tens to hundreds of milliseconds each: on an H200 the 8,192-token
+    prompt steps of the issue10 workload took 0.4-1.2 s each where the same step warmed up in
+    48 ms (docs/BENCHMARKS.md). Flash attention has no per-shape set-up."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _cpp_backend(requested: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:

@@ -59,3 +59,18 @@ def test_triton_runs_on_cuda_only_and_a_bad_request_says_what_to_change(monkeypa
     if importlib.util.find_spec("triton") is not None:
         assert choose_attention_backend("auto", CUDA, torch.bfloat16, 64) is TRITON
         assert choose_attention_backend("auto", CUDA, torch.bfloat16, 48) is TORCH  # not 2^n
+
+
+@pytest.mark.parametrize("requested", ["auto", "torch"])
+def test_a_cuda_worker_keeps_sdpa_off_cudnn_whose_plans_are_built_per_shape(requested) -> None:
+    """Packed prompt steps call SDPA once per prompt, with lengths that keep changing; cuDNN's
+    attention builds a plan for each new shape (0.4-1.2 s prompt steps on an H200). Choosing a
+    CUDA worker's backend, whichever, turns it off; a CPU worker's leaves the flag alone."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        choose_attention_backend(requested, CPU, torch.float32, 64)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        choose_attention_backend(requested, CUDA, torch.bfloat16, 64)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
