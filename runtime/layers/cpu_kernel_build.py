@@ -52,7 +52,42 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     libs = cpp_extension.library_paths()
     link = [f"-L{path}" for path in libs] + [f"-Wl,-rpath,{path}" for path in libs]
     return ([*includes, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-std=c++20", "-fPIC", "-O3",
-             "-fopenmp"], [*link, "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp", "-shared"])
+             "-fopenmp"], [*link, *loaded_libstdcxx(), "-lc10", "-ltorch_cpu", "-ltorch",
+                           "-fopenmp", "-shared"])
+
+
+def loaded_libstdcxx(maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """The shared C++ runtime this process runs (torch loaded it), named by its path, so the
+    library links to it. Where the compiler finds only libstdc++.a (a toolchain without the
+    libstdc++.so link: seen on a GPU host), g++ would copy the C++ runtime into the library;
+    that copy's locale facets do not match the process's, and formatting a number (every
+    TORCH_CHECK message) crashed the interpreter. [] where /proc tells nothing."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    found = sorted({line.split()[-1] for line in lines if "/libstdc++.so" in line})
+    return found[:1]
+
+
+# A symbol of the C++ runtime's own code (std::ostream::_M_insert<long>): a library that
+# defines it carries a copy of libstdc++ (see loaded_libstdcxx).
+LIBSTDCXX_CODE = "_ZNSo9_M_insertIlEERSoT_"
+
+
+def check_runtime_not_copied(library: Path) -> None:
+    """Refuse a library that defines the C++ runtime's own code; skipped where there is no
+    `nm` to read its symbols with."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return
+    done = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True,
+                          text=True)
+    if done.returncode == 0 and LIBSTDCXX_CODE in done.stdout.split():
+        raise KernelBuildError(
+            f"{library.name} links a static copy of libstdc++ (it defines {LIBSTDCXX_CODE}), "
+            "which crashes formatting numbers: install the compiler's libstdc++ development "
+            "files (libstdc++-N-dev) so that g++ finds libstdc++.so, and build again")
 
 
 def _run(command: list[str]) -> None:
@@ -79,6 +114,7 @@ def build(level: str, root: Path = DEFAULT_ROOT, jobs: int | None = None) -> Pat
                                   "-o", str(obj)] for source, obj in zip(SOURCES, objects, strict=True)]))
         staged = Path(scratch) / LIBRARY
         _run([compiler, *map(str, objects), *link_flags, "-o", str(staged)])
+        check_runtime_not_copied(staged)
         if library_path(level, torch.__version__, root) != target:
             raise KernelBuildError("the sources changed while they were compiled: nothing was "
                                    "installed; build again")

@@ -2,6 +2,9 @@
 --dtype auto resolves to, with the CPU's flags given (mocked) rather than read off this VM."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 from spmd_runtime.runtime import cpu_features
@@ -95,3 +98,30 @@ def test_this_machine_loaded_a_prebuilt_library_without_compiling() -> None:
     assert library.path is not None, library.missing
     assert library.level == cpu_features.detect().kernel_levels[0]
     assert cpu_kernel_build.DEFAULT_ROOT in library.path.parents
+
+
+def test_the_library_links_the_processes_shared_cpp_runtime(tmp_path) -> None:
+    """The link names the libstdc++.so this process runs: a g++ that finds only libstdc++.a
+    would otherwise copy the runtime into the library (it crashed formatting numbers)."""
+    maps = tmp_path / "maps"
+    maps.write_text("7f0-7f1 r-xp 0 08:01 5 /usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33\n"
+                    "7f2-7f3 r-xp 0 08:01 6 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert cpu_kernel_build.loaded_libstdcxx(maps) == ["/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33"]
+    assert cpu_kernel_build.loaded_libstdcxx(tmp_path / "absent") == []
+    _, link = cpu_kernel_build._torch_flags()
+    assert any("libstdc++.so" in flag for flag in link)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None,
+                    reason="needs g++ and nm")
+def test_a_library_carrying_a_static_cpp_runtime_is_refused(tmp_path) -> None:
+    source = tmp_path / "number.cpp"
+    source.write_text('#include <sstream>\n#include <string>\n'
+                      'std::string number(long n) { std::ostringstream s; s << n; return s.str(); }\n')
+    shared, static = tmp_path / "shared.so", tmp_path / "static.so"
+    for target, extra in ((shared, []), (static, ["-static-libstdc++"])):
+        subprocess.run(["g++", "-shared", "-fPIC", *extra, str(source), "-o", str(target)],
+                       check=True)
+    cpu_kernel_build.check_runtime_not_copied(shared)
+    with pytest.raises(cpu_kernel_build.KernelBuildError, match="static copy of libstdc"):
+        cpu_kernel_build.check_runtime_not_copied(static)
