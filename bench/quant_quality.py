@@ -1,4 +1,4 @@
-"""Quality of `--quantization int8` against float32: teacher-forced top-1 agreement and perplexity.
+"""Quality of `--quantization int8` or `gguf` against float32: teacher-forced top-1 agreement and perplexity.
 
 Real English text (by default the design documents in ../shared/seeds/, ~14k tokens) is cut into
 windows of --window tokens; each window runs through the model once in float32 and once quantized
@@ -11,6 +11,7 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
     python bench/quant_quality.py --text some.txt --window 512
     python bench/quant_quality.py --dtype bfloat16              # int8 over bf16, against float32
     python bench/quant_quality.py --dtype bfloat16 --quantization none   # bf16 alone
+    python bench/quant_quality.py --quantization gguf     # the file's blocks kept, vs dequantised
 """
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
 
 def build(model: str, quantization: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    config, weights = load_model(resolve_model(model), dtype)
+    config, weights = load_model(resolve_model(model), dtype,
+                                 keep_quantized=quantization == "gguf")
     model = build_model(config, dtype)
     model.load_hf_state_dict(weights)
-    quantize_linear_weights(model.eval(), quantization)
-    return model
+    if quantization != "gguf":
+        quantize_linear_weights(model.eval(), quantization)
+    return model.eval()
 
 
 def read_text(paths: list[Path]) -> str:
@@ -44,7 +47,7 @@ def read_text(paths: list[Path]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--quantization", default="int8", choices=QUANTIZATION_METHODS)
+    parser.add_argument("--quantization", default="int8", choices=(*QUANTIZATION_METHODS, "gguf"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the compared model's dtype (the reference is float32)")
     parser.add_argument("--text", type=Path, nargs="*",

@@ -69,7 +69,7 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"thermal_sensor must be one of {', '.join(THERMAL_SENSORS)} or "
                              f"file:PATH, got {sensor!r}")
         if self.quantization != "none" and self.device == "cuda":
-            raise ValueError(f"--quantization {self.quantization} runs on the CPU's integer GEMM: "
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU's kernels: "
                              "use --device cpu, or --quantization none on CUDA")
         remote = [address for address in (self.rpc_address, self.worker_address,
                                           f"tcp://{self.http_host}:{self.http_port}")

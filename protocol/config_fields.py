@@ -27,11 +27,13 @@ class ModelOptions(msgspec.Struct, kw_only=True):
         "float16 or bfloat16"))] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], Meta(description=(
         "auto: cuda where available, else cpu"))] = "auto"
-    quantization: Annotated[Literal["none", "int8"], Meta(description=(
+    quantization: Annotated[Literal["none", "int8", "gguf"], Meta(description=(
         "none: the weights in --dtype (exact); int8: projection weights quantized per output "
         "channel and activations per token, multiplied as int8 (CPU only; eager: "
         "--execution-mode compiled compiles nothing; faster, slightly different outputs: see "
-        "docs/BENCHMARKS.md for its quality)"))] = "none"
+        "docs/BENCHMARKS.md for its quality); gguf: a .gguf file's Q4_0, Q4_1 and Q8_0 "
+        "projection and embedding weights stay in their blocks (a fifth of float32's memory; "
+        "other types are dequantised, logged; CPU only, eager)"))] = "none"
     dummy_seed: Annotated[int, Meta(description="seed of the random weights of dummy: models")] = 0
 
 

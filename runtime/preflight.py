@@ -25,6 +25,9 @@ def check_config(config: EngineConfig, *, serves_rpc: bool = True) -> None:
     check_values(config)
     check_curve_keys(config)
     source = model_source(config.model)
+    if config.quantization == "gguf" and source.kind != "gguf":
+        raise ConfigError(f"--quantization gguf keeps a .gguf file's quantized blocks, and "
+                          f"{config.model} is not a GGUF file: use --quantization none or int8")
     check_tensor_parallel(config, source)
     if config.node_rank == 0:
         check_ports(config, serves_rpc=serves_rpc)

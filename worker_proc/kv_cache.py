@@ -10,7 +10,7 @@ import torch
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk
-from spmd_runtime.runtime.layers.linear import weight_bytes
+from spmd_runtime.runtime.layers.linear import weight_bytes, weight_parameters
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 # The KV cache a CPU worker takes when not told: a laptop-sized bound (see size_kv_cache).
@@ -37,13 +37,16 @@ class CacheSizing:
     usable_bytes: int = 0           # gpu_memory_utilization x free_bytes
     capped_at: int = 0              # blocks max_num_seqs x max_model_len can use, if that bit
     graph_reserved_bytes: int = 0   # set aside for captured graphs before sizing the cache
+    weights_parameters: int = 0     # parameters the weights hold (for bytes per parameter)
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
     def describe(self, block_size: int, utilization: float, max_model_len: int = 0) -> str:
-        parts = [f"weights {_gib(self.weights_bytes)}"]
+        per_parameter = (f" ({self.weights_bytes / self.weights_parameters:.2f} bytes per "
+                         "parameter)" if self.weights_parameters else "")
+        parts = [f"weights {_gib(self.weights_bytes)}{per_parameter}"]
         if self.how == "profiled":
             parts += [f"profile-run peak {_gib(self.profile_peak_bytes)}",
                       f"free {_gib(self.free_bytes)} x {utilization:g} = usable "
@@ -83,16 +86,17 @@ def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dt
     a full token budget, once that pass's activations are set aside, and with `graphs` the
     --graph-reserved-mem share of the usable memory."""
     per_block = bytes_per_block(model.config, config.block_size, dtype, tp_size)
-    weights = weight_bytes(model)
+    weights, parameters = weight_bytes(model), weight_parameters(model)
 
     def from_bytes(how: str, budget: int, **details) -> CacheSizing:
         wanted = max(0, budget) // per_block
         return CacheSizing(how, weights, per_block, min(wanted, max_useful_blocks),
                            capped_at=max_useful_blocks if wanted > max_useful_blocks else 0,
-                           **details)
+                           weights_parameters=parameters, **details)
 
     if config.num_kv_blocks:
-        return CacheSizing("num_kv_blocks", weights, per_block, config.num_kv_blocks)
+        return CacheSizing("num_kv_blocks", weights, per_block, config.num_kv_blocks,
+                           weights_parameters=parameters)
     if config.kv_cache_memory:
         return from_bytes("kv_cache_memory", config.kv_cache_memory)
     if device.type == "cpu":

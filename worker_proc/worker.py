@@ -125,10 +125,10 @@ def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torc
     it runs (chosen before the weights are built, so a backend that cannot run fails fast)."""
     started = time.perf_counter()
     tp = tensor_parallel(config, ctx)
-    model_config, weights = load_model(resolve_model(config.model), dtype, seed=config.dummy_seed,
-                                       shard_spec_for=lambda c: shard_spec(c, tp))
-    attention = choose_attention_backend(config.attention_backend, ctx.device, dtype,
-                                         model_config.head_dim)
+    model_config, weights = load_model(
+        resolve_model(config.model), dtype, seed=config.dummy_seed, shard_spec_for=lambda c:
+        shard_spec(c, tp), keep_quantized=config.quantization == "gguf")
+    attention = choose_attention_backend(config.attention_backend, ctx.device, dtype, model_config.head_dim)
     if ctx.rank == 0:
         built = f" (C++ library built for {cpu_ops.loaded().level})" if attention is CPP else ""
         log.info("attention backend %s%s", attention.name, built)
@@ -158,9 +158,9 @@ def release_free_memory() -> None:
 
 def prepare_weights(config: EngineConfig, model: torch.nn.Module, device: torch.device,
                     dtype: torch.dtype) -> None:
-    """Quantize the projections if asked; otherwise, on a CPU worker that does not compile its
-    layers, pack the float32 ones for MKL's GEMM (runtime/layers/linear.py)."""
-    if config.quantization == "none":
+    """Quantize the projections if asked (gguf: kept in the file's blocks at load); otherwise,
+    on a CPU worker that does not compile, pack the float32 ones for MKL (layers/linear.py)."""
+    if config.quantization in ("none", "gguf"):
         if can_pack(device, dtype) and not compiling(config, device.type):
             pack_linear_weights(model)
         return

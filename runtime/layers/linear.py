@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight, group_quant_linear
 from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
     RescoredInt8Head,
@@ -125,13 +126,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Pack every float32 projection of the model (the layers' and the LM head; the embedding
-    table stays plain, also when tied to the head) in place. Returns the number packed."""
+    table stays plain, also when tied to the head) in place, except those kept in GGUF's blocks
+    (--quantization gguf). Returns the number packed."""
     count = 0
-    for module, name in model.projection_slots():
-        swap_weight(module, name, PackedWeight.pack(getattr(module, name)))
-        count += 1
-    swap_weight(model, "lm_head", PackedWeight.pack(model.lm_head))
-    return count + 1
+    for module, name in [*model.projection_slots(), (model, "lm_head")]:
+        weight = getattr(module, name)
+        if isinstance(weight, torch.Tensor):    # not one kept in GGUF's blocks
+            swap_weight(module, name, PackedWeight.pack(weight))
+            count += 1
+    return count
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -140,10 +143,27 @@ def weight_bytes(model: nn.Module) -> int:
     tensors = list(model.parameters())
     for module in model.modules():
         tensors += [t for value in vars(module).values()
-                    if isinstance(value, PackedWeight | Int8Weight | RescoredInt8Head)
+                    if isinstance(value, PackedWeight | Int8Weight | RescoredInt8Head
+                                  | GroupQuantWeight)
                     for t in value.tensors()]
     return sum(t.numel() * t.element_size()
                for t in {_storage_key(t): t for t in tensors}.values())
+
+
+def weight_parameters(model: nn.Module) -> int:
+    """Parameters of the model's weights, each once (a tied table counts once), whatever form
+    holds them: what weight_bytes' bytes per parameter are taken over."""
+    weights: dict[int, object] = {}
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for module in model.modules():
+        for name, value in [*module._parameters.items(), *vars(module).items()]:
+            if tied and module is model and name == "lm_head":    # the embedding's parameters
+                continue
+            if isinstance(value, torch.Tensor | PackedWeight | Int8Weight | GroupQuantWeight):
+                key = _storage_key(value) if isinstance(value, torch.Tensor) else id(value)
+                weights[key] = value
+    return sum(w.numel() if isinstance(w, torch.Tensor) else w.shape.numel()
+               for w in weights.values())
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -157,7 +177,8 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return id(tensor)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | Int8Weight | RescoredInt8Head,
+def linear(x: torch.Tensor,
+           weight: torch.Tensor | PackedWeight | Int8Weight | RescoredInt8Head | GroupQuantWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, PackedWeight):
         return packed_linear(x, weight, bias)
@@ -165,6 +186,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | Int8Weight | R
         return int8_linear(x, weight, bias)
     if isinstance(weight, RescoredInt8Head):
         return weight.logits(x)
+    if isinstance(weight, GroupQuantWeight):
+        return group_quant_linear(x, weight, bias)
     # Under torch.compile the compiler picks its own GEMM (it cannot lower this op as called).
     if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
             and not torch.compiler.is_compiling()):

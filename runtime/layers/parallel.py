@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.preflight import tensor_parallel_problem
 
@@ -100,6 +101,8 @@ def read_stacked_parts(source, parts: list[tuple[str, int]], spec=None) -> dict[
 def shard_rows(weight, start: int, count: int) -> torch.Tensor:
     """Rows [start, start + count), zero-padded past the end (a vocabulary's last shard)."""
     part = weight[start:start + count]
+    if part.shape[0] < count and isinstance(part, GroupQuantWeight):
+        return part.pad_rows(count)
     if part.shape[0] < count:
         pad = torch.zeros((count - part.shape[0],) + tuple(part.shape[1:]), dtype=part.dtype)
         part = torch.cat([part, pad])
@@ -108,11 +111,13 @@ def shard_rows(weight, start: int, count: int) -> torch.Tensor:
 
 def vocab_parallel_embedding(ids: torch.Tensor, shard: torch.Tensor, vocab_start: int,
                              tp: TensorParallel) -> torch.Tensor:
+    lookup = shard.embedding if isinstance(shard, GroupQuantWeight) else \
+        (lambda rows: torch.nn.functional.embedding(rows, shard))
     if tp.size == 1:
-        return torch.nn.functional.embedding(ids, shard)
+        return lookup(ids)
     local = ids - vocab_start
     outside = (local < 0) | (local >= shard.shape[0])
-    x = torch.nn.functional.embedding(local.masked_fill(outside, 0), shard)
+    x = lookup(local.masked_fill(outside, 0))
     x.masked_fill_(outside.unsqueeze(-1), 0.0)
     return tp.all_reduce(x)
 

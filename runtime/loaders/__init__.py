@@ -54,13 +54,15 @@ def load_weights(
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, seed: int = 0,
-               shard_spec_for=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+               shard_spec_for=None, keep_quantized: bool = False
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and weights together, reading the source once where that matters (GGUF).
-    `shard_spec_for(config)` gives the shard spec of load_weights."""
+    `shard_spec_for(config)` gives the shard spec of load_weights; `keep_quantized` keeps a GGUF
+    file's block-quantized weights in their blocks (--quantization gguf)."""
     if source.kind == "gguf":
         from spmd_runtime.runtime.loaders.gguf import load_gguf_model
 
-        return load_gguf_model(source.path, dtype)
+        return load_gguf_model(source.path, dtype, keep_quantized)
     config = load_model_config(source)
     shard_spec = shard_spec_for(config) if shard_spec_for else None
     return config, load_weights(source, config, dtype, seed, shard_spec)

@@ -6,6 +6,7 @@ torch is imported only inside load_gguf_weights so that reading the config stays
 
 from __future__ import annotations
 
+import logging
 import re
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,10 @@ from spmd_runtime.runtime.models import model_class
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("spmd.loader")
+# Float tensor types: loading them is not dequantising.
+_PLAIN_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                gguf.GGMLQuantizationType.BF16)
 _SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # The family (ModelConfig.architecture) a llama.cpp architecture loads as, where the names differ.
 _FAMILIES = MappingProxyType({"gemma3": "gemma3_text"})
@@ -216,23 +221,26 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_model(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf_model(path: str, dtype: torch.dtype, keep_quantized: bool = False
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and weights from one read of the file's directory (gguf_file.GGUFFile)."""
     reader = GGUFFile(path)
     config = config_from_reader(reader, path)
-    return config, _weights_from_reader(reader, path, config, dtype)
+    return config, _weights_from_reader(reader, path, config, dtype, keep_quantized)
 
 
-def load_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dequantise every tensor of a GGUF file into a CPU state dict with Hugging Face names."""
-    return _weights_from_reader(GGUFFile(path), path, config, dtype)
+def load_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
+                      keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF file in a CPU state dict with Hugging Face names: dequantised, or
+    with `keep_quantized` (--quantization gguf) the projection and embedding weights of the
+    block types that have a kernel as GroupQuantWeight (runtime/layers/group_quant.py)."""
+    return _weights_from_reader(GGUFFile(path), path, config, dtype, keep_quantized)
 
 
-def _weights_from_reader(reader: GGUFFile, path: str, config: ModelConfig,
-                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _weights_from_reader(reader: GGUFFile, path: str, config: ModelConfig, dtype: torch.dtype,
+                         keep_quantized: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor under its Hugging Face name, checked against the names and shapes that
     config's family reads (as a safetensors checkpoint's are), stacked ones split into parts."""
-    import torch
     from spmd_runtime.runtime.layers.parallel import read_stacked_parts
 
     family = model_class(config)
@@ -240,20 +248,55 @@ def _weights_from_reader(reader: GGUFFile, path: str, config: ModelConfig,
     allowed, stacked = {**expected, **optional}, family.stacked_tensors(config)
     out: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
+    expanded: dict[str, int] = {}
     for t in reader.tensors:
         name = hf_name(t.name, config.architecture)
         if name not in allowed:
             raise ValueError(f"{path}: tensor {t.name!r} ({name}) does not fit the model config")
-        w = _dequantised(t, config)
-        if w.shape != allowed[name]:
-            raise ValueError(f"{path}: tensor {t.name!r} has shape {w.shape}, config implies {allowed[name]}")
+        tensor = _loaded_tensor(t, name, config, dtype, keep_quantized, expanded)
+        if tuple(tensor.shape) != tuple(allowed[name]):
+            raise ValueError(f"{path}: tensor {t.name!r} has shape {tuple(tensor.shape)}, "
+                             f"config implies {allowed[name]}")
         seen.add(name)
-        tensor = torch.from_numpy(w).to(dtype)
         out.update(read_stacked_parts(tensor, stacked[name]) if name in stacked else {name: tensor})
     missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{path}: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if expanded:
+        log.info("%s: %s dequantised to %s (no kernel keeps these types quantized)", path,
+                 ", ".join(f"{count} {kind} tensors" for kind, count in sorted(expanded.items())),
+                 str(dtype).removeprefix("torch."))
     return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def _loaded_tensor(t, name: str, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool,
+                   expanded: dict[str, int]):
+    """One GGUF tensor as loaded: kept in its blocks where asked and possible, else dequantised
+    (counted in `expanded` by type where it was a quantized type asked to be kept)."""
+    import torch
+    from spmd_runtime.runtime.layers.group_quant import KEPT_TYPES, from_gguf_blocks
+
+    projection = name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+    if keep_quantized and projection and t.tensor_type in KEPT_TYPES:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        weight = from_gguf_blocks(np.asarray(t.data), t.tensor_type, shape, dtype)
+        heads = _rotary_heads(t.name, config)
+        if heads:
+            weight = weight[torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads))]
+        return weight
+    if keep_quantized and projection and t.tensor_type not in _PLAIN_TYPES:
+        expanded[t.tensor_type.name] = expanded.get(t.tensor_type.name, 0) + 1
+    return torch.from_numpy(_dequantised(t, config)).to(dtype)
+
+
+def _rotary_heads(name: str, config: ModelConfig) -> int:
+    """For the llama architecture's Q and K: the head count llama.cpp permuted their rows by;
+    0 for every other tensor."""
+    if config.architecture == "llama" and ".attn_q." in name:
+        return config.num_attention_heads
+    if config.architecture == "llama" and ".attn_k." in name:
+        return config.num_key_value_heads
+    return 0
 
 
 def _dequantised(t, config: ModelConfig) -> np.ndarray:
@@ -267,10 +310,8 @@ def _dequantised(t, config: ModelConfig) -> np.ndarray:
     if config.architecture in _SHIFTED_NORMS and t.name.endswith("norm.weight"):
         # The model adds the 1 back at load time, as for a Hugging Face checkpoint.
         w = w.astype(np.float32) - 1.0
-    elif config.architecture == "llama" and ".attn_q." in t.name:
-        w = unpermute_rotary(w, config.num_attention_heads)
-    elif config.architecture == "llama" and ".attn_k." in t.name:
-        w = unpermute_rotary(w, config.num_key_value_heads)
+    elif _rotary_heads(t.name, config):
+        w = unpermute_rotary(w, _rotary_heads(t.name, config))
     if not w.flags.writeable:
         # F32 tensors come back as views of the read-only file mapping.
         w = w.copy()

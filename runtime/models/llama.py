@@ -7,6 +7,7 @@ import torch
 from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
 from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
+from spmd_runtime.runtime.layers.group_quant import assign_weight, stack_rows
 from spmd_runtime.runtime.layers.linear import decode_layers_slots, linear
 from spmd_runtime.runtime.layers.norm import RMSNorm
 from spmd_runtime.runtime.layers.parallel import (
@@ -262,19 +263,21 @@ class LlamaForCausalLM(nn.Module):
                 return tensor           # a loader read only this rank's shard
             return read_shard(tensor, shard)
 
-        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+        assign_weight(self, "embed_tokens", take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         if not self.config.tie_word_embeddings:
-            self.lm_head.copy_(take("lm_head.weight"))
+            assign_weight(self, "lm_head", take("lm_head.weight"))
+        elif not isinstance(self.embed_tokens, torch.Tensor):    # the table, kept in blocks
+            assign_weight(self, "lm_head", self.embed_tokens)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn = layer.self_attn
-            attn.qkv_proj.copy_(torch.cat([take(prefix + f"self_attn.{p}_proj.weight")
-                                           for p in "qkv"]))
+            assign_weight(attn, "qkv_proj", stack_rows([take(prefix + f"self_attn.{p}_proj.weight")
+                                                        for p in "qkv"]))
             if prefix + "self_attn.q_proj.bias" in weights:
                 attn.qkv_bias = _loaded(torch.cat(
                     [take(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]), attn.qkv_proj)
-            attn.o_proj.copy_(take(prefix + "self_attn.o_proj.weight"))
+            assign_weight(attn, "o_proj", take(prefix + "self_attn.o_proj.weight"))
             if prefix + "self_attn.o_proj.bias" in weights:
                 attn.o_bias = _loaded(take(prefix + "self_attn.o_proj.bias"), attn.o_proj)
             if prefix + "self_attn.q_norm.weight" in weights:
@@ -283,9 +286,9 @@ class LlamaForCausalLM(nn.Module):
                     for _ in range(2))
                 attn.q_norm.weight.copy_(take(prefix + "self_attn.q_norm.weight"))
                 attn.k_norm.weight.copy_(take(prefix + "self_attn.k_norm.weight"))
-            layer.mlp.gate_up_proj.copy_(torch.cat([take(prefix + "mlp.gate_proj.weight"),
-                                                    take(prefix + "mlp.up_proj.weight")]))
-            layer.mlp.down_proj.copy_(take(prefix + "mlp.down_proj.weight"))
+            assign_weight(layer.mlp, "gate_up_proj", stack_rows([take(prefix + "mlp.gate_proj.weight"),
+                                                                 take(prefix + "mlp.up_proj.weight")]))
+            assign_weight(layer.mlp, "down_proj", take(prefix + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(prefix + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 take(prefix + "post_attention_layernorm.weight"))

@@ -46,6 +46,13 @@ def test_values_the_constructor_does_not_check() -> None:
                                                                           max_num_seqs=0)
 
 
+def test_gguf_quantization_needs_a_gguf_file() -> None:
+    assert _problem(model=TINY, quantization="gguf") == (
+        "--quantization gguf keeps a .gguf file's quantized blocks, and dummy:tiny-llama is not "
+        "a GGUF file: use --quantization none or int8")
+    check_config(EngineConfig(model="smollm2", quantization="gguf", rpc_address="ipc:///tmp/x"))
+
+
 def test_models_that_are_not_there(tmp_path) -> None:
     assert "GGUF file not found" in _problem(model=str(tmp_path / "model.gguf"))
     assert "model path not found" in _problem(model=str(tmp_path / "no-such-dir"))

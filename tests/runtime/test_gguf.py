@@ -23,6 +23,8 @@ from sharp_llama import (
     transformers_greedy,
 )
 from spmd_runtime.runtime import LLM
+from spmd_runtime.runtime.layers.group_quant import KEPT_TYPES, GroupQuantWeight
+from spmd_runtime.runtime.layers.parallel import TensorParallel
 from spmd_runtime.runtime.loaders.gguf import load_gguf_model, read_gguf_config
 from spmd_runtime.runtime.loaders.hf_dir import read_hf_config
 from spmd_runtime.runtime.models import build_model
@@ -107,8 +109,10 @@ def write_gemma_metadata(writer: gguf.GGUFWriter, arch: str, config) -> None:
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
 
 
-def write_gguf(path: str, model, arch: str, token_list: bool = True) -> str:
-    """`model` as a float32 GGUF file of llama.cpp's `arch` (see write_metadata)."""
+def write_gguf(path: str, model, arch: str, token_list: bool = True,
+               blocks: gguf.GGMLQuantizationType | None = None) -> str:
+    """`model` as a float32 GGUF file of llama.cpp's `arch` (see write_metadata); with `blocks`,
+    its projection and embedding weights in that block-quantized type."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     write_metadata(writer, arch, config, token_list)
@@ -124,7 +128,11 @@ def write_gguf(path: str, model, arch: str, token_list: bool = True) -> str:
             data = llama_cpp_permute(data, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, config.num_key_value_heads)
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if blocks is not None and name.endswith(("_proj.weight", "embed_tokens.weight")):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, blocks), raw_dtype=blocks)
+        else:
+            writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -172,6 +180,39 @@ def test_gguf_logits_equal_transformers(checkpoint) -> None:
         theirs = from_gguf(torch.tensor([ids])).logits[0]
     # transformers reads the file as llama.cpp's layout too: the same model.
     assert float((theirs - expected).abs().max()) < 1e-4
+
+
+# The kept types gguf-py can write (Q4_K has no quantizer there: test_group_quant.py decodes it).
+@pytest.mark.parametrize("blocks", [t for t in KEPT_TYPES if t.name != "Q4_K"])
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_blocks_kept_quantized_are_the_dequantised_weights(family, blocks, tmp_path) -> None:
+    """--quantization gguf's load (keep_quantized): Mistral, llama.cpp's llama architecture (Q/K
+    rows permuted), and Phi-3 (QKV and gate/up stacked in the file) give the dequantised load's
+    logits, float32, and every tensor-parallel rank's shard of each projection is the
+    dequantised model's (Mistral's 48 output-projection columns a rank split blocks: expanded)."""
+    hf = hf_model(family)
+    path = write_gguf(str(tmp_path / f"{family}.gguf"), hf, ARCHITECTURES[family],
+                      token_list=False, blocks=blocks)
+    config, dense = load_gguf_model(path, torch.float32)
+    _, kept = load_gguf_model(path, torch.float32, keep_quantized=True)
+    assert sum(isinstance(w, GroupQuantWeight) for w in kept.values()) == 2 * 7 + 1
+    models = []
+    for weights, tp in ((dense, TensorParallel()), (kept, TensorParallel())):
+        models.append(build_model(config, torch.float32, tp))
+        models[-1].load_hf_state_dict(dict(weights))
+    ids = family_prompts()[2]
+    torch.testing.assert_close(models[1].eval().prompt_logits(ids),
+                               models[0].eval().prompt_logits(ids), rtol=1e-5, atol=1e-4)
+    for rank in range(2):
+        shards = [build_model(config, torch.float32, TensorParallel(rank, 2)) for _ in range(2)]
+        shards[0].load_hf_state_dict(dict(dense))
+        shards[1].load_hf_state_dict(dict(kept))
+        for (module, name), (kept_module, _) in zip(shards[0].projection_slots(),
+                                                     shards[1].projection_slots(), strict=True):
+            weight = getattr(kept_module, name)     # expanded where a shard splits blocks
+            expanded = weight.expand() if isinstance(weight, GroupQuantWeight) else weight
+            assert torch.equal(expanded, getattr(module, name))
+        assert torch.equal(shards[1].embed_tokens.expand(), shards[0].embed_tokens)
 
 
 def test_longrope_factors_are_refused(tmp_path) -> None:

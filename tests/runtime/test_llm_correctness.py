@@ -142,3 +142,22 @@ def test_tiny_hf_directory_greedy_matches_transformers(tiny_llama, greedy_refere
     assert all(o.text == "" for o in outputs), "token-id prompts need no tokenizer"
     refs = [greedy_reference.generate(model, p, NEW_TOKENS) for p in prompts]
     greedy_reference.check(model, prompts, [o.token_ids for o in outputs], refs, min_exact=7)
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_kept_in_its_gguf_blocks_matches_transformers_chunked_preempted_and_cached(
+        hf_smollm2, smollm2_prompts, smollm2_references, greedy_reference) -> None:
+    """--quantization gguf, float32: the file's Q4_1 projections and Q8_0 embedding stay in their
+    blocks and are expanded only inside the products, to the weights transformers dequantises;
+    only the order of the sums differs from the float32 rule's exact mode, so the rule holds (7
+    of 8 token for token, divergences near-ties), with 16-token prefill chunks and a pool of 24
+    blocks (preemption by recompute); then the same prompts again over the prefix cache."""
+    model, _ = hf_smollm2
+    with LLM("smollm2", dtype="float32", quantization="gguf", max_num_batched_tokens=16,
+             num_kv_blocks=24, enable_prefix_caching=True) as llm:
+        outputs = [o.token_ids for o in llm.generate(smollm2_prompts, GREEDY)]
+        assert llm.client.stats().num_preemptions > 0, "the workload should preempt"
+        again = [o.token_ids for o in llm.generate(smollm2_prompts[:4], GREEDY)]
+        assert llm.client.stats().prefix_cache_hits > 0
+    greedy_reference.check(model, smollm2_prompts, outputs, smollm2_references, min_exact=7)
+    assert again == outputs[:4]

@@ -1,0 +1,167 @@
+// Projections whose weights stay in GGUF's block formats (runtime/layers/group_quant.py): each
+// block of 32 weights along a row keeps its codes and one float32 scale, and 4-bit blocks one
+// float32 offset: w = scale * q + offset (Q4_1's d and m; Q4_0 as offset -8d; Q8_0 signed
+// codes, no offset). Activations and sums are float32.
+//
+// Few rows (decode): each thread takes a range of output features; a feature's weights are
+// made in float32 once and every row of x multiplied into 32 running sums. Many rows
+// (prefill): 64 output features at a time are expanded to float32 and multiplied by MKL's GEMM.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kDirectRows = 8;     // up to this many rows of x: the direct kernel
+constexpr int64_t kTile = 64;          // output features expanded at a time for the GEMM
+
+struct Codes {
+  const uint8_t* nibbles = nullptr;    // 4-bit: [N, K / 2], GGUF's layout per block
+  const int8_t* bytes = nullptr;       // 8-bit: [N, K]
+  const float* scales;                 // [N, K / 32]
+  const float* offsets;                // [N, K / 32] (4-bit) or nullptr
+  int64_t K;
+
+  // Block b of output feature n as 32 floats q (without its scale and offset).
+  inline void block(int64_t n, int64_t b, float* q) const {
+    if (nibbles != nullptr) {
+      // Byte j of a block: element j in its low nibble, element j + 16 in its high one.
+      const uint8_t* src = nibbles + n * (K / 2) + b * (kBlock / 2);
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        q[j] = static_cast<float>(src[j] & 0x0F);
+        q[j + 16] = static_cast<float>(src[j] >> 4);
+      }
+    } else {
+      const int8_t* src = bytes + n * K + b * kBlock;
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) q[j] = static_cast<float>(src[j]);
+    }
+  }
+
+  // Output feature n's weights, expanded to float32 (K values).
+  inline void row(int64_t n, float* w) const {
+    const int64_t blocks = K / kBlock;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* dst = w + b * kBlock;
+      block(n, b, dst);
+      const float s = scales[n * blocks + b];
+      const float o = offsets != nullptr ? offsets[n * blocks + b] : 0.f;
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) dst[j] = dst[j] * s + o;
+    }
+  }
+};
+
+// Rows r0 .. r0 + R of x against one output feature's expanded weights w: R sets of 32 lane
+// sums, kept in registers across the row, added up once.
+template <int R>
+inline void dot_rows(const float* w, const float* x, int64_t K, float* out, int64_t N) {
+  float acc[R][kBlock] = {};
+  for (int64_t k = 0; k < K; k += kBlock) {
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + k;
+#pragma omp simd
+      for (int j = 0; j < kBlock; ++j) acc[r][j] += w[k + j] * xr[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < kBlock; ++j) sum += acc[r][j];
+    out[r * N] = sum;
+  }
+}
+
+void direct(const float* x, int64_t M, const Codes& codes, int64_t N, float* out) {
+  const int64_t K = codes.K;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    // One output feature's weights at a time, expanded once into a row that stays in cache
+    // while every row of x passes over it, four at a time.
+    std::vector<float> w(K);
+    for (int64_t n = begin; n < end; ++n) {
+      codes.row(n, w.data());
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) dot_rows<4>(w.data(), x + r * K, K, out + r * N + n, N);
+      switch (M - r) {
+        case 3: dot_rows<3>(w.data(), x + r * K, K, out + r * N + n, N); break;
+        case 2: dot_rows<2>(w.data(), x + r * K, K, out + r * N + n, N); break;
+        case 1: dot_rows<1>(w.data(), x + r * K, K, out + r * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+void tiled(const at::Tensor& x, const Codes& codes, int64_t N, at::Tensor& out) {
+  const int64_t K = codes.K;
+  at::Tensor tile = at::empty({kTile, K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += kTile) {
+    const int64_t count = std::min(kTile, N - n0);
+    float* w = tile.data_ptr<float>();
+    at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) codes.row(n0 + i, w + i * K);
+    });
+    out.narrow(1, n0, count).copy_(at::mm(x, tile.narrow(0, 0, count).t()));
+  }
+}
+
+void check_blocks(const char* op, const char* name, const at::Tensor& t, int64_t N,
+                  int64_t blocks) {
+  spmd_cpu::check_tensor(op, name, t, 2);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous float32 tensor");
+  TORCH_CHECK(t.size(0) == N && t.size(1) == blocks, op, ": ", name, " has shape ",
+              t.sizes(), ", [out_features, in_features / 32] expected");
+}
+
+// x [M, K] float32, codes ([N, K/2] uint8 for 4 bits, [N, K] int8 for 8), scales [N, K/32],
+// offsets [N, K/32] (4 bits) or None (8 bits) -> [M, N] float32.
+at::Tensor group_quant_linear(const at::Tensor& x, const at::Tensor& codes,
+                              const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                              int64_t bits) {
+  constexpr const char* op = "group_quant_linear";
+  spmd_cpu::check_tensor(op, "x", x, 2);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32");
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8");
+  spmd_cpu::check_tensor(op, "codes", codes, 2);
+  TORCH_CHECK(codes.is_contiguous() &&
+                  codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              op, ": codes must be a contiguous ", bits == 4 ? "uint8" : "int8", " tensor");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % kBlock == 0, op, ": in_features must be a multiple of 32");
+  TORCH_CHECK(codes.size(1) == (bits == 4 ? K / 2 : K), op,
+              ": codes and x disagree on in_features");
+  check_blocks(op, "scales", scales, N, K / kBlock);
+  TORCH_CHECK(offsets.has_value() == (bits == 4), op,
+              ": 4-bit codes take offsets, 8-bit codes none");
+  if (offsets.has_value()) check_blocks(op, "offsets", *offsets, N, K / kBlock);
+  const at::Tensor rows = x.contiguous();
+  Codes view{bits == 4 ? codes.data_ptr<uint8_t>() : nullptr,
+             bits == 8 ? codes.data_ptr<int8_t>() : nullptr, scales.data_ptr<float>(),
+             offsets.has_value() ? offsets->data_ptr<float>() : nullptr, K};
+  at::Tensor out = at::empty({rows.size(0), N}, rows.options());
+  if (rows.size(0) <= kDirectRows) {
+    direct(rows.data_ptr<float>(), rows.size(0), view, N, out.data_ptr<float>());
+  } else {
+    tiled(rows, view, N, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
+  m.def("group_quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) { m.impl("group_quant_linear", &group_quant_linear); }

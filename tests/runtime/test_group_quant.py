@@ -1,0 +1,100 @@
+"""GGUF block-quantized weights kept quantized (runtime/layers/group_quant.py and the C++
+group_quant_linear): decoding the file's blocks, slicing and stacking them as shards and fused
+projections do, and the product against the float32 dequantised weight (float32 throughout)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from cpu_library import needs_cpu_ops
+from gguf import GGMLQuantizationType as GGML
+from spmd_runtime.runtime.layers.group_quant import (
+    GroupQuantWeight,
+    from_gguf_blocks,
+    group_quant_linear,
+)
+
+TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0]
+
+
+def quantized(tensor_type: GGML, out_features: int = 48, in_features: int = 96,
+              seed: int = 0) -> tuple[GroupQuantWeight, np.ndarray]:
+    """A random weight in `tensor_type`'s blocks, and gguf's own dequantisation of them."""
+    rng = np.random.default_rng(seed)
+    raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features), np.float32),
+                               tensor_type)
+    expected = gguf.quants.dequantize(raw, tensor_type).reshape(out_features, in_features)
+    return from_gguf_blocks(raw, tensor_type, (out_features, in_features)), expected
+
+
+def random_q4_k(out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """Q4_K super-blocks of random bytes (any bytes are valid codes and 6-bit scales), with
+    float16 d and dmin of a real file's size (gguf-py cannot quantize to Q4_K)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (out_features, in_features // 256, 144), dtype=np.uint8)
+    for offset in (0, 2):
+        scale = rng.uniform(1e-3, 2e-2, blocks.shape[:2]).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale[..., None].view(np.uint8)
+    return blocks.reshape(out_features, -1)
+
+
+def test_q4_k_super_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit() -> None:
+    raw = random_q4_k(40, 512)
+    weight = from_gguf_blocks(raw, GGML.Q4_K, (40, 512))
+    expected = gguf.quants.dequantize(raw, GGML.Q4_K).reshape(40, 512)
+    assert torch.equal(weight.expand(), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+def test_the_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit(tensor_type) -> None:
+    weight, expected = quantized(tensor_type)
+    assert weight.shape == (48, 96)
+    assert torch.equal(weight.expand(), torch.from_numpy(expected))
+    rows = torch.tensor([5, 0, 47, 5])
+    assert torch.equal(weight.embedding(rows), torch.from_numpy(expected)[rows])
+    # Bytes per weight: 4-bit codes and two float32 per block, or 8-bit codes and one.
+    held = sum(t.numel() * t.element_size() for t in weight.tensors())
+    assert held / weight.shape.numel() == (1.125 if tensor_type == GGML.Q8_0 else 0.75)
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+def test_shards_and_stacks_are_the_slices_of_the_expanded_weight(tensor_type) -> None:
+    weight, expected = quantized(tensor_type)
+    dense = torch.from_numpy(expected)
+    assert torch.equal(weight[8:24].expand(), dense[8:24])
+    assert torch.equal(weight[:, 32:96].expand(), dense[:, 32:96])
+    permuted = torch.randperm(48)
+    assert torch.equal(weight[permuted].expand(), dense[permuted])
+    stacked = GroupQuantWeight.cat_rows([weight[:16], weight[16:]])
+    assert torch.equal(stacked.expand(), dense)
+    # Columns that split blocks come expanded (a shard of a width per rank not a multiple of 32).
+    assert torch.equal(weight[:, 16:48], dense[:, 16:48])
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 70])
+def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, rows) -> None:
+    """Both kernels (a few rows: direct; more: tiles through the GEMM) against F.linear on the
+    expanded float32 weight: the same products, summed in another order."""
+    weight, expected = quantized(tensor_type, out_features=150, in_features=320, seed=rows)
+    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+    reference = x @ torch.from_numpy(expected).t()
+    out = group_quant_linear(x, weight, None)
+    assert out.dtype == torch.float32 and out.shape == (rows, 150)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)
+    bias = torch.randn(150)
+    torch.testing.assert_close(group_quant_linear(x.view(1, rows, 320), weight, bias),
+                               (reference + bias).view(1, rows, 150), rtol=1e-5, atol=1e-4)
+
+
+@needs_cpu_ops
+def test_the_cpu_product_refuses_mismatched_blocks_naming_them() -> None:
+    weight, _ = quantized(GGML.Q4_1)
+    with pytest.raises(RuntimeError, match="offsets"):
+        torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 96), weight.codes, weight.scales,
+                                              None, 4)
+    with pytest.raises(RuntimeError, match="in_features"):
+        torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 64), weight.codes, weight.scales,
+                                              weight.offsets, 4)
