@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import re
 import socket
+import struct
 
 import msgspec
 from spmd_runtime.protocol.config import EngineConfig, engine_config_choices, is_local_address
@@ -28,6 +29,7 @@ def check_config(config: EngineConfig, *, serves_rpc: bool = True) -> None:
     if config.quantization == "gguf" and source.kind != "gguf":
         raise ConfigError(f"--quantization gguf keeps a .gguf file's quantized blocks, and "
                           f"{config.model} is not a GGUF file: use --quantization none or int8")
+    check_gguf_file(source)
     check_tensor_parallel(config, source)
     if config.node_rank == 0:
         check_ports(config, serves_rpc=serves_rpc)
@@ -78,6 +80,19 @@ def tensor_parallel_problem(model: ModelConfig, size: int) -> str | None:
         return (f"tensor-parallel size {size} must divide the MLP's {model.intermediate_size} "
                 "features")
     return None
+
+
+def check_gguf_file(source: ModelSource) -> None:
+    """A GGUF model's header and tensor directory, read (not its weights): a file that is not
+    GGUF, is truncated or is corrupt stops here, before any process starts."""
+    if config_source_kind(source) != "gguf" or source.kind == "dummy":
+        return
+    from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
+
+    try:
+        GGUFFile(source.path)
+    except (ValueError, OSError, struct.error) as error:
+        raise ConfigError(str(error).splitlines()[0]) from None
 
 
 def check_tensor_parallel(config: EngineConfig, source: ModelSource) -> None:

@@ -152,12 +152,16 @@ class GGUFFile:
                 tensor_type: gguf.GGMLQuantizationType, offset: int) -> TensorInfo:
         count = int(np.prod(dims)) if dims else 1
         if tensor_type in _PLAIN:
-            data = np.frombuffer(self.buffer, _PLAIN[tensor_type], count, data_start + offset)
-            data = data.reshape(tuple(reversed(dims)))
+            dtype, size = _PLAIN[tensor_type], count
+            shape = tuple(reversed(dims))
         else:
             block, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
             row_bytes = dims[0] // block * block_bytes
-            data = np.frombuffer(self.buffer, np.uint8, count // dims[0] * row_bytes,
-                                 data_start + offset)
-            data = data.reshape(tuple(reversed(dims[1:])) + (row_bytes,))
+            dtype, size = np.uint8, count // dims[0] * row_bytes
+            shape = tuple(reversed(dims[1:])) + (row_bytes,)
+        end = data_start + offset + size * np.dtype(dtype).itemsize
+        if end > len(self.buffer):
+            raise ValueError(f"{self.path}: truncated GGUF file: tensor {name!r} ends at byte "
+                             f"{end:,}, the file has {len(self.buffer):,}")
+        data = np.frombuffer(self.buffer, dtype, size, data_start + offset).reshape(shape)
         return TensorInfo(name, np.array(dims, dtype=np.uint64), tensor_type, data)

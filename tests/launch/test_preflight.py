@@ -53,6 +53,21 @@ def test_gguf_quantization_needs_a_gguf_file() -> None:
     check_config(EngineConfig(model="smollm2", quantization="gguf", rpc_address="ipc:///tmp/x"))
 
 
+def test_a_gguf_file_that_is_not_one_or_is_cut_short_gets_one_line(tmp_path) -> None:
+    from spmd_runtime.protocol.model_source import embedded_gguf_path
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a model")
+    assert _problem(model=str(garbage)) == f"{garbage}: not a GGUF file (no GGUF magic)"
+    cut = tmp_path / "cut.gguf"
+    with open(embedded_gguf_path(), "rb") as whole:
+        cut.write_bytes(whole.read(50_000_000))
+    assert _problem(model=str(cut)).startswith(f"{cut}: truncated GGUF file: tensor 'blk.")
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(cut.read_bytes()[:1000])
+    assert _problem(model=str(header_only)) == f"{header_only}: truncated GGUF file"
+
+
 def test_models_that_are_not_there(tmp_path) -> None:
     assert "GGUF file not found" in _problem(model=str(tmp_path / "model.gguf"))
     assert "model path not found" in _problem(model=str(tmp_path / "no-such-dir"))
