@@ -1,7 +1,8 @@
 // Projections whose weights stay in GGUF's block formats (runtime/layers/group_quant.py): each
-// block of 32 weights along a row keeps its codes and one float32 scale, and 4-bit blocks one
-// float32 offset: w = scale * q + offset (Q4_1's d and m; Q4_0 as offset -8d; Q8_0 signed
-// codes, no offset). Activations and sums are float32.
+// block of 32 weights along a row (16 for Q6_K) keeps its codes, 4-bit two to a byte or 8-bit,
+// one float32 scale and, where the format has one, one float32 offset: w = scale * q + offset
+// (Q4_1's d and m; Q4_0 as offset -8d; Q8_0 and Q6_K signed codes, no offset; Q4_K and Q5_K
+// d sc and -dmin m). Activations and sums are float32.
 //
 // Few rows (decode): each thread takes a range of output features; a feature's weights are
 // made in float32 once and every row of x multiplied into 32 running sums. Many rows
@@ -24,39 +25,40 @@ constexpr int64_t kDirectRows = 8;     // up to this many rows of x: the direct 
 constexpr int64_t kTile = 64;          // output features expanded at a time for the GEMM
 
 struct Codes {
-  const uint8_t* nibbles = nullptr;    // 4-bit: [N, K / 2], GGUF's layout per block
+  const uint8_t* nibbles = nullptr;    // 4-bit: [N, K / 2], GGUF's layout per block of 32
   const int8_t* bytes = nullptr;       // 8-bit: [N, K]
-  const float* scales;                 // [N, K / 32]
-  const float* offsets;                // [N, K / 32] (4-bit) or nullptr
+  const float* scales;                 // [N, K / size]
+  const float* offsets;                // [N, K / size] or nullptr
   int64_t K;
+  int64_t size;                        // weights per block: 32 (16: Q6_K's 8-bit blocks)
 
-  // Block b of output feature n as 32 floats q (without its scale and offset).
+  // 4-bit block b of output feature n as 32 floats q (without its scale and offset).
   inline void block(int64_t n, int64_t b, float* q) const {
-    if (nibbles != nullptr) {
-      // Byte j of a block: element j in its low nibble, element j + 16 in its high one.
-      const uint8_t* src = nibbles + n * (K / 2) + b * (kBlock / 2);
+    // Byte j of a block: element j in its low nibble, element j + 16 in its high one.
+    const uint8_t* src = nibbles + n * (K / 2) + b * (kBlock / 2);
 #pragma omp simd
-      for (int j = 0; j < 16; ++j) {
-        q[j] = static_cast<float>(src[j] & 0x0F);
-        q[j + 16] = static_cast<float>(src[j] >> 4);
-      }
-    } else {
-      const int8_t* src = bytes + n * K + b * kBlock;
-#pragma omp simd
-      for (int j = 0; j < kBlock; ++j) q[j] = static_cast<float>(src[j]);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<float>(src[j] & 0x0F);
+      q[j + 16] = static_cast<float>(src[j] >> 4);
     }
   }
 
-  // Output feature n's weights, expanded to float32 (K values).
+  // Output feature n's weights, expanded to float32 (K values): scale * q + offset.
   inline void row(int64_t n, float* w) const {
-    const int64_t blocks = K / kBlock;
+    const int64_t blocks = K / size;
     for (int64_t b = 0; b < blocks; ++b) {
-      float* dst = w + b * kBlock;
-      block(n, b, dst);
+      float* dst = w + b * size;
+      if (nibbles != nullptr) {
+        block(n, b, dst);
+      } else {
+        const int8_t* src = bytes + n * K + b * size;
+#pragma omp simd
+        for (int64_t j = 0; j < size; ++j) dst[j] = static_cast<float>(src[j]);
+      }
       const float s = scales[n * blocks + b];
       const float o = offsets != nullptr ? offsets[n * blocks + b] : 0.f;
 #pragma omp simd
-      for (int j = 0; j < kBlock; ++j) dst[j] = dst[j] * s + o;
+      for (int64_t j = 0; j < size; ++j) dst[j] = dst[j] * s + o;
     }
   }
 };
@@ -120,14 +122,15 @@ void check_blocks(const char* op, const char* name, const at::Tensor& t, int64_t
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
               " must be a contiguous float32 tensor");
   TORCH_CHECK(t.size(0) == N && t.size(1) == blocks, op, ": ", name, " has shape ",
-              t.sizes(), ", [out_features, in_features / 32] expected");
+              t.sizes(), ", [out_features, in_features / block size] expected");
 }
 
-// x [M, K] float32, codes ([N, K/2] uint8 for 4 bits, [N, K] int8 for 8), scales [N, K/32],
-// offsets [N, K/32] (4 bits) or None (8 bits) -> [M, N] float32.
+// x [M, K] float32, codes ([N, K/2] uint8 for 4 bits, [N, K] int8 for 8), scales [N, K/size],
+// offsets [N, K/size] or None, `size` weights a block (4 bits: 32; 8 bits: 32 or 16)
+// -> [M, N] float32.
 at::Tensor group_quant_linear(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
-                              int64_t bits) {
+                              int64_t bits, int64_t size) {
   constexpr const char* op = "group_quant_linear";
   spmd_cpu::check_tensor(op, "x", x, 2);
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32");
@@ -136,18 +139,18 @@ at::Tensor group_quant_linear(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(codes.is_contiguous() &&
                   codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
               op, ": codes must be a contiguous ", bits == 4 ? "uint8" : "int8", " tensor");
+  TORCH_CHECK(size == 32 || (size == 16 && bits == 8), op,
+              ": blocks are 32 weights (8-bit codes: 32 or 16)");
   const int64_t K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % kBlock == 0, op, ": in_features must be a multiple of 32");
   TORCH_CHECK(codes.size(1) == (bits == 4 ? K / 2 : K), op,
               ": codes and x disagree on in_features");
-  check_blocks(op, "scales", scales, N, K / kBlock);
-  TORCH_CHECK(offsets.has_value() == (bits == 4), op,
-              ": 4-bit codes take offsets, 8-bit codes none");
-  if (offsets.has_value()) check_blocks(op, "offsets", *offsets, N, K / kBlock);
+  check_blocks(op, "scales", scales, N, K / size);
+  if (offsets.has_value()) check_blocks(op, "offsets", *offsets, N, K / size);
   const at::Tensor rows = x.contiguous();
   Codes view{bits == 4 ? codes.data_ptr<uint8_t>() : nullptr,
              bits == 8 ? codes.data_ptr<int8_t>() : nullptr, scales.data_ptr<float>(),
-             offsets.has_value() ? offsets->data_ptr<float>() : nullptr, K};
+             offsets.has_value() ? offsets->data_ptr<float>() : nullptr, K, size};
   at::Tensor out = at::empty({rows.size(0), N}, rows.options());
   if (rows.size(0) <= kDirectRows) {
     direct(rows.data_ptr<float>(), rows.size(0), view, N, out.data_ptr<float>());
@@ -160,8 +163,8 @@ at::Tensor group_quant_linear(const at::Tensor& x, const at::Tensor& codes,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
-  m.def("group_quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits) "
-        "-> Tensor");
+  m.def("group_quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits, "
+        "int size=32) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) { m.impl("group_quant_linear", &group_quant_linear); }

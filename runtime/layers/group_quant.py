@@ -1,13 +1,17 @@
-"""GGUF's quantized weights kept quantized (`--quantization gguf`): Q4_0, Q4_1, Q8_0 and Q4_K.
+"""GGUF's quantized weights kept quantized (`--quantization gguf`): Q4_0, Q4_1, Q8_0 and the
+K-quants Q4_K, Q5_K and Q6_K.
 
-Each of these formats cuts a weight row into blocks of 32 and stores per block a float16 scale d
-(Q4_1 also a float16 minimum m) and the codes: 4-bit codes q in [0, 15] with w = d q + m (Q4_1)
-or w = d (q - 8) (Q4_0), 8-bit signed codes with w = d q (Q8_0). A GroupQuantWeight holds the
-file's codes as they are (4-bit ones two to a byte, in GGUF's order) and each block's scale and
-offset as float32, w = scale * q + offset (Q4_0's offset is -8d): 0.75 bytes per weight for
-4-bit blocks, 1.125 for 8-bit ones, against 4 in float32. Nothing is expanded at load: a block's
-weights are made, in float32, only where a product needs them (runtime/layers/
-cpu_group_quant.cpp; the torch reference here where the C++ library is not built).
+Each of these formats cuts a weight row into blocks and stores per block a scale and the codes:
+Q4_0 and Q4_1 blocks of 32 with a float16 d (Q4_1 also a minimum m), 4-bit codes q in [0, 15],
+w = d (q - 8) or d q + m; Q8_0 8-bit signed codes, w = d q. The K-quants group 8 blocks of 32
+(Q6_K: 16 of 16) in super-blocks of 256 with float16 d (and dmin) and 6- or 8-bit per-block
+scales (and minimums). A GroupQuantWeight holds per block float32 `scales` and, where the format
+has one, `offsets`, w = scale * q + offset, and the codes: 4-bit ones two to a byte (Q4_0, Q4_1
+as the file has them; Q4_K re-laid in that order), 5- and 6-bit ones in a byte each. That is
+0.75 bytes per weight for 4-bit blocks, 1.125 for Q8_0, 1.25 for Q5_K and Q6_K, against 4 in
+float32. Nothing is expanded at load: a block's weights are made, in float32, only where a
+product needs them (runtime/layers/cpu_group_quant.cpp; the torch reference here where the C++
+library is not built).
 
 The expanded weights equal gguf's own dequantisation bit for bit (the same float32 products and
 sums), so the only difference from `--quantization none` is the order of the products' sums.
@@ -24,24 +28,26 @@ from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime.layers import cpu_ops
 
 BLOCK = 32
-# The block formats kept quantized, with their bits per code.
-KEPT_TYPES = {GGML.Q4_0: 4, GGML.Q4_1: 4, GGML.Q8_0: 8, GGML.Q4_K: 4}
+# The block formats kept quantized, with the bits of the codes they are held in.
+KEPT_TYPES = {GGML.Q4_0: 4, GGML.Q4_1: 4, GGML.Q8_0: 8, GGML.Q4_K: 4, GGML.Q5_K: 8, GGML.Q6_K: 8}
 
 
 @dataclass(frozen=True)
 class GroupQuantWeight:
-    """A [out, in] weight in blocks of 32 along its rows: codes, and per block a scale and (4-bit)
-    an offset. `dtype` is the dtype its products are returned in."""
+    """A [out, in] weight in blocks of `block` weights along its rows (32; Q6_K's 16): codes,
+    and per block a scale and, where the format has one, an offset. `dtype` is the dtype its
+    products are returned in."""
 
     codes: torch.Tensor             # uint8 [out, in / 2] (4-bit) or int8 [out, in] (8-bit)
-    scales: torch.Tensor            # float32 [out, in / 32]
-    offsets: torch.Tensor | None    # float32 [out, in / 32] (4-bit), None (8-bit)
+    scales: torch.Tensor            # float32 [out, in / block]
+    offsets: torch.Tensor | None    # float32 [out, in / block], or None (w = scale * q)
     bits: int
     dtype: torch.dtype = torch.float32
+    block: int = BLOCK
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.codes.shape[0], self.scales.shape[1] * BLOCK))
+        return torch.Size((self.codes.shape[0], self.scales.shape[1] * self.block))
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scales, self.offsets) if t is not None]
@@ -56,14 +62,11 @@ class GroupQuantWeight:
         start, stop, step = columns.indices(self.shape[1])
         if step != 1 or start % BLOCK or stop % BLOCK:
             return self.expand()[rows, columns].to(self.dtype)
-        per_code = BLOCK // 2 if self.bits == 4 else BLOCK     # code bytes per block
-
-        def columns_of(tensor: torch.Tensor, per_block: int) -> torch.Tensor:
-            return tensor[rows, start // BLOCK * per_block:stop // BLOCK * per_block]
-
-        return GroupQuantWeight(columns_of(self.codes, per_code), columns_of(self.scales, 1),
-                                None if self.offsets is None else columns_of(self.offsets, 1),
-                                self.bits, self.dtype)
+        blocks = slice(start // self.block, stop // self.block)
+        code_bytes = slice(start * self.bits // 8, stop * self.bits // 8)
+        return GroupQuantWeight(self.codes[rows, code_bytes], self.scales[rows, blocks],
+                                None if self.offsets is None else self.offsets[rows, blocks],
+                                self.bits, self.dtype, self.block)
 
     def _map(self, fn) -> GroupQuantWeight:
         return GroupQuantWeight(fn(self.codes, "codes"), fn(self.scales, "scales"),
@@ -83,19 +86,21 @@ class GroupQuantWeight:
 
     def to(self, dtype: torch.dtype) -> GroupQuantWeight:
         """The same codes, their products returned in `dtype` (the codes never change)."""
-        return GroupQuantWeight(self.codes, self.scales, self.offsets, self.bits, dtype)
+        return GroupQuantWeight(self.codes, self.scales, self.offsets, self.bits, dtype,
+                                self.block)
 
     @staticmethod
     def cat_rows(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
         """Weights stacked along their rows (a fused QKV or gate/up projection)."""
         first = parts[0]
-        if any(p.bits != first.bits or p.shape[1] != first.shape[1] for p in parts):
-            raise ValueError("only weights of one block format and width stack")
+        if any((p.bits, p.block, p.offsets is None, p.shape[1]) != (
+                first.bits, first.block, first.offsets is None, first.shape[1]) for p in parts):
+            raise ValueError("only weights of one block layout and width stack")
         return GroupQuantWeight(torch.cat([p.codes for p in parts]),
                                 torch.cat([p.scales for p in parts]),
                                 None if first.offsets is None
                                 else torch.cat([p.offsets for p in parts]), first.bits,
-                                first.dtype)
+                                first.dtype, first.block)
 
     def expand(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weights (or those of `rows`) as float32 [.., in]: scale * q + offset."""
@@ -105,7 +110,7 @@ class GroupQuantWeight:
             blocks = codes.view(*codes.shape[:-1], -1, BLOCK // 2)
             q = torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).float()
         else:
-            q = codes.view(*codes.shape[:-1], -1, BLOCK).float()
+            q = codes.view(*codes.shape[:-1], -1, self.block).float()
         w = q * scales.unsqueeze(-1)
         if offsets is not None:
             w = w + offsets.unsqueeze(-1)
@@ -118,10 +123,12 @@ class GroupQuantWeight:
 
 def stack_rows(parts: list) -> torch.Tensor | GroupQuantWeight:
     """Weights stacked along their rows (a fused QKV or gate/up projection): still in blocks
-    where every part is; expanded where a part is a plain tensor (a tensor type not kept)."""
-    if all(isinstance(part, GroupQuantWeight) for part in parts):
+    where every part is, in one layout; expanded where a part is a plain tensor (a type not
+    kept) or the parts' layouts differ (Q4_K_M's Q4_K queries beside Q6_K values)."""
+    if all(isinstance(part, GroupQuantWeight) for part in parts) and len(
+            {(p.bits, p.block, p.offsets is None) for p in parts}) == 1:
         return GroupQuantWeight.cat_rows(parts)
-    dtype = next(part.dtype for part in parts if isinstance(part, torch.Tensor))
+    dtype = parts[0].dtype
     return torch.cat([part.expand().to(dtype) if isinstance(part, GroupQuantWeight) else part
                       for part in parts])
 
@@ -144,7 +151,7 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
     rows = x.reshape(-1, x.shape[-1]).float()
     if rows.device.type == "cpu" and cpu_ops.load():
         out = torch.ops.spmd_cpu.group_quant_linear(rows, weight.codes, weight.scales,
-                                                    weight.offsets, weight.bits)
+                                                    weight.offsets, weight.bits, weight.block)
     else:
         out = F.linear(rows, weight.expand())
     if bias is not None:
@@ -161,8 +168,8 @@ def from_gguf_blocks(raw: np.ndarray, tensor_type: GGML, shape: tuple[int, int],
     if in_features % BLOCK:
         raise ValueError(f"a {tensor_type.name} tensor of shape {shape} does not split into "
                          f"blocks of {BLOCK}")
-    if tensor_type == GGML.Q4_K:
-        return _from_q4_k(raw, shape, dtype)
+    if tensor_type in _K_QUANTS:
+        return _K_QUANTS[tensor_type](raw, shape, dtype)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // BLOCK, -1)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if tensor_type == GGML.Q4_1:
@@ -178,26 +185,82 @@ def from_gguf_blocks(raw: np.ndarray, tensor_type: GGML, shape: tuple[int, int],
         bits, dtype)
 
 
-def _from_q4_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> GroupQuantWeight:
-    """Q4_K (the bulk of llama.cpp's Q4_K_M files): super-blocks of 256 weights, each a float16
-    d and dmin and, per block of 32, a 6-bit scale sc and minimum m: w = d sc q - dmin m. The
-    codes are re-laid in this module's order (GGUF packs them 64 weights to 32 bytes: the low
-    nibbles the first 32, the high ones the next 32); scale d sc, offset -(dmin m)."""
+def _super_blocks(raw: np.ndarray, shape: tuple[int, int], name: str) -> np.ndarray:
+    """A K-quant tensor's bytes as [out, in / 256, bytes per super-block of 256 weights]."""
     out_features, in_features = shape
     if in_features % 256:
-        raise ValueError(f"a Q4_K tensor of shape {shape} does not split into blocks of 256")
-    supers = np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // 256, -1)
-    d = supers[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    dmin = supers[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    sc, m = gguf.quants.Q4_K.get_scale_min(supers[..., 4:16].reshape(-1, 12))
-    sc = sc.reshape(out_features, -1, 8).astype(np.float32)
-    m = m.reshape(out_features, -1, 8).astype(np.float32)
-    scales = (d[..., None] * sc).reshape(out_features, -1)
-    offsets = -(dmin[..., None] * m).reshape(out_features, -1)
-    packed = supers[..., 16:].reshape(out_features, -1, 4, 1, 32)
-    q = (packed >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
-    q = q.reshape(out_features, -1, BLOCK)        # weight order, a block of 32 a row
+        raise ValueError(f"a {name} tensor of shape {shape} does not split into blocks of 256")
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // 256, -1)
+
+
+def _halves(field: np.ndarray) -> np.ndarray:
+    """A float16 field of each super-block (2 bytes) as float32 [out, supers, 1]."""
+    return field.copy().view(np.float16).astype(np.float32)
+
+
+def _scales_and_mins(supers: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's d * sc and dmin * m per block of 32, float32 [out, in / 32]."""
+    rows = supers.shape[0]
+    d, dmin = _halves(supers[..., 0:2]), _halves(supers[..., 2:4])
+    sc, m = gguf.quants.Q4_K.get_scale_min(supers[..., at:at + 12].reshape(-1, 12))
+    scales = d * sc.reshape(rows, -1, 8).astype(np.float32)
+    mins = dmin * m.reshape(rows, -1, 8).astype(np.float32)
+    return scales.reshape(rows, -1), mins.reshape(rows, -1)
+
+
+def _nibbles(packed: np.ndarray, rows: int) -> np.ndarray:
+    """K-quants' 4-bit fields, 64 weights to 32 bytes (the low nibbles the first 32 weights, the
+    high ones the next 32), as one code per weight, uint8 [out, in]."""
+    q = packed.reshape(rows, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(rows, -1)
+
+
+def _weight(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int,
+            dtype: torch.dtype, block: int = BLOCK) -> GroupQuantWeight:
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+    return GroupQuantWeight(tensor(codes), tensor(scales),
+                            None if offsets is None else tensor(offsets), bits, dtype, block)
+
+
+def _from_q4_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> GroupQuantWeight:
+    """Q4_K (the bulk of llama.cpp's Q4_K_M files): super-blocks of 256 weights, a float16 d and
+    dmin and, per block of 32, 6-bit sc and m: w = d sc q - dmin m, q 4-bit. The codes are
+    re-laid in this module's order, two to a byte; scale d sc, offset -(dmin m)."""
+    supers = _super_blocks(raw, shape, "Q4_K")
+    scales, mins = _scales_and_mins(supers, 4)
+    q = _nibbles(supers[..., 16:], shape[0]).reshape(shape[0], -1, BLOCK)
     codes = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
-    return GroupQuantWeight(torch.from_numpy(np.ascontiguousarray(codes).reshape(out_features, -1)),
-                            torch.from_numpy(np.ascontiguousarray(scales)),
-                            torch.from_numpy(np.ascontiguousarray(offsets)), 4, dtype)
+    return _weight(codes.reshape(shape[0], -1), scales, -mins, 4, dtype)
+
+
+def _from_q5_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> GroupQuantWeight:
+    """Q5_K: Q4_K's scales and minimums, 5-bit codes (a fifth bit per weight in 32 bytes of
+    high bits: bit i of byte j for weight 32 i + j), held as 8-bit codes."""
+    supers = _super_blocks(raw, shape, "Q5_K")
+    scales, mins = _scales_and_mins(supers, 4)
+    high = supers[..., 16:48].reshape(shape[0], -1, 1, 32)
+    high = (high >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    codes = _nibbles(supers[..., 48:], shape[0]) | (high.reshape(shape[0], -1) << 4)
+    return _weight(codes.view(np.int8), scales, -mins, 8, dtype)
+
+
+def _from_q6_k(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype) -> GroupQuantWeight:
+    """Q6_K (Q4_K_M's value and down projections, half the layers, and its output): super-blocks
+    of 256 with a float16 d and an int8 scale per block of 16: w = d scale (q - 32), q 6-bit
+    (4 low bits two to a byte, 2 high bits four to a byte), held as 8-bit codes q - 32 with
+    blocks of 16."""
+    supers = _super_blocks(raw, shape, "Q6_K")
+    rows = shape[0]
+    low = supers[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
+        1, 1, 1, 2, 1)
+    high = supers[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array(
+        [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    q = (low & 0x0F).reshape(rows, -1) | ((high & 0x03).reshape(rows, -1) << 4)
+    codes = q.astype(np.int8) - np.int8(32)
+    scales = _halves(supers[..., 208:210]) * supers[..., 192:208].view(np.int8).astype(np.float32)
+    return _weight(codes, scales.reshape(rows, -1), None, 8, dtype, block=16)
+
+
+_K_QUANTS = {GGML.Q4_K: _from_q4_k, GGML.Q5_K: _from_q5_k, GGML.Q6_K: _from_q6_k}

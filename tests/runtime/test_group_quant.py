@@ -18,6 +18,16 @@ from spmd_runtime.runtime.layers.group_quant import (
 TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0]
 
 
+def assert_product_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """out == x @ weight^T up to float32 sums taken in another order: each element within
+    2 K eps of the sum of its terms' magnitudes (|x| @ |weight|^T), the bound of reordering."""
+    reference = x.double() @ weight.double().t()
+    bound = 2 * x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs().double()
+                                                                 @ weight.abs().double().t())
+    error = (out.double() - reference).abs()
+    assert bool((error <= bound + 1e-30).all()), float((error - bound).max())
+
+
 def quantized(tensor_type: GGML, out_features: int = 48, in_features: int = 96,
               seed: int = 0) -> tuple[GroupQuantWeight, np.ndarray]:
     """A random weight in `tensor_type`'s blocks, and gguf's own dequantisation of them."""
@@ -28,22 +38,40 @@ def quantized(tensor_type: GGML, out_features: int = 48, in_features: int = 96,
     return from_gguf_blocks(raw, tensor_type, (out_features, in_features)), expected
 
 
-def random_q4_k(out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """Q4_K super-blocks of random bytes (any bytes are valid codes and 6-bit scales), with
-    float16 d and dmin of a real file's size (gguf-py cannot quantize to Q4_K)."""
+# Bytes per super-block of 256 weights, and where its float16 fields lie (gguf-py cannot
+# quantize to the K-quants; any bytes are valid codes and scales, the float16 ones are set).
+K_QUANTS = {GGML.Q4_K: (144, (0, 2)), GGML.Q5_K: (176, (0, 2)), GGML.Q6_K: (210, (208,))}
+
+
+def random_k_quant(tensor_type: GGML, out_features: int, in_features: int,
+                   seed: int = 0) -> tuple[GroupQuantWeight, np.ndarray]:
+    """A `tensor_type` tensor of random super-blocks with float16 scales of a real file's size,
+    as kept, and gguf's own dequantisation of its bytes."""
+    size, halves = K_QUANTS[tensor_type]
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (out_features, in_features // 256, 144), dtype=np.uint8)
-    for offset in (0, 2):
+    blocks = rng.integers(0, 256, (out_features, in_features // 256, size), dtype=np.uint8)
+    for offset in halves:
         scale = rng.uniform(1e-3, 2e-2, blocks.shape[:2]).astype(np.float16)
         blocks[..., offset:offset + 2] = scale[..., None].view(np.uint8)
-    return blocks.reshape(out_features, -1)
+    raw = blocks.reshape(out_features, -1)
+    expected = gguf.quants.dequantize(raw, tensor_type).reshape(out_features, in_features)
+    return from_gguf_blocks(raw, tensor_type, (out_features, in_features)), expected
 
 
-def test_q4_k_super_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit() -> None:
-    raw = random_q4_k(40, 512)
-    weight = from_gguf_blocks(raw, GGML.Q4_K, (40, 512))
-    expected = gguf.quants.dequantize(raw, GGML.Q4_K).reshape(40, 512)
+@pytest.mark.parametrize("tensor_type", list(K_QUANTS))
+def test_k_quant_super_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit(tensor_type) -> None:
+    weight, expected = random_k_quant(tensor_type, 40, 512)
     assert torch.equal(weight.expand(), torch.from_numpy(expected))
+    assert torch.equal(weight[8:20, 256:512].expand(), torch.from_numpy(expected)[8:20, 256:512])
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", list(K_QUANTS))
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_k_quant_products_are_the_expanded_weights_float32_product(tensor_type, rows) -> None:
+    weight, expected = random_k_quant(tensor_type, 72, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    assert_product_close(group_quant_linear(x, weight, None), x, torch.from_numpy(expected))
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
@@ -80,21 +108,25 @@ def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, ro
     expanded float32 weight: the same products, summed in another order."""
     weight, expected = quantized(tensor_type, out_features=150, in_features=320, seed=rows)
     x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
-    reference = x @ torch.from_numpy(expected).t()
+    dense = torch.from_numpy(expected)
     out = group_quant_linear(x, weight, None)
     assert out.dtype == torch.float32 and out.shape == (rows, 150)
-    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)
+    assert_product_close(out, x, dense)
     bias = torch.randn(150)
-    torch.testing.assert_close(group_quant_linear(x.view(1, rows, 320), weight, bias),
-                               (reference + bias).view(1, rows, 150), rtol=1e-5, atol=1e-4)
+    with_bias = group_quant_linear(x.view(1, rows, 320), weight, bias)
+    assert with_bias.shape == (1, rows, 150)
+    assert_product_close(with_bias.view(rows, 150) - bias, x, dense)
 
 
 @needs_cpu_ops
 def test_the_cpu_product_refuses_mismatched_blocks_naming_them() -> None:
     weight, _ = quantized(GGML.Q4_1)
-    with pytest.raises(RuntimeError, match="offsets"):
+    with pytest.raises(RuntimeError, match="blocks are 32 weights"):
         torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 96), weight.codes, weight.scales,
-                                              None, 4)
+                                              weight.offsets, 4, 16)
+    with pytest.raises(RuntimeError, match="offsets has shape"):
+        torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 96), weight.codes, weight.scales,
+                                              weight.offsets[:, :1].contiguous(), 4)
     with pytest.raises(RuntimeError, match="in_features"):
         torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 64), weight.codes, weight.scales,
                                               weight.offsets, 4)
