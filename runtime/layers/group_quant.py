@@ -71,7 +71,7 @@ class GroupQuantWeight:
     def _map(self, fn) -> GroupQuantWeight:
         return GroupQuantWeight(fn(self.codes, "codes"), fn(self.scales, "scales"),
                                 None if self.offsets is None else fn(self.offsets, "offsets"),
-                                self.bits, self.dtype)
+                                self.bits, self.dtype, self.block)
 
     def pad_rows(self, count: int) -> GroupQuantWeight:
         """`count` rows, the ones past its own all zero (a vocabulary's last shard)."""

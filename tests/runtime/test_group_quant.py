@@ -3,6 +3,10 @@ group_quant_linear): decoding the file's blocks, slicing and stacking them as sh
 projections do, and the product against the float32 dequantised weight (float32 throughout)."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -14,6 +18,9 @@ from spmd_runtime.runtime.layers.group_quant import (
     from_gguf_blocks,
     group_quant_linear,
 )
+from spmd_runtime.runtime.loaders.gguf import load_gguf_model
+from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
+from spmd_runtime.runtime.models import build_model
 
 TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0]
 
@@ -62,7 +69,11 @@ def random_k_quant(tensor_type: GGML, out_features: int, in_features: int,
 def test_k_quant_super_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit(tensor_type) -> None:
     weight, expected = random_k_quant(tensor_type, 40, 512)
     assert torch.equal(weight.expand(), torch.from_numpy(expected))
-    assert torch.equal(weight[8:20, 256:512].expand(), torch.from_numpy(expected)[8:20, 256:512])
+    dense = torch.from_numpy(expected)
+    assert torch.equal(weight[8:20, 256:512].expand(), dense[8:20, 256:512])
+    rows = torch.tensor([39, 2, 2, 17])
+    assert torch.equal(weight[rows].expand(), dense[rows])
+    assert torch.equal(weight[:30].pad_rows(32).expand(), torch.cat([dense[:30], torch.zeros(2, 512)]))
 
 
 @needs_cpu_ops
@@ -130,3 +141,33 @@ def test_the_cpu_product_refuses_mismatched_blocks_naming_them() -> None:
     with pytest.raises(RuntimeError, match="in_features"):
         torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 64), weight.codes, weight.scales,
                                               weight.offsets, 4)
+
+
+def random_gguf_bench():
+    path = Path(__file__).resolve().parents[2] / "bench" / "make_random_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_random_gguf", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module         # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_random_q4_k_m_file_loads_in_its_blocks_to_the_dequantised_models_logits(tmp_path) -> None:
+    """bench/make_random_gguf.py's tiny shape in Q4_K_M (Q4_K, and Q6_K by llama-quantize's
+    rule): every projection and the embedding kept in blocks, and the same logits as the file
+    dequantised (float32, reordered sums)."""
+    path = str(tmp_path / "tiny.gguf")
+    random_gguf_bench().main(["--shape", "tiny", "--type", "Q4_K_M", path])
+    kinds = {t.tensor_type.name for t in GGUFFile(path).tensors}
+    assert kinds == {"Q4_K", "Q6_K", "F32"}
+    config, dense = load_gguf_model(path, torch.float32)
+    _, kept = load_gguf_model(path, torch.float32, keep_quantized=True)
+    assert {name for name, w in kept.items() if isinstance(w, GroupQuantWeight)} == {
+        name for name in kept if name.endswith(("_proj.weight", "embed_tokens.weight",
+                                                "lm_head.weight"))}
+    logits = []
+    for weights in (dense, kept):
+        model = build_model(config, torch.float32)
+        model.load_hf_state_dict(weights)
+        logits.append(model.eval().prompt_logits([1, 5, 9, 300, 2]))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
