@@ -83,6 +83,71 @@ inline void dot_rows(const float* w, const float* x, int64_t K, float* out, int6
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight codes as floats, times the block's scale plus its offset (one rounding: an FMA).
+inline __m256 weights8(__m128i codes8, bool is_signed, __m256 scale, __m256 offset) {
+  const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(codes8) : _mm256_cvtepu8_epi32(codes8);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), scale, offset);
+}
+
+// One output feature against R rows of x, the weights made in registers block by block and
+// never stored: R x 4 vector sums (R <= 2 keeps them and a block's 4 weight vectors in the 16
+// registers), added up once.
+template <int R>
+void fused_rows(const Codes& codes, int64_t n, const float* x, int64_t K, float* out, int64_t N) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int64_t blocks = K / codes.size;
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256 scale = _mm256_set1_ps(codes.scales[n * blocks + b]);
+    const __m256 offset = _mm256_set1_ps(codes.offsets != nullptr ? codes.offsets[n * blocks + b] : 0.f);
+    __m256 w[4];
+    int lanes;       // vectors of 8 weights in this block: 4 (32 weights) or 2 (16)
+    if (codes.nibbles != nullptr) {
+      const __m128i bytes = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(codes.nibbles + n * (K / 2) + b * (kBlock / 2)));
+      const __m128i lo = _mm_and_si128(bytes, low_nibbles);                     // weights 0-15
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);  // 16-31
+      w[0] = weights8(lo, false, scale, offset);
+      w[1] = weights8(_mm_srli_si128(lo, 8), false, scale, offset);
+      w[2] = weights8(hi, false, scale, offset);
+      w[3] = weights8(_mm_srli_si128(hi, 8), false, scale, offset);
+      lanes = 4;
+    } else {
+      const int8_t* src = codes.bytes + n * K + b * codes.size;
+      lanes = static_cast<int>(codes.size / 8);
+      for (int i = 0; i < lanes; ++i)
+        w[i] = weights8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i)), true,
+                        scale, offset);
+    }
+    const int64_t k = b * codes.size;
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < lanes; ++i)
+        acc[r][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * K + k + 8 * i), acc[r][i]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 sum8 = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                      _mm256_add_ps(acc[r][2], acc[r][3]));
+    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+    sum4 = _mm_hadd_ps(sum4, sum4);
+    sum4 = _mm_hadd_ps(sum4, sum4);
+    out[r * N + n] = _mm_cvtss_f32(sum4);
+  }
+}
+
+void direct(const float* x, int64_t M, const Codes& codes, int64_t N, float* out) {
+  const int64_t K = codes.K;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int64_t r = 0;
+      for (; r + 2 <= M; r += 2) fused_rows<2>(codes, n, x + r * K, K, out + r * N, N);
+      if (r < M) fused_rows<1>(codes, n, x + r * K, K, out + r * N, N);
+    }
+  });
+}
+#else
 void direct(const float* x, int64_t M, const Codes& codes, int64_t N, float* out) {
   const int64_t K = codes.K;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -102,6 +167,7 @@ void direct(const float* x, int64_t M, const Codes& codes, int64_t N, float* out
     }
   });
 }
+#endif
 
 void tiled(const at::Tensor& x, const Codes& codes, int64_t N, at::Tensor& out) {
   const int64_t K = codes.K;
