@@ -81,6 +81,24 @@ class GroupQuantWeight:
 
         return self._map(padded)
 
+    def widened(self, block: int, offsets: bool) -> GroupQuantWeight:
+        """The same weights as 8-bit codes in blocks of `block` (a divisor of its own), with
+        offsets (zeros where it had none) if asked: a layout that stacks with wider parts.
+        Expands to the same values (q * scale, plus 0 where there was no offset)."""
+        codes = self.codes
+        if self.bits == 4:
+            pairs = codes.view(*codes.shape[:-1], -1, BLOCK // 2)
+            codes = torch.cat((pairs & 0x0F, pairs >> 4), dim=-1).view(codes.shape[0], -1)
+            codes = codes.view(torch.int8)
+        repeat = self.block // block
+        scales = self.scales.repeat_interleave(repeat, dim=1)
+        shifts = self.offsets
+        if shifts is None and offsets:
+            shifts = torch.zeros_like(self.scales)
+        if shifts is not None:
+            shifts = shifts.repeat_interleave(repeat, dim=1)
+        return GroupQuantWeight(codes.contiguous(), scales, shifts, 8, self.dtype, block)
+
     def contiguous(self) -> GroupQuantWeight:
         return self._map(lambda t, _: t.contiguous())
 
@@ -123,10 +141,14 @@ class GroupQuantWeight:
 
 def stack_rows(parts: list) -> torch.Tensor | GroupQuantWeight:
     """Weights stacked along their rows (a fused QKV or gate/up projection): still in blocks
-    where every part is, in one layout; expanded where a part is a plain tensor (a type not
-    kept) or the parts' layouts differ (Q4_K_M's Q4_K queries beside Q6_K values)."""
-    if all(isinstance(part, GroupQuantWeight) for part in parts) and len(
-            {(p.bits, p.block, p.offsets is None) for p in parts}) == 1:
+    where every part is, parts of different layouts (Q4_K_M's Q4_K queries beside Q6_K values)
+    widened to one (GroupQuantWeight.widened); expanded where a part is a plain tensor (a type
+    not kept)."""
+    if all(isinstance(part, GroupQuantWeight) for part in parts):
+        layouts = {(p.bits, p.block, p.offsets is None) for p in parts}
+        if len(layouts) > 1:
+            block = min(p.block for p in parts)
+            parts = [p.widened(block, any(q.offsets is not None for q in parts)) for p in parts]
         return GroupQuantWeight.cat_rows(parts)
     dtype = parts[0].dtype
     return torch.cat([part.expand().to(dtype) if isinstance(part, GroupQuantWeight) else part

@@ -17,6 +17,7 @@ from spmd_runtime.runtime.layers.group_quant import (
     GroupQuantWeight,
     from_gguf_blocks,
     group_quant_linear,
+    stack_rows,
 )
 from spmd_runtime.runtime.loaders.gguf import load_gguf_model
 from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
@@ -74,6 +75,19 @@ def test_k_quant_super_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit(ten
     rows = torch.tensor([39, 2, 2, 17])
     assert torch.equal(weight[rows].expand(), dense[rows])
     assert torch.equal(weight[:30].pad_rows(32).expand(), torch.cat([dense[:30], torch.zeros(2, 512)]))
+
+
+def test_parts_of_different_layouts_stack_without_being_expanded() -> None:
+    """Q4_K_M's fused QKV: Q4_K queries and keys beside Q6_K values (in a third of the layers)
+    stack as 8-bit codes in blocks of 16, not as float32."""
+    queries, q_dense = random_k_quant(GGML.Q4_K, 24, 512, seed=1)
+    values, v_dense = random_k_quant(GGML.Q6_K, 8, 512, seed=2)
+    legacy, l_dense = quantized(GGML.Q8_0, 16, 512)
+    stacked = stack_rows([queries, values, legacy])
+    assert isinstance(stacked, GroupQuantWeight)
+    assert (stacked.bits, stacked.block, stacked.offsets is not None) == (8, 16, True)
+    assert torch.equal(stacked.expand(), torch.cat([torch.from_numpy(d) for d in
+                                                    (q_dense, v_dense, l_dense)]))
 
 
 @needs_cpu_ops
