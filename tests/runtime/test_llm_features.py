@@ -374,15 +374,20 @@ def test_invalid_engine_option_is_a_value_error_before_any_process_starts() -> N
 
 
 @pytest.mark.timeout(120)
-def test_engine_that_cannot_start_raises_and_leaves_nothing(tmp_path) -> None:
+def test_engine_that_cannot_start_raises_and_leaves_nothing(tmp_path,
+                                                            weightless_model_dir) -> None:
     from spmd_runtime.runtime.client import EngineError
+    from spmd_runtime.runtime.preflight import ConfigError
 
-    # A GGUF that is not one: one rank's GGUF is first read by the worker, which fails.
-    (tmp_path / "broken.gguf").write_bytes(b"not a GGUF file")
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    # A GGUF that is not one is refused before any process starts.
+    (tmp_path / "broken.gguf").write_bytes(b"not a GGUF file")
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        LLM(str(tmp_path / "broken.gguf"))
+    # A directory whose config passes every check but that has no weights: the worker fails.
     started = time.monotonic()
     with pytest.raises(EngineError, match="exited") as raised:
-        LLM(str(tmp_path / "broken.gguf"))
+        LLM(str(weightless_model_dir))
     assert raised.value.kind == "exited"
     assert time.monotonic() - started < 90
     leftovers = [p for p in psutil.Process().children(recursive=True)
