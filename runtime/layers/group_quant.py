@@ -57,7 +57,7 @@ class GroupQuantWeight:
         and stacked parts take. Columns that split blocks (a row-parallel shard of a model whose
         width per rank is not a multiple of 32) come expanded, in `dtype`."""
         if not isinstance(index, tuple):
-            return self._map(lambda t, _: t[index])
+            return self._map(lambda t: t[index])
         rows, columns = index
         start, stop, step = columns.indices(self.shape[1])
         if step != 1 or start % BLOCK or stop % BLOCK:
@@ -69,13 +69,14 @@ class GroupQuantWeight:
                                 self.bits, self.dtype, self.block)
 
     def _map(self, fn) -> GroupQuantWeight:
-        return GroupQuantWeight(fn(self.codes, "codes"), fn(self.scales, "scales"),
-                                None if self.offsets is None else fn(self.offsets, "offsets"),
+        """The same weight with `fn` applied to each of its tensors (rows kept aligned)."""
+        return GroupQuantWeight(fn(self.codes), fn(self.scales),
+                                None if self.offsets is None else fn(self.offsets),
                                 self.bits, self.dtype, self.block)
 
     def pad_rows(self, count: int) -> GroupQuantWeight:
         """`count` rows, the ones past its own all zero (a vocabulary's last shard)."""
-        def padded(tensor: torch.Tensor, _) -> torch.Tensor:
+        def padded(tensor: torch.Tensor) -> torch.Tensor:
             pad = tensor.new_zeros((count - tensor.shape[0], *tensor.shape[1:]))
             return torch.cat([tensor, pad])
 
@@ -85,11 +86,7 @@ class GroupQuantWeight:
         """The same weights as 8-bit codes in blocks of `block` (a divisor of its own), with
         offsets (zeros where it had none) if asked: a layout that stacks with wider parts.
         Expands to the same values (q * scale, plus 0 where there was no offset)."""
-        codes = self.codes
-        if self.bits == 4:
-            pairs = codes.view(*codes.shape[:-1], -1, BLOCK // 2)
-            codes = torch.cat((pairs & 0x0F, pairs >> 4), dim=-1).view(codes.shape[0], -1)
-            codes = codes.view(torch.int8)
+        codes = _one_per_weight(self.codes).view(torch.int8) if self.bits == 4 else self.codes
         repeat = self.block // block
         scales = self.scales.repeat_interleave(repeat, dim=1)
         shifts = self.offsets
@@ -100,12 +97,7 @@ class GroupQuantWeight:
         return GroupQuantWeight(codes.contiguous(), scales, shifts, 8, self.dtype, block)
 
     def contiguous(self) -> GroupQuantWeight:
-        return self._map(lambda t, _: t.contiguous())
-
-    def to(self, dtype: torch.dtype) -> GroupQuantWeight:
-        """The same codes, their products returned in `dtype` (the codes never change)."""
-        return GroupQuantWeight(self.codes, self.scales, self.offsets, self.bits, dtype,
-                                self.block)
+        return self._map(lambda t: t.contiguous())
 
     @staticmethod
     def cat_rows(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
@@ -125,10 +117,8 @@ class GroupQuantWeight:
         codes, scales, offsets = (self.codes, self.scales, self.offsets) if rows is None else (
             self.codes[rows], self.scales[rows], None if self.offsets is None else self.offsets[rows])
         if self.bits == 4:
-            blocks = codes.view(*codes.shape[:-1], -1, BLOCK // 2)
-            q = torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).float()
-        else:
-            q = codes.view(*codes.shape[:-1], -1, self.block).float()
+            codes = _one_per_weight(codes)
+        q = codes.view(*codes.shape[:-1], -1, self.block).float()
         w = q * scales.unsqueeze(-1)
         if offsets is not None:
             w = w + offsets.unsqueeze(-1)
@@ -137,6 +127,13 @@ class GroupQuantWeight:
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of `ids` (a token embedding lookup), in `dtype`."""
         return self.expand(ids).to(self.dtype)
+
+
+def _one_per_weight(nibbles: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [.., in / 2], two to a byte in blocks of 32 (byte j: weight j low, j + 16
+    high), as one uint8 code per weight [.., in]."""
+    pairs = nibbles.view(*nibbles.shape[:-1], -1, BLOCK // 2)
+    return torch.cat((pairs & 0x0F, pairs >> 4), dim=-1).view(*nibbles.shape[:-1], -1)
 
 
 def stack_rows(parts: list) -> torch.Tensor | GroupQuantWeight:
