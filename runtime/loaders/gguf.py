@@ -310,8 +310,8 @@ def _dequantised(t, config: ModelConfig) -> np.ndarray:
     if config.architecture in _SHIFTED_NORMS and t.name.endswith("norm.weight"):
         # The model adds the 1 back at load time, as for a Hugging Face checkpoint.
         w = w.astype(np.float32) - 1.0
-    elif _rotary_heads(t.name, config):
-        w = unpermute_rotary(w, _rotary_heads(t.name, config))
+    elif heads := _rotary_heads(t.name, config):
+        w = unpermute_rotary(w, heads)
     if not w.flags.writeable:
         # F32 tensors come back as views of the read-only file mapping.
         w = w.copy()
