@@ -74,7 +74,7 @@ link_checkout() {   # the namespace spmd_runtime is this checkout, for every pro
         echo "$SITE"
         [ ! -d "$own_user_site" ] || echo "import site; site.addsitedir('$own_user_site')"
     } >"$user_site/spmd_gpu_session.pth"
-    export PYTHONPATH=$SITE:$PWD
+    export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}   # what the caller gave stays, after
 }
 
 run() {   # [SHOWN=LINES] run NAME TIMEOUT_S COMMAND...: one step, logged to $OUT/NAME.log, the

@@ -189,6 +189,13 @@ def no_engine_processes_left_behind():
 
 # ---------------------------------------------------------------------------- ports
 
+def repo_pythonpath(env: dict[str, str] | None = None) -> str:
+    """PYTHONPATH for a child process: the checkout first, then what this process was given
+    (where a GPU session carries its packages)."""
+    given = (os.environ if env is None else env).get("PYTHONPATH")
+    return os.pathsep.join(p for p in (str(REPO_ROOT), given) if p)
+
+
 def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -211,7 +218,7 @@ class TorchrunEngine:
     def __init__(self, config, log_path: Path) -> None:
         self.tag = uuid.uuid4().hex
         self.log_path = log_path
-        env = dict(os.environ, **{PROC_TAG_ENV: self.tag}, PYTHONPATH=str(REPO_ROOT))
+        env = dict(os.environ, **{PROC_TAG_ENV: self.tag}, PYTHONPATH=repo_pythonpath())
         log = open(log_path, "wb")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         self.scheduler = subprocess.Popen(
@@ -250,7 +257,7 @@ class ServeProcess:
         self.stderr_path = log_dir / f"serve-{self.tag[:8]}.err"
         env = dict(os.environ)
         env[PROC_TAG_ENV] = self.tag
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = repo_pythonpath(env)
         self.command = [sys.executable, "-m", "spmd_runtime.launch", *launcher, "serve", "--rpc-address",
                         self.address, *args]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:

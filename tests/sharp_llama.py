@@ -67,6 +67,12 @@ FAMILY_ENGINE = dict(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=6
                      max_model_len=128, enable_prefix_caching=True)
 
 
+def ranks_on_one_host(ranks: int) -> dict:
+    """Engine options for `ranks` ranks on this host: CPU workers beyond one rank, as a one-GPU
+    host cannot give each rank a device of its own (one rank runs wherever auto puts it)."""
+    return {"nproc_per_node": ranks, **({"device": "cpu"} if ranks > 1 else {})}
+
+
 def family_prompts() -> list[list[int]]:
     """Token-id prompts for FAMILY_ENGINE: a short one, and three sharing a 40-token prefix."""
     g = torch.Generator().manual_seed(7)

@@ -28,7 +28,14 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but CUDA is not available; use --device cpu")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            # NCCL refuses two ranks on one device only at the first collective, and obscurely.
+            raise ValueError(
+                f"local rank {local_rank} needs a CUDA device of its own, but this node shows "
+                f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
+                f"run at most {count} rank(s) per node (--nproc-per-node), or use --device cpu")
+        return torch.device("cuda", local_rank)
     if requested not in ("auto", "cpu"):
         raise ValueError(f"unknown device {requested!r}: use auto, cpu or cuda")
     return torch.device("cpu")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import repo_pythonpath
 from spmd_runtime.launch.bench_serving import RequestResult, ServingReport, arrival_offsets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def server(spmd_serve, free_port):
 
 def bench(*args: str) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = repo_pythonpath(env)
     result = subprocess.run([sys.executable, "-m", "spmd_runtime.launch", "bench", "serving", *args,
                              "--json"],
                             cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
@@ -103,7 +104,7 @@ def test_bench_against_the_rpc_endpoint_at_a_rate(server) -> None:
 @pytest.mark.timeout(200)
 def test_bench_without_the_servers_auth_token_says_so(server) -> None:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = repo_pythonpath(env)
     result = subprocess.run([sys.executable, "-m", "spmd_runtime.launch", "bench", "serving", "--url",
                              server.address, *WORKLOAD], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=150)

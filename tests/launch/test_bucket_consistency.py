@@ -12,7 +12,7 @@ from spmd_runtime.protocol.config_resolve import environment_options
 from spmd_runtime.runtime import LLM
 from test_multinode import free_port_pair, generate
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64",
+ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64",
           "--max-model-len", "128",
           "--execution-mode", "bucketed"]
 # The same variables, set differently on each node: decode batch sizes and prompt lengths.

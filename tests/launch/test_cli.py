@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import repo_pythonpath
 from spmd_runtime.launch.cli import build_parser, parse_command_line, subcommand_parsers
 from spmd_runtime.launch.commands import answer_line
 from spmd_runtime.launch.help_format import ADVANCED_FIELDS
@@ -44,7 +45,7 @@ def _run_to_end(argv: list[str], env: dict, timeout_s: float) -> subprocess.Comp
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = repo_pythonpath(env)
     return env
 
 
@@ -135,7 +136,7 @@ def test_ctrl_c_stops_a_serving_launcher_quietly(free_port) -> None:
     """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the launcher,
     the scheduler and the workers. Everything stops, with no traceback."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = repo_pythonpath(env)
     address = f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "spmd_runtime.launch", "serve", *DUMMY, "--rpc-address",
                              address], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,

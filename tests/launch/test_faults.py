@@ -17,7 +17,8 @@ from spmd_runtime.runtime import Client, SamplingParams
 from spmd_runtime.runtime.client import EngineError
 
 LONG = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)
+# CPU workers: two ranks on one host, and outputs compared exactly across a restart.
+ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,8 @@ def wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Proc
 
 @pytest.mark.timeout(300)
 def test_killing_the_scheduler_stops_the_job_and_fails_the_client(spmd_serve, tiny_model) -> None:
-    server = spmd_serve("--model", tiny_model, "--num-kv-blocks", "64", "--max-model-len", "256",
+    server = spmd_serve("--model", tiny_model, "--device", "cpu",
+                        "--num-kv-blocks", "64", "--max-model-len", "256",
                         launcher=["--nproc-per-node", "2"])
     try:
         server.wait_serving()
@@ -169,7 +171,8 @@ def worker_of(server, rank: int) -> psutil.Process:
 @pytest.mark.parametrize(("tp", "victim"), [(1, 0), (2, 1)], ids=["tp1", "tp2"])
 def test_a_killed_worker_is_replaced_and_every_stream_completes(spmd_serve, tiny_model, tp,
                                                                 victim) -> None:
-    server = spmd_serve("--model", tiny_model, "--num-kv-blocks", "128", "--max-model-len", "256",
+    server = spmd_serve("--model", tiny_model, "--device", "cpu",
+                        "--num-kv-blocks", "128", "--max-model-len", "256",
                         launcher=["--nproc-per-node", str(tp)])
     try:
         server.wait_serving()
@@ -194,7 +197,8 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes(spmd_serve, tiny
 
 @pytest.mark.timeout(300)
 def test_without_restarts_every_stream_ends_with_a_clear_error(spmd_serve, tiny_model) -> None:
-    server = spmd_serve("--model", tiny_model, "--num-kv-blocks", "128", "--max-model-len", "256",
+    server = spmd_serve("--model", tiny_model, "--device", "cpu",
+                        "--num-kv-blocks", "128", "--max-model-len", "256",
                         "--max-restarts", "0", launcher=["--nproc-per-node", "2"])
     try:
         server.wait_serving()

@@ -18,8 +18,14 @@ SCRIPT = REPO / "bench" / "gpu_session.sh"
 
 def _env(tmp_path: Path) -> dict[str, str]:
     """This interpreter as the device's python3; every folder the script writes under tmp_path;
-    nothing carried from the checkout (its .whl/ and .gpu/, if any, are a session's own)."""
+    nothing carried from the checkout (its .whl/ and .gpu/, if any, are a session's own). A
+    PYTHONPATH given to pytest (a GPU session's own set-up, carrying packages) stays, less the
+    checkout: the script must put that on the path itself."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
+    given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and Path(p).resolve() != REPO]
+    if given:
+        env["PYTHONPATH"] = os.pathsep.join(given)
     return dict(env, PYTHON=sys.executable, OUT=str(tmp_path / "out"),
                 GPU_TMP=str(tmp_path / "gpu"), CARRIED=str(tmp_path / "carry"))
 

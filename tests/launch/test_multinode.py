@@ -11,7 +11,8 @@ from sharp_llama import GREEDY, prompts, sharp_llama
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.runtime import LLM, Client
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64",
+# CPU workers: the "nodes" here share one host (and at most one GPU).
+ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64",
           "--max-model-len", "128"]
 
 
@@ -23,7 +24,7 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def one_node_tp2(tiny_model) -> list[list[int]]:
     with LLM(tiny_model, nproc_per_node=2, num_kv_blocks=64, max_num_batched_tokens=64,
-             max_model_len=128, dtype="float32") as llm:
+             max_model_len=128, dtype="float32", device="cpu") as llm:
         return [o.token_ids for o in llm.generate(prompts(), GREEDY)]
 
 
@@ -68,7 +69,8 @@ def test_workers_started_by_torchrun_equal_tp2_on_one_node(tmp_path, tiny_model,
                                                            one_node_tp2) -> None:
     port = free_tcp_port()
     rpc = f"tcp://127.0.0.1:{free_tcp_port()}"
-    config = EngineConfig(model=tiny_model, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64,
+    config = EngineConfig(model=tiny_model, dtype="float32", device="cpu", num_kv_blocks=64,
+                          max_num_batched_tokens=64,
                           max_model_len=128, nproc_per_node=2, master_port=port,
                           worker_address=f"tcp://127.0.0.1:{free_tcp_port()}", rpc_address=rpc)
     with TorchrunEngine(config, tmp_path / "engine.log") as engine:

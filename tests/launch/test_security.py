@@ -24,7 +24,7 @@ TOKEN = "auth-s3cret"
 def server(spmd_serve, tmp_path_factory):
     model = sharp_llama(tmp_path_factory.mktemp("secure-llama"))[0]
     srv = spmd_serve("--model", model, "--num-kv-blocks", "64", "--max-model-len", "256",
-                     "--auth-token", TOKEN, "--enable-admin", "--admin-token", "adm1n",
+                     "--auth-token", TOKEN, "--enable-admin", "--admin-token", "adm1n", "--device", "cpu",
                      launcher=["--nproc-per-node", "2"])
     with srv.serving():
         yield srv

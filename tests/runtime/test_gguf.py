@@ -19,6 +19,7 @@ from sharp_llama import (
     FAMILY_ENGINE,
     GREEDY,
     family_prompts,
+    ranks_on_one_host,
     save_sharp,
     transformers_greedy,
 )
@@ -244,7 +245,7 @@ def test_engine_serves_a_phi3_gguf_at_two_ranks(tmp_path) -> None:
     directory, hf = save_sharp(tmp_path, lambda: hf_model("phi3"))
     # Without a token list the engine does not try to build a tokenizer from the file.
     path = write_gguf(f"{directory}/phi3.gguf", hf, "phi3", token_list=False)
-    with LLM(path, nproc_per_node=2, **FAMILY_ENGINE) as llm:
+    with LLM(path, **ranks_on_one_host(2), **FAMILY_ENGINE) as llm:
         outputs = llm.generate(family_prompts(), GREEDY)
         stats = llm.client.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats

@@ -153,7 +153,7 @@ def test_smollm2_kept_in_its_gguf_blocks_matches_transformers_chunked_preempted_
     of 8 token for token, divergences near-ties), with 16-token prefill chunks and a pool of 24
     blocks (preemption by recompute); then the same prompts again over the prefix cache."""
     model, _ = hf_smollm2
-    with LLM("smollm2", dtype="float32", quantization="gguf", max_num_batched_tokens=16,
+    with LLM("smollm2", dtype="float32", device="cpu", quantization="gguf", max_num_batched_tokens=16,
              num_kv_blocks=24, enable_prefix_caching=True) as llm:
         outputs = [o.token_ids for o in llm.generate(smollm2_prompts, GREEDY)]
         assert llm.client.stats().num_preemptions > 0, "the workload should preempt"

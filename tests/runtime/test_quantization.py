@@ -128,7 +128,7 @@ def test_int8_on_cuda_is_refused_with_what_to_change_and_compile_leaves_it_eager
 
 
 def test_an_int8_engine_answers() -> None:
-    with LLM("smollm2", quantization="int8", num_kv_blocks=256) as llm:
+    with LLM("smollm2", quantization="int8", device="cpu", num_kv_blocks=256) as llm:
         out = llm.generate("The capital of France is",
                            SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert out.text.strip().startswith("Paris"), out.text

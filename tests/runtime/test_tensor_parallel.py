@@ -9,7 +9,8 @@ from spmd_runtime.runtime import LLM, SamplingParams
 
 
 def generate(model: str, **options) -> list[list[int]]:
-    with LLM(model, **{"dtype": "float32", **options}) as llm:
+    # On CPU, as the TP tests compare ranks on one host (a one-GPU host has no device per rank).
+    with LLM(model, **{"dtype": "float32", "device": "cpu", **options}) as llm:
         return [o.token_ids for o in llm.generate(prompts(), GREEDY)]
 
 
@@ -63,7 +64,8 @@ def test_overlapped_steps_with_two_ranks_give_the_same_outputs(sharp_model, outp
     """--step-pipelining overlap (as auto is on CUDA): each rank launches the next step before it
     finishes the one running; every rank must still run the same collectives in order."""
     model = sharp_model(4, 2)
-    with LLM(model, nproc_per_node=2, step_pipelining="overlap", dtype="float32", **SMALL) as llm:
+    with LLM(model, nproc_per_node=2, step_pipelining="overlap", dtype="float32", device="cpu",
+             **SMALL) as llm:
         overlapped = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
         assert llm.client.stats().num_overlapped_steps > 0
     assert overlapped == outputs_of(model, **SMALL)
@@ -78,6 +80,6 @@ def test_smollm2_with_three_workers_equals_one() -> None:
     options = dict(num_kv_blocks=128, max_model_len=256)
     outputs = {}
     for tp in (1, 3):
-        with LLM("smollm2", nproc_per_node=tp, **{"dtype": "float32", **options}) as llm:
+        with LLM("smollm2", nproc_per_node=tp, **{"dtype": "float32", "device": "cpu", **options}) as llm:
             outputs[tp] = [o.token_ids for o in llm.generate(texts, params)]
     assert outputs[3] == outputs[1]

@@ -92,7 +92,7 @@ def test_hot_rank_throttles_the_tp_group_without_bouncing(tmp_path) -> None:
             write_atomically(path, value)
     set_temps(60.0, 60.0)
     token_lists = prompts(6)
-    with LLM(model, nproc_per_node=2, thermal_sensor=f"file:{tmp_path}/temp{{rank}}",
+    with LLM(model, nproc_per_node=2, device="cpu", thermal_sensor=f"file:{tmp_path}/temp{{rank}}",
              thermal_target_c=82.0, thermal_hysteresis_c=3.0, thermal_kp=1.0,
              **OPTIONS) as llm:
         client = llm.client

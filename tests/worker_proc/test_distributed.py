@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from spmd_runtime.protocol.transport import free_tcp_port
-from spmd_runtime.worker_proc.distributed import pick_backend
+from spmd_runtime.worker_proc.distributed import pick_backend, pick_device
 
 CPU = torch.device("cpu")
 
@@ -23,6 +23,18 @@ def test_unavailable_backends_are_refused_with_what_to_use() -> None:
         pick_backend("nccl", CPU)
     with pytest.raises(ValueError, match="unknown --dist-backend"):
         pick_backend("mpi-ish", CPU)
+
+
+def test_each_local_rank_gets_a_cuda_device_of_its_own(monkeypatch) -> None:
+    """On a one-GPU node a second local rank is refused, naming what to change, before NCCL
+    fails at its first collective ("Duplicate GPU detected")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("auto", 0) == torch.device("cuda", 0)
+    assert pick_device("cuda", 0) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"local rank 1 .* shows 1 .*--nproc-per-node.*--device cpu"):
+        pick_device("auto", 1)
+    assert pick_device("cpu", 1) == CPU
 
 
 @pytest.mark.timeout(120)

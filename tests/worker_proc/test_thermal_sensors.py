@@ -11,12 +11,12 @@ from collections import namedtuple
 import psutil
 import pytest
 import torch
+from conftest import repo_pythonpath
 from spmd_runtime.protocol.transport import free_tcp_port
 from spmd_runtime.worker_proc import thermal
 from spmd_runtime.worker_proc.thermal import FileSensor, NvmlSensor, PsutilSensor, ThermalMonitor, make_sensor
 
 CPU = torch.device("cpu")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 Entry = namedtuple("Entry", "label current high critical")
 
 
@@ -176,7 +176,7 @@ def test_two_ranks_all_reduce_the_hottest_reading(tmp_path) -> None:
     (tmp_path / "t0").write_text("61")
     (tmp_path / "t1").write_text("86.5")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_tcp_port()),
-               PYTHONPATH=REPO)
+               PYTHONPATH=repo_pythonpath())
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, f"file:{tmp_path}/t{{rank}}"],
                               env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
