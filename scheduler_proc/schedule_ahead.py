@@ -14,8 +14,9 @@ def plan_ahead(scheduler: SchedulerState, step: ScheduledStep) -> ScheduledStep 
     workers then start it as soon as they finish `step`, without waiting for the scheduler
     to read the result, stream it and plan. None where that cannot be planned blind.
 
-    Only a plain continuation qualifies: every running request is in `step`, samples a
-    token at its end (a decode or a prompt's last chunk) and cannot end there by length;
+    Only a plain continuation qualifies: every running request is in `step` and samples a
+    token at its end (a decode or a prompt's last chunk); those that end there by length
+    (max_tokens, max_model_len) are left out of the next step, the others go on in it;
     nothing waits to be admitted or swapped in or out; the hottest device is not near the
     thermal target (ThermalControl.near_target: so the batch reacts to a crossing within
     two steps, as when planning step by step); the blocks for one more token each are free
@@ -55,9 +56,15 @@ def _continuing(scheduler: SchedulerState, step: ScheduledStep) -> list[tuple[Re
     continuing: list[tuple[Request, int]] = []
     for request in running_order(scheduler.running, scheduler.policy):
         num_tokens = step.num_scheduled.get(request.request_id)
-        if (num_tokens is None or request.num_computed_tokens + num_tokens != request.num_tokens
-                or len(request.output_token_ids) + 1 >= request.params.max_tokens
-                or request.num_tokens + 1 >= scheduler.max_model_len):
+        if num_tokens is None or request.num_computed_tokens + num_tokens != request.num_tokens:
             return None
-        continuing.append((request, num_tokens))
-    return continuing
+        # One that `step` ends by length is known to end: the next step goes on without it.
+        if not ends_by_length(scheduler, request):
+            continuing.append((request, num_tokens))
+    return continuing or None
+
+
+def ends_by_length(scheduler: SchedulerState, request: Request) -> bool:
+    """Whether the token a request samples next is its last: max_tokens or max_model_len."""
+    return (len(request.output_token_ids) + 1 >= request.params.max_tokens
+            or request.num_tokens + 1 >= scheduler.max_model_len)

@@ -66,6 +66,16 @@ def test_a_request_that_ends_by_length_is_never_planned_past_its_end() -> None:
             assert appearances(loop, request.request_id) in (4, 5)
 
 
+def test_requests_ending_by_length_leave_the_pipeline_running() -> None:
+    """Requests 0, 2, 3 and 5 end by length (at their 5th, 11th, 14th and 20th token): the
+    step after each is planned ahead without them. Only the first step and the one after the
+    step where 1 and 4 sampled EOS (unknown until its result) are planned from a result."""
+    requests, loop = run(ahead=True, num_blocks=64, block_size=16, budget=512)
+    steps = [plan.step_id for plan in loop.worker.plans if plan.step_id >= 0]
+    assert [s for s in steps if s not in loop.ahead_step_ids] == [0, 5]
+    assert [r.request_id for r in requests if r.finish_reason is FinishReason.LENGTH] == [0, 2, 3, 5]
+
+
 @pytest.mark.parametrize("num_cpu_blocks", [0, 64])
 def test_under_memory_pressure_with_preemption(num_cpu_blocks) -> None:
     """20 blocks of 8 tokens for 6 requests that need up to 14 blocks each."""
