@@ -262,6 +262,9 @@ class StepPlan(_Wire, tag="plan"):
     # With bucketing: ("prompt", batch size, sequence length) or ("decode", batch size, context
     # length) every rank pads this step to; None runs it unpadded.
     bucket: StepShape | None = None
+    # Structured outputs: (request id, bitmask) of each constrained request sampling this step,
+    # bit t of little-endian 32-bit word t // 32 set where token t is allowed.
+    token_masks: list[tuple[int, bytes]] = []
 
 
 class ThermalReading(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -11,6 +11,40 @@ INT64 = 2**63
 MAX_LOGPROBS = 20
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A constraint on what a request generates (vLLM's structured outputs): exactly one of a
+    JSON schema (JSON text, or a dict in Python), any JSON object, a regular expression, a
+    choice among strings, or a grammar (Lark, llguidance's dialect, or GBNF). The scheduler
+    compiles it once per distinct text and masks every sampled token to what it allows."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError("structured_output takes exactly one of json, json_object, regex, "
+                             f"choice or grammar, got {', '.join(given) or 'none'}")
+        if self.choice is not None and (isinstance(self.choice, str) or not self.choice or any(
+                not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_output.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_output.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """The name of the field that is set (json, json_object, regex, choice, grammar)."""
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None
+                    ) if not self.json_object else "json_object"
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
                      forbid_unknown_fields=True):
     """How to pick each next token and when to stop.
@@ -39,6 +73,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     # prompt_logprobs=k the same for every prompt token after the first. None: not computed.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Generation constrained to a schema, regex, choice or grammar (None: free).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from spmd_runtime.protocol.logprobs import TokenLogprobs
-    from spmd_runtime.protocol.sampling import SamplingParams
+    from spmd_runtime.protocol.sampling import SamplingParams, StructuredOutput
     from spmd_runtime.runtime.client import Client, StreamDelta
     from spmd_runtime.runtime.llm import LLM
     from spmd_runtime.runtime.outputs import RequestOutput
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "SamplingParams": "spmd_runtime.protocol.sampling",
+    "StructuredOutput": "spmd_runtime.protocol.sampling",
     "TokenLogprobs": "spmd_runtime.protocol.logprobs",
     "Client": "spmd_runtime.runtime.client",
     "StreamDelta": "spmd_runtime.runtime.client",
@@ -23,7 +24,7 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "Client", "EngineError", "RequestOutput", "SamplingParams", "StreamDelta",
-           "TokenLogprobs"]
+           "StructuredOutput", "TokenLogprobs"]
 
 
 def __getattr__(name: str):

@@ -25,6 +25,8 @@ class RequestIntake:
             error = refusal(message, prompt, self.model_info, self.scheduler)
             if error is None and message.params.stop and self.tokenizer.missing() is not None:
                 error = "stop strings need the model's tokenizer, and this model has none"
+            spec = message.params.structured_output
+            matcher = self.scheduler.constrained.check(spec) if error is None and spec else None
         except ValueError as refused:
             error = str(refused)
         if error is not None:
@@ -36,6 +38,8 @@ class RequestIntake:
         request = Request(request_id, prompt, message.params, client, self._arrivals,
                           message.priority)
         self.scheduler.add(request)
+        if matcher is not None:
+            self.scheduler.constrained.add(request_id, matcher)
         if message.detokenize:
             self.tokenizer.start(request_id, message.params.stop)
         if message.timeout_s is not None:

@@ -49,6 +49,7 @@ from spmd_runtime.scheduler_proc.preemption import (
 from spmd_runtime.scheduler_proc.request import FinishReason, Request, RequestStatus
 from spmd_runtime.scheduler_proc.schedule_ahead import plan_ahead
 from spmd_runtime.scheduler_proc.scheduler_state import SchedulerState
+from spmd_runtime.scheduler_proc.structured_output import ConstrainedRequests
 from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl
 
 log = logging.getLogger("spmd.scheduler")
@@ -80,6 +81,8 @@ class Scheduler(SchedulerState):
         self.finish_rules = FinishRules(eos_token_ids, max_model_len)
         self.admission_watermark = admission_watermark
         self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
+        # Matchers of the requests with a structured output (configured by the server).
+        self.constrained = ConstrainedRequests()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -145,7 +148,7 @@ class Scheduler(SchedulerState):
     def schedule(self) -> ScheduledStep:
         self._apply_running_cap()
         if self.planner is None:
-            return self.plans.finalize(self._schedule_pass(None))
+            return self._with_masks(self.plans.finalize(self._schedule_pass(None)))
         phase = self.planner.pick_phase(self.running, self.swapped[0] if self.swapped else None,
                                         bool(self.waiting))
         draft = self._schedule_pass(phase)
@@ -153,7 +156,15 @@ class Scheduler(SchedulerState):
             # Nothing of that phase could run (its only candidate may even have had to give
             # its blocks up): the other phase's requests must not wait on it.
             draft = self._schedule_pass(phase.other, draft.preempted)
-        return self.plans.finalize(draft)
+        return self._with_masks(self.plans.finalize(draft))
+
+    def _with_masks(self, step: ScheduledStep) -> ScheduledStep:
+        """The token masks of the constrained requests that sample at the end of `step`."""
+        if self.constrained:
+            sampling = (rid for rid, n in step.num_scheduled.items()
+                        if self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens)
+            step.plan.token_masks = self.constrained.masks(sampling)
+        return step
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep | None:
         """The step after `step`, planned before its result where that can be done blind
@@ -287,6 +298,8 @@ class Scheduler(SchedulerState):
             self.counters.num_generated_tokens += 1
             update.progressed.append(request)
             reason = self.finish_rules.after_token(request, token)
+            if self.constrained.accept(request_id, token) and reason is None:
+                reason = FinishReason.STOP      # its structured output is complete
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, free_now=False)
@@ -345,6 +358,7 @@ class Scheduler(SchedulerState):
             self._finished_unfreed.append(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.constrained.forget(request.request_id)
         self.plans.forget(request)
         del self.requests[request.request_id]
         self.counters.num_finished += 1

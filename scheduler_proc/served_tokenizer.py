@@ -54,6 +54,13 @@ class ServedTokenizer:
         self._thread.join()
         return None if self._tokenizer is not None else self._missing
 
+    def loaded(self):
+        """The tokenizer, once loading has ended; ValueError saying why there is none."""
+        missing = self.missing()
+        if missing is not None:
+            raise ValueError(missing)
+        return self._tokenizer
+
     def prompt_token_ids(self, message: AddRequest) -> list[int]:
         """The request's prompt as token ids; ValueError saying what is wrong with it."""
         if message.prompt is None and message.messages is None:

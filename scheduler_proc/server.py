@@ -105,6 +105,8 @@ class SchedulerServer:
         self.scheduler, self.model_info = build_scheduler(self.config, ready, self.warmup,
                                                           self.thermal)
         self.intake = RequestIntake(self.scheduler, self.tokenizer, self.model_info)
+        self.scheduler.constrained.configure(self.tokenizer.loaded, self.model_info.vocab_size,
+                                             self.model_info.eos_token_ids)
         self.thermal_sensor = ready[0].thermal_sensor
         freeze_long_lived()
         log.info("serving on %s (KV cache: %d blocks of %d tokens, swap space: %d blocks, "

@@ -24,6 +24,7 @@ from spmd_runtime.worker_proc.step_state import (
     StepOutput,
 )
 from spmd_runtime.worker_proc.swap_space import SwapSpace
+from spmd_runtime.worker_proc.token_masks import apply_token_masks
 
 log = logging.getLogger("spmd.worker")
 
@@ -135,6 +136,7 @@ class ModelRunner:
         return PreparedStep(scheduled=scheduled, bucket=plan.bucket, graph=graph, inputs=inputs,
                             sample_rows=sample_rows, sample_ids=sample_ids,
                             unread_positions=unread_positions, unread_rows=unread_rows,
+                            token_masks=dict(plan.token_masks),
                             prepare_ms=(time.perf_counter() - started) * 1e3)
 
     @torch.inference_mode()
@@ -205,6 +207,7 @@ class ModelRunner:
         raw_logits = self.model.compute_logits(hidden[rows])
         states = [self.requests[r] for r in step.sample_ids]
         logits = penalize_requests(raw_logits, states, in_flight.tokens if in_flight else None)
+        logits = apply_token_masks(logits, step.sample_ids, step.token_masks)
         tokens = sample_on_device(logits, [s.params for s in states],
                                   [len(s.token_ids) for s in states], self.generator)
         logprobs = sampled_logprobs(raw_logits, states, step.sample_ids, tokens)

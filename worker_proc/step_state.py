@@ -66,6 +66,8 @@ class PreparedStep:
     unread_positions: list[int]
     unread_rows: list[int]
     prepare_ms: float
+    # Structured outputs: the bitmask of each constrained request sampling in this step.
+    token_masks: dict[int, bytes] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line for the worker's per-step debug log."""

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from spmd_runtime.protocol.config_fields import VictimPolicy
 from spmd_runtime.protocol.sampling import MAX_LOGPROBS, SamplingParams
 from spmd_runtime.runtime.serving.errors import APIError
+from spmd_runtime.runtime.serving.structured import structured_output
 
 # Fields of the OpenAI API (and of vLLM's extensions) this server does not implement, with the
 # values that mean "off": a request may carry them (SDKs and tools send some by default) as long
@@ -17,7 +18,7 @@ from spmd_runtime.runtime.serving.errors import APIError
 UNSUPPORTED_FIELDS = {
     "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-    "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
     "store": (None, False), "metadata": (None, {}),
     "min_tokens": (None, 0),
@@ -57,6 +58,13 @@ class GenerationBody(BaseModel):
     stop_token_ids: list[int] | None = None
     # Seconds the request may run; then it ends with finish_reason "timeout".
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # Structured outputs (runtime/serving/structured.py): OpenAI's, then vLLM's spellings.
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -186,6 +194,9 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
     logprobs = logprob_count(body)
     if logprobs is not None:
         extras["logprobs"] = logprobs
+    constraint = structured_output(body)
+    if constraint is not None:
+        extras["structured_output"] = constraint
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, ignore_eos=body.ignore_eos,
