@@ -4,8 +4,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def chat_prompt_ids(tokenizer, messages: str | Sequence[dict]) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template, ready for the reply.
+def chat_prompt_ids(tokenizer, messages: str | Sequence[dict], tools: list[dict] | None = None
+                    ) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template, ready for the reply;
+    `tools` (OpenAI's function definitions) as the template shows them, if it does.
 
     A bare string is taken as one user message.
     """
@@ -14,5 +16,6 @@ def chat_prompt_ids(tokenizer, messages: str | Sequence[dict]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send raw prompts instead "
                          "(generate(), or --no-chat-template)")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+                                         tokenize=False)
     return list(tokenizer(text, add_special_tokens=False).input_ids)

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.curve import rpc_server_key
 from spmd_runtime.protocol.messages import ModelInfo
-from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.sampling import SamplingParams, StructuredOutput
 from spmd_runtime.runtime.async_client import AsyncClient
 from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.serving.choice import ChoiceRun
@@ -44,6 +44,7 @@ from spmd_runtime.runtime.serving.schema import (
     sampling_params,
     with_sampled_logprobs,
 )
+from spmd_runtime.runtime.serving.tools import ToolMode, tool_request
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
 log = logging.getLogger("spmd.http")
@@ -208,14 +209,15 @@ async def completions(request: Request, body: CompletionBody) -> Response:
 async def chat_completions(request: Request, body: ChatCompletionBody) -> Response:
     state = _state(request)
     messages = chat_messages(body)
+    tools, tool_mode, forced = tool_request(body, state.config.tool_call_parser)
     if state.tokenizer is None:
         raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions "
                        "with token-id prompts", param="messages")
     try:
-        prompt = chat_prompt_ids(state.tokenizer, messages)
+        prompt = chat_prompt_ids(state.tokenizer, messages, tools)
     except Exception as error:   # template errors (jinja) say what is wrong with the messages
         raise APIError(f"cannot apply the chat template: {error}", param="messages") from None
-    return await _generate(request, state, body, [prompt], chat=True)
+    return await _generate(request, state, body, [prompt], chat=True, tools=(tool_mode, forced))
 
 
 def _completion_prompts(state: ServingState, body: CompletionBody) -> list[list[int]]:
@@ -243,7 +245,9 @@ def _completion_prompts(state: ServingState, body: CompletionBody) -> list[list[
 
 
 async def _generate(request: Request, state: ServingState, body: GenerationBody,
-                    prompts: list[list[int]], chat: bool) -> Response:
+                    prompts: list[list[int]], chat: bool,
+                    tools: tuple[ToolMode | None, StructuredOutput | None] = (None, None)
+                    ) -> Response:
     started = time.perf_counter()
     if body.model is not None and body.model != state.model_name:
         raise APIError(f"The model {body.model!r} does not exist: this server serves "
@@ -251,8 +255,9 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     check_supported(body)
     n, candidates = choice_count(body)
     default_max_tokens = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
-    plans = [[sampling_params(body, len(prompt), state.info.max_model_len, default_max_tokens, k)
-              for k in range(candidates)] for prompt in prompts]
+    tool_mode, forced = tools
+    plans = [[sampling_params(body, len(prompt), state.info.max_model_len, default_max_tokens, k,
+                              forced) for k in range(candidates)] for prompt in prompts]
     logprobs = LogprobFormat(state.tokenizer, chat) if plans[0][0].logprobs is not None else None
     if candidates > n:     # ranked by the sampled tokens' logprobs, whether asked for or not
         plans = [[with_sampled_logprobs(params) for params in plan] for plan in plans]
@@ -269,7 +274,7 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     except BaseException:
         close_all(runs)
         raise
-    response = ResponseShape(chat, state.model_name, sum(map(len, prompts)), logprobs)
+    response = ResponseShape(chat, state.model_name, sum(map(len, prompts)), logprobs, tool_mode)
     if body.stream:
         return ChoiceStreamResponse(runs, stream_events(runs, response, body.include_usage))
     return await complete(request, runs, response, keep=(n, candidates))

@@ -15,6 +15,8 @@ from spmd_runtime.runtime.client import EngineError
 from spmd_runtime.runtime.serving.choice import ChoiceRun
 from spmd_runtime.runtime.serving.errors import APIError
 from spmd_runtime.runtime.serving.logprobs import LogprobFormat
+from spmd_runtime.runtime.serving.tool_calls import Delta, tool_call_json
+from spmd_runtime.runtime.serving.tools import ToolMode
 
 log = logging.getLogger("spmd.http")
 
@@ -46,8 +48,9 @@ class ResponseShape:
     """The JSON of a completion or chat completion, whole or as stream chunks."""
 
     def __init__(self, chat: bool, model: str, prompt_tokens: int,
-                 logprobs: LogprobFormat | None = None) -> None:
+                 logprobs: LogprobFormat | None = None, tools: ToolMode | None = None) -> None:
         self.chat = chat
+        self.tools = tools              # None: replies are plain content
         self.logprobs = logprobs        # None: the request asked for none
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -75,9 +78,8 @@ class ResponseShape:
         """The response of these choices; usage counts the tokens of `generated` (default: the
         choices), which best_of makes more than the choices returned."""
         if self.chat:
-            choices = [{"index": run.index, "message": {"role": "assistant", "content": text},
-                        "logprobs": self.choice_logprobs(run, run.logprobs),
-                        "finish_reason": run.finish_reason}
+            choices = [{"index": run.index, **self._message(run, text),
+                        "logprobs": self.choice_logprobs(run, run.logprobs)}
                        for run, text in zip(runs, texts, strict=True)]
             body = self._envelope("chat.completion", choices)
         else:
@@ -88,6 +90,27 @@ class ResponseShape:
             body = self._envelope("text_completion", choices)
         body["usage"] = self.usage(runs if generated is None else generated)
         return body
+
+    def _message(self, run: ChoiceRun, text: str) -> dict:
+        """A chat choice's message and finish reason: with tools, its calls read out of it."""
+        if self.tools is None:
+            return {"message": {"role": "assistant", "content": text},
+                    "finish_reason": run.finish_reason}
+        content, calls = self.tools.parse(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = tool_call_json(calls)
+        return {"message": message, "finish_reason": _with_calls(run.finish_reason, bool(calls))}
+
+    def tool_chunks(self, run: ChoiceRun, deltas: list[Delta], logprobs: dict | None = None
+                    ) -> list[dict]:
+        """Stream chunks of a choice's tool-call deltas (content ones included)."""
+        chunks = [self._envelope("chat.completion.chunk", [{
+            "index": run.index, "delta": delta.to_openai(), "logprobs": None,
+            "finish_reason": None}]) for delta in deltas]
+        if logprobs is not None:
+            chunks.append(self.chunk(run.index, None, None, logprobs=logprobs))
+        return chunks
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None,
               role: bool = False, logprobs: dict | None = None) -> dict:
@@ -161,6 +184,11 @@ async def _cancel_on_disconnect(request: Request, tasks: list[asyncio.Task]) -> 
         task.cancel()
 
 
+def _with_calls(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason of a reply that made tool calls: tool_calls where it stopped."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -183,19 +211,30 @@ async def stream_events(runs: list[ChoiceRun], shape: ResponseShape,
         if shape.chat:
             for run in runs:
                 yield _sse(shape.chunk(run.index, None, None, role=True))
+        calls = {run.index: shape.tools.stream() for run in runs} if shape.tools else {}
         remaining = len(runs)
         while remaining:
             run, item = await queue.get()
             if isinstance(item, EngineError):
                 yield _sse(APIError(str(item), status=500, type="server_error").body())
                 break
+            stream = calls.get(run.index)
             if item is None:
                 remaining -= 1
-                yield _sse(shape.chunk(run.index, None, run.finish_reason))
+                reason = run.finish_reason
+                if stream is not None:
+                    for chunk in shape.tool_chunks(run, stream.finish()):
+                        yield _sse(chunk)
+                    reason = _with_calls(reason, stream.called)
+                yield _sse(shape.chunk(run.index, None, reason))
+                continue
+            text, records = item
+            logprobs = shape.choice_logprobs(run, records)
+            if stream is not None:
+                for chunk in shape.tool_chunks(run, stream.feed(text), logprobs):
+                    yield _sse(chunk)
             else:
-                text, records = item
-                yield _sse(shape.chunk(run.index, text, None,
-                                       logprobs=shape.choice_logprobs(run, records)))
+                yield _sse(shape.chunk(run.index, text, None, logprobs=logprobs))
         else:
             if include_usage:
                 yield _sse(shape.usage_chunk(runs))

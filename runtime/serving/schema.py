@@ -2,12 +2,13 @@
 what to change."""
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 from spmd_runtime.protocol.config_fields import VictimPolicy
-from spmd_runtime.protocol.sampling import MAX_LOGPROBS, SamplingParams
+from spmd_runtime.protocol.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from spmd_runtime.runtime.serving.errors import APIError
 from spmd_runtime.runtime.serving.structured import structured_output
 
@@ -91,6 +92,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and the call a tool turn answers.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionBody(GenerationBody):
@@ -98,6 +102,10 @@ class ChatCompletionBody(GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Tool calling (runtime/serving/tools.py).
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class AdminBatchBody(BaseModel):
@@ -145,8 +153,30 @@ def chat_messages(body: ChatCompletionBody) -> list[dict]:
                                    f"got a part of type {part.type!r}",
                                    param=f"messages.{index}.content")
             content = "".join(part.text for part in content)
-        messages.append({"role": message.role, "content": content or ""})
+        turn = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            turn["tool_calls"] = [_template_call(index, call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+        if message.name is not None and message.role == "tool":
+            turn["name"] = message.name
+        messages.append(turn)
     return messages
+
+
+def _template_call(index: int, call: dict) -> dict:
+    """An assistant turn's tool call as chat templates take it: arguments as an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(f"messages.{index}.tool_calls: each call needs function.name",
+                       param=f"messages.{index}.tool_calls")
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise APIError(f"messages.{index}.tool_calls: arguments must be JSON",
+                       param=f"messages.{index}.tool_calls") from None
+    return {**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def requested_max_tokens(body: GenerationBody) -> int | None:
@@ -156,7 +186,8 @@ def requested_max_tokens(body: GenerationBody) -> int | None:
 
 
 def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
-                    default_max_tokens: int | None, choice: int) -> SamplingParams:
+                    default_max_tokens: int | None, choice: int,
+                    forced: StructuredOutput | None = None) -> SamplingParams:
     """Engine parameters of one choice. Without max_tokens, a completion gets
     default_max_tokens (None: the rest of the context) cut to what the context leaves."""
     room = max_model_len - prompt_len
@@ -195,6 +226,10 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
     if logprobs is not None:
         extras["logprobs"] = logprobs
     constraint = structured_output(body)
+    if forced is not None and constraint is not None:
+        raise APIError("tool_choice required or a named function constrains the reply itself: "
+                       "drop response_format (or the guided_* field)", param="tool_choice")
+    constraint = constraint or forced
     if constraint is not None:
         extras["structured_output"] = constraint
     try:

@@ -68,9 +68,23 @@ def _response_format(value) -> StructuredOutput | None:
         if not isinstance(schema, dict):
             raise APIError("response_format.json_schema.schema must be a JSON schema object",
                            param="response_format.json_schema.schema")
-        return _spec("response_format", json=schema)
+        return _spec("response_format", json=strict_schema(schema) if described.get("strict")
+                     else schema)
     raise APIError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                    param="response_format.type")
+
+
+def strict_schema(schema):
+    """OpenAI's strict mode: objects that list their properties take no others unless the
+    schema says so (what the property list means to a reader, and what ends the output)."""
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    strict = {key: strict_schema(value) for key, value in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        strict["additionalProperties"] = False
+    return strict
 
 
 def _choices(field: str, value) -> tuple:
