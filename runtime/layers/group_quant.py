@@ -1,5 +1,5 @@
-"""GGUF's quantized weights kept quantized (`--quantization gguf`): Q4_0, Q4_1, Q8_0 and the
-K-quants Q4_K, Q5_K and Q6_K.
+"""GGUF's quantized weights kept quantized (`--quantization gguf`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+and the K-quants Q4_K, Q5_K and Q6_K.
 
 Each of these formats cuts a weight row into blocks and stores per block a scale and the codes:
 Q4_0 and Q4_1 blocks of 32 with a float16 d (Q4_1 also a minimum m), 4-bit codes q in [0, 15],
@@ -29,7 +29,8 @@ from spmd_runtime.runtime.layers import cpu_ops
 
 BLOCK = 32
 # The block formats kept quantized, with the bits of the codes they are held in.
-KEPT_TYPES = {GGML.Q4_0: 4, GGML.Q4_1: 4, GGML.Q8_0: 8, GGML.Q4_K: 4, GGML.Q5_K: 8, GGML.Q6_K: 8}
+KEPT_TYPES = {GGML.Q4_0: 4, GGML.Q4_1: 4, GGML.Q5_0: 8, GGML.Q5_1: 8, GGML.Q8_0: 8, GGML.Q4_K: 4,
+              GGML.Q5_K: 8, GGML.Q6_K: 8}
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,8 @@ def from_gguf_blocks(raw: np.ndarray, tensor_type: GGML, shape: tuple[int, int],
                          f"blocks of {BLOCK}")
     if tensor_type in _K_QUANTS:
         return _K_QUANTS[tensor_type](raw, shape, dtype)
+    if tensor_type in (GGML.Q5_0, GGML.Q5_1):
+        return _from_q5(raw, shape, dtype, with_min=tensor_type == GGML.Q5_1)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // BLOCK, -1)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if tensor_type == GGML.Q4_1:
@@ -202,6 +205,26 @@ def from_gguf_blocks(raw: np.ndarray, tensor_type: GGML, shape: tuple[int, int],
         torch.from_numpy(np.ascontiguousarray(codes).reshape(out_features, -1)),
         torch.from_numpy(d), None if offsets is None else torch.from_numpy(offsets),
         bits, dtype)
+
+
+def _from_q5(raw: np.ndarray, shape: tuple[int, int], dtype: torch.dtype,
+             with_min: bool) -> GroupQuantWeight:
+    """Q5_0 and Q5_1 (most of a Q4_K_M file of a model whose width is not a multiple of 256):
+    blocks of 32 with a float16 d (Q5_1: and m), a 32-bit word of fifth bits (bit j: weight j)
+    and 16 bytes of low nibbles (byte j: weight j, and j + 16 in its high nibble); w = d (q - 16)
+    or d q + m. Held as 8-bit codes (q - 16, or q) with scale d and offset m."""
+    out_features, in_features = shape
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, in_features // BLOCK, -1)
+    d = _halves(blocks[..., 0:2])[..., 0]
+    at = 4 if with_min else 2
+    high = blocks[..., at:at + 4].copy().view("<u4")
+    high = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1
+    low = blocks[..., at + 4:].reshape(out_features, -1, 1, BLOCK // 2) >> np.array(
+        [0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (low & 0x0F).reshape(out_features, -1, BLOCK) | (high.astype(np.uint8) << 4)
+    codes = q.astype(np.int8) - np.int8(0 if with_min else 16)
+    offsets = _halves(blocks[..., 2:4])[..., 0] if with_min else None
+    return _weight(codes.reshape(out_features, -1), d, offsets, 8, dtype)
 
 
 def _super_blocks(raw: np.ndarray, shape: tuple[int, int], name: str) -> np.ndarray:

@@ -23,7 +23,10 @@ from spmd_runtime.runtime.loaders.gguf import load_gguf_model
 from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
 from spmd_runtime.runtime.models import build_model
 
-TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0]
+TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0]
+# Bytes each weight is held in: 4-bit codes and two float32 per block of 32, or 8-bit codes and
+# one (two with an offset).
+HELD_BYTES = {GGML.Q4_0: 0.75, GGML.Q4_1: 0.75, GGML.Q5_0: 1.125, GGML.Q5_1: 1.25, GGML.Q8_0: 1.125}
 
 
 def assert_product_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -106,9 +109,8 @@ def test_the_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit(tensor_type) 
     assert torch.equal(weight.expand(), torch.from_numpy(expected))
     rows = torch.tensor([5, 0, 47, 5])
     assert torch.equal(weight.embedding(rows), torch.from_numpy(expected)[rows])
-    # Bytes per weight: 4-bit codes and two float32 per block, or 8-bit codes and one.
     held = sum(t.numel() * t.element_size() for t in weight.tensors())
-    assert held / weight.shape.numel() == (1.125 if tensor_type == GGML.Q8_0 else 0.75)
+    assert held / weight.shape.numel() == HELD_BYTES[tensor_type]
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
