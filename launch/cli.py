@@ -41,7 +41,7 @@ LAUNCHER_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "mast
 ALIASES = {"http_host": ("--host",), "http_port": ("--port",), "auth_token": ("--api-key",)}
 # What only a server uses: the other commands talk to their engine over a private socket.
 SERVER_FIELDS = ("served_model_name", "rpc_address", "http_host", "http_port",
-                 "max_message_bytes", "enable_admin", "admin_token")
+                 "max_message_bytes", "enable_admin", "admin_token", "tool_call_parser")
 OPTIONS_USAGE = "%(prog)s [options]"
 FIELDS = {name: (kind, default, description)
           for name, kind, default, description in engine_config_fields()}

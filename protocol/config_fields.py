@@ -240,10 +240,10 @@ class ServingOptions(FaultOptions, kw_only=True):
     max_message_bytes: Annotated[int, Meta(ge=1024, description=(
         "largest client frame the scheduler reads; larger ones get an error reply (and past "
         "4x this, the connection is dropped)"))] = 8 * 2**20
-    tool_call_parser: Annotated[Literal["", "hermes", "llama3_json", "mistral"], Meta(description=(
+    tool_call_parser: Annotated[Literal["none", "hermes", "llama3_json", "mistral"], Meta(description=(
         "how the HTTP front reads tool calls out of a chat completion with tools and tool_choice "
-        "auto: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral; empty: tool_choice auto "
-        "is refused (required and a named function need none)"))] = ""
+        "auto: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral; none: tool_choice auto "
+        "is refused (required and a named function need none)"))] = "none"
 
 
 class SecurityOptions(ServingOptions, kw_only=True):

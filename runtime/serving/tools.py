@@ -101,7 +101,7 @@ def tool_request(body, parser: str) -> tuple[list[dict] | None, ToolMode | None,
     if choice == "none":
         return None, None, None
     if choice == "auto":
-        if not parser:
+        if parser == "none":
             raise APIError("tool_choice auto needs a server started with --tool-call-parser "
                            "(hermes, llama3_json or mistral); tool_choice required or a named "
                            "function work without one", param="tool_choice")

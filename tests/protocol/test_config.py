@@ -29,7 +29,8 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "http_host": "127.0.0.2", "graph_prompt_strategy": "max_bs",
              "graph_decode_strategy": "min_tokens", "attention_backend": "torch",
              "step_pipelining": "overlap", "quantization": "int8", "served_model_name": "my-model",
-             "curve_keys": "/tmp/job-keys", "row_parallel_chunks": "auto"}
+             "curve_keys": "/tmp/job-keys", "row_parallel_chunks": "auto",
+             "tool_call_parser": "hermes"}
 
 
 def _non_default(name: str, kind: type, default):

@@ -218,13 +218,13 @@ def test_blocks_kept_quantized_are_the_dequantised_weights(family, blocks, tmp_p
 
 def test_a_type_without_a_kernel_is_dequantised_with_a_line_naming_it(tmp_path, caplog) -> None:
     hf = hf_model("qwen2")
-    path = write_gguf(str(tmp_path / "q5.gguf"), hf, "qwen2", token_list=False,
-                      blocks=gguf.GGMLQuantizationType.Q5_0)
+    path = write_gguf(str(tmp_path / "mxfp4.gguf"), hf, "qwen2", token_list=False,
+                      blocks=gguf.GGMLQuantizationType.MXFP4)
     with caplog.at_level("INFO", logger="spmd.loader"):
         _, weights = load_gguf_model(path, torch.float32, keep_quantized=True)
     assert not any(isinstance(w, GroupQuantWeight) for w in weights.values())
     (line,) = [r.getMessage() for r in caplog.records if "dequantised" in r.getMessage()]
-    assert line.endswith("q5.gguf: 15 Q5_0 tensors dequantised to float32 (no kernel keeps "
+    assert line.endswith("mxfp4.gguf: 15 MXFP4 tensors dequantised to float32 (no kernel keeps "
                          "these types quantized)"), line
 
 
