@@ -316,6 +316,23 @@ class ServeProcess:
         kill_tree(self.proc, self.tag)
 
 
+@pytest.fixture(scope="module")
+def rpc(server):
+    """An RPC client of the module's `server` (a server without --auth-token), once it is ready."""
+    from spmd_runtime.runtime import Client
+
+    with Client(server.address, timeout_s=120) as client:
+        client.wait_ready(120)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    """The official openai client of the module's `server` (started with --http-port)."""
+    with openai_client(server) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def spmd_serve(tmp_path_factory) -> Callable[..., ServeProcess]:
     """Factory: spmd_serve(*serve_args, launcher=launcher_args) starts a server; every one is

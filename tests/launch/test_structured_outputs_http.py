@@ -20,7 +20,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import openai_client, wait_until
+from conftest import wait_until
 from pydantic import BaseModel, Field
 from spmd_runtime.runtime import Client
 from spmd_runtime.runtime.serving.structured import strict_schema
@@ -107,19 +107,6 @@ def server(spmd_serve, free_port):
     srv.base_url = f"http://127.0.0.1:{port}"
     with srv.serving():
         yield srv
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    with openai_client(server) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def rpc(server):
-    with Client(server.address, timeout_s=120) as client:
-        client.wait_ready(120)
-        yield client
 
 
 @pytest.fixture(scope="module")

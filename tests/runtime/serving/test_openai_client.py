@@ -17,7 +17,7 @@ import threading
 import httpx
 import openai
 import pytest
-from conftest import openai_client, wait_until
+from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from sharp_llama import sharp_chat_llama
 from spmd_runtime.runtime import Client, SamplingParams
@@ -63,19 +63,6 @@ def server(spmd_serve, free_port, model_dir):
     srv.base_url = f"http://127.0.0.1:{port}"
     with srv.serving():
         yield srv
-
-
-@pytest.fixture(scope="module")
-def rpc(server):
-    with Client(server.address, timeout_s=120) as client:
-        client.wait_ready(120)
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    with openai_client(server) as client:
-        yield client
 
 
 def request_options(options: dict) -> dict:
