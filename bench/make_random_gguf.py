@@ -75,6 +75,20 @@ def random_tensor(rng: np.random.Generator, kind: GGML, rows: int, columns: int)
     return gguf.quants.quantize(rng.standard_normal((rows, columns), np.float32) * 0.02, kind)
 
 
+def add_vocabulary(writer: gguf.GGUFWriter, size: int) -> None:
+    """A SentencePiece-style vocabulary of `size` tokens (its 256 byte tokens, then fillers; BOS
+    1, EOS the last): what llama.cpp needs to load the file; the engines get token ids."""
+    tokens = ["<unk>", "<s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(size - len(tokens) - 1)] + ["</s>"]
+    types = [2, 3] + [6] * 256 + [1] * (size - 259) + [3]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * size)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(size - 1)
+
+
 def write(path: str, shape: Shape, preset: str, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, shape.arch)
@@ -89,7 +103,7 @@ def write(path: str, shape: Shape, preset: str, seed: int = 0) -> None:
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(shape.vocab)
-    writer.add_eos_token_id(shape.vocab - 1)
+    add_vocabulary(writer, shape.vocab)
 
     def add(name: str, rows: int, columns: int, layer: int | None = None) -> None:
         kind = tensor_type(preset, name.split(".")[-2], layer, shape.layers)
