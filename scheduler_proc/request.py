@@ -66,6 +66,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def samples_after(self, num_tokens: int) -> bool:
+        """Whether computing `num_tokens` more reaches its last known token, so it samples."""
+        return self.num_computed_tokens + num_tokens == self.num_tokens
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

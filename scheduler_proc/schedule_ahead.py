@@ -57,7 +57,7 @@ def _continuing(scheduler: SchedulerState, step: ScheduledStep) -> list[tuple[Re
     continuing: list[tuple[Request, int]] = []
     for request in running_order(scheduler.running, scheduler.policy):
         num_tokens = step.num_scheduled.get(request.request_id)
-        if num_tokens is None or request.num_computed_tokens + num_tokens != request.num_tokens:
+        if num_tokens is None or not request.samples_after(num_tokens):
             return None
         # One that `step` ends by length is known to end: the next step goes on without it.
         if not ends_by_length(scheduler, request):

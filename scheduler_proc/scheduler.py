@@ -162,7 +162,7 @@ class Scheduler(SchedulerState):
         """The token masks of the constrained requests that sample at the end of `step`."""
         if self.constrained:
             sampling = (rid for rid, n in step.num_scheduled.items()
-                        if self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens)
+                        if self.requests[rid].samples_after(n))
             step.plan.token_masks = self.constrained.masks(sampling)
         return step
 

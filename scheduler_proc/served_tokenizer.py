@@ -68,10 +68,7 @@ class ServedTokenizer:
         if message.prompt_token_ids or (message.prompt is not None and message.messages is not None):
             raise ValueError("give one prompt: token ids, a text (prompt) or a conversation "
                              "(messages), not several")
-        missing = self.missing()
-        if missing is not None:
-            raise ValueError(missing)
-        tokenizer = self._tokenizer
+        tokenizer = self.loaded()
         if message.prompt is not None:
             return list(tokenizer(message.prompt).input_ids)
         conversation = [{"role": m.role, "content": m.content} for m in message.messages]

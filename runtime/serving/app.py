@@ -44,6 +44,7 @@ from spmd_runtime.runtime.serving.schema import (
     sampling_params,
     with_sampled_logprobs,
 )
+from spmd_runtime.runtime.serving.structured import request_constraint
 from spmd_runtime.runtime.serving.tools import ToolMode, tool_request
 from spmd_runtime.scheduler_proc.chat import chat_prompt_ids
 
@@ -256,8 +257,9 @@ async def _generate(request: Request, state: ServingState, body: GenerationBody,
     n, candidates = choice_count(body)
     default_max_tokens = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
     tool_mode, forced = tools
+    constraint = request_constraint(body, forced)      # compiled once, not once per choice
     plans = [[sampling_params(body, len(prompt), state.info.max_model_len, default_max_tokens, k,
-                              forced) for k in range(candidates)] for prompt in prompts]
+                              constraint) for k in range(candidates)] for prompt in prompts]
     logprobs = LogprobFormat(state.tokenizer, chat) if plans[0][0].logprobs is not None else None
     if candidates > n:     # ranked by the sampled tokens' logprobs, whether asked for or not
         plans = [[with_sampled_logprobs(params) for params in plan] for plan in plans]

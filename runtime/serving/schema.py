@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from spmd_runtime.protocol.config_fields import VictimPolicy
 from spmd_runtime.protocol.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from spmd_runtime.runtime.serving.errors import APIError
-from spmd_runtime.runtime.serving.structured import structured_output
 
 # Fields of the OpenAI API (and of vLLM's extensions) this server does not implement, with the
 # values that mean "off": a request may carry them (SDKs and tools send some by default) as long
@@ -187,9 +186,10 @@ def requested_max_tokens(body: GenerationBody) -> int | None:
 
 def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
                     default_max_tokens: int | None, choice: int,
-                    forced: StructuredOutput | None = None) -> SamplingParams:
-    """Engine parameters of one choice. Without max_tokens, a completion gets
-    default_max_tokens (None: the rest of the context) cut to what the context leaves."""
+                    constraint: StructuredOutput | None = None) -> SamplingParams:
+    """Engine parameters of one choice, under `constraint` (structured.request_constraint).
+    Without max_tokens, a completion gets default_max_tokens (None: the rest of the context)
+    cut to what the context leaves."""
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(f"This model's maximum context length is {max_model_len} tokens, and your "
@@ -225,11 +225,6 @@ def sampling_params(body: GenerationBody, prompt_len: int, max_model_len: int,
     logprobs = logprob_count(body)
     if logprobs is not None:
         extras["logprobs"] = logprobs
-    constraint = structured_output(body)
-    if forced is not None and constraint is not None:
-        raise APIError("tool_choice required or a named function constrains the reply itself: "
-                       "drop response_format (or the guided_* field)", param="tool_choice")
-    constraint = constraint or forced
     if constraint is not None:
         extras["structured_output"] = constraint
     try:

@@ -17,6 +17,16 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 STRUCTURED_FIELDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+def request_constraint(body, forced: StructuredOutput | None = None) -> StructuredOutput | None:
+    """The constraint every choice of the request samples under: its own, or `forced` by its
+    tool_choice (required, a named function); the two together are refused."""
+    constraint = structured_output(body)
+    if forced is not None and constraint is not None:
+        raise APIError("tool_choice required or a named function constrains the reply itself: "
+                       "drop response_format (or the guided_* field)", param="tool_choice")
+    return constraint or forced
+
+
 def structured_output(body) -> StructuredOutput | None:
     """The request's constraint (None: free text); APIError naming the field when it is
     malformed, does not compile, or comes with another one."""

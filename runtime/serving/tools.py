@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from spmd_runtime.protocol.sampling import StructuredOutput
 from spmd_runtime.runtime.serving.errors import APIError
 from spmd_runtime.runtime.serving.structured import strict_schema
-from spmd_runtime.runtime.serving.tool_calls import Delta, ToolCall, ToolCallStream, new_call_id
+from spmd_runtime.runtime.serving.tool_calls import (
+    Delta,
+    ToolCall,
+    ToolCallStream,
+    new_call_id,
+    parse_tool_calls,
+)
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -36,9 +42,7 @@ class ToolMode:
     def parse(self, text: str, call_id: Callable[[], str] = new_call_id
               ) -> tuple[str | None, list[ToolCall]]:
         if self.kind == "parse":
-            stream = ToolCallStream(self.parser, call_id=call_id)
-            deltas = stream.feed(text) + stream.finish()
-            return _content_and_calls(deltas)
+            return parse_tool_calls(self.parser, text, call_id=call_id)
         if self.kind == "named":
             return None, [ToolCall(call_id(), self.name, _compact(text))]
         try:
@@ -154,13 +158,3 @@ def _compact(text: str) -> str:
     except ValueError:
         return text         # cut short (length): as generated
 
-
-def _content_and_calls(deltas: list[Delta]) -> tuple[str | None, list[ToolCall]]:
-    content = "".join(d.content for d in deltas if d.content)
-    calls: dict[int, list] = {}
-    for delta in deltas:
-        if delta.index is None:
-            continue
-        call = calls.setdefault(delta.index, [delta.id, delta.name, ""])
-        call[2] += delta.arguments or ""
-    return content or None, [ToolCall(*call) for _, call in sorted(calls.items())]
