@@ -41,10 +41,9 @@ def server(spmd_serve):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with Client(server.address, timeout_s=120) as c:
-        c.wait_ready(120)
-        yield c
+def client(rpc):
+    """conftest's RPC client of this module's server."""
+    return rpc
 
 
 @pytest.fixture(scope="module")
