@@ -12,6 +12,11 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
     python bench/quant_quality.py --dtype bfloat16              # int8 over bf16, against float32
     python bench/quant_quality.py --dtype bfloat16 --quantization none   # bf16 alone
     python bench/quant_quality.py --quantization gguf     # the file's blocks kept, vs dequantised
+
+With `gguf`, every position's products take the path decode's few rows take (activations
+quantized to 8 bits per block of 32, integer dot products): a window's rows would otherwise go
+through the float32 GEMM that prompts of more than group_quant.DIRECT_ROWS tokens take.
+`--gguf-rows-as prefill` measures that path instead.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+from spmd_runtime.runtime.layers import group_quant
 from spmd_runtime.runtime.layers.quantization import QUANTIZATION_METHODS, quantize_linear_weights
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models import build_model
@@ -54,7 +60,11 @@ def main() -> int:
                         help=f"text files (default: the *.md files of {SEEDS})")
     parser.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced window")
     parser.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens")
+    parser.add_argument("--gguf-rows-as", choices=("decode", "prefill"), default="decode",
+                        help="gguf: the products' path every position takes")
     args = parser.parse_args()
+    if args.gguf_rows_as == "decode":
+        group_quant.DIRECT_ROWS = 1 << 62
     torch.manual_seed(0)
     paths = args.text or sorted(SEEDS.glob("*.md"))
     ids = load_tokenizer(resolve_model(args.model)).encode(read_text(paths))

@@ -1,236 +1,496 @@
-// Projections whose weights stay in GGUF's block formats (runtime/layers/group_quant.py): each
-// block of 32 weights along a row (16 for Q6_K) keeps its codes, 4-bit two to a byte or 8-bit,
-// one float32 scale and, where the format has one, one float32 offset: w = scale * q + offset
-// (Q4_1's d and m; Q4_0 as offset -8d; Q8_0 and Q6_K signed codes, no offset; Q4_K and Q5_K
-// d sc and -dmin m). Activations and sums are float32.
+// Projections whose weights stay in the GGUF file's own block bytes (runtime/layers/group_quant.py):
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks
+// of 256), each output feature's row of blocks exactly as the file stores it.
 //
-// Few rows (decode): each thread takes a range of output features; a feature's weights are
-// made in float32 once and every row of x multiplied into 32 running sums. Many rows
-// (prefill): 64 output features at a time are expanded to float32 and multiplied by MKL's GEMM.
+// Few rows (decode, up to `direct_rows`, 32 by default): the activations are held as 16-bit
+// fixed point per block of 32 (a float scale per block: x ~= scale * q, |q| <= 32767, round to
+// nearest; nearly float32's precision), each block of weights is unpacked in registers to 32
+// integer codes, and the two are multiplied with integer dot products (AVX2 madd); the block's
+// scales are applied once per block to the integer sums, its zero points and minimums through
+// each row's sums of codes. Many rows (prefill): 64 output features at a time are dequantized
+// to float32 and multiplied by MKL's GEMM.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <optional>
-#include <vector>
+#include <cstring>
 
 #include "cpu_math.h"
 
 namespace {
 
+// GGML's type ids for the block formats kept.
+enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12,
+                      kQ5_K = 13, kQ6_K = 14 };
+
 constexpr int64_t kBlock = 32;
-constexpr int64_t kDirectRows = 8;     // up to this many rows of x: the direct kernel
-constexpr int64_t kTile = 64;          // output features expanded at a time for the GEMM
+constexpr int64_t kTile = 64;          // output features dequantized at a time for the GEMM
 
-struct Codes {
-  const uint8_t* nibbles = nullptr;    // 4-bit: [N, K / 2], GGUF's layout per block of 32
-  const int8_t* bytes = nullptr;       // 8-bit: [N, K]
-  const float* scales;                 // [N, K / size]
-  const float* offsets;                // [N, K / size] or nullptr
-  int64_t K;
-  int64_t size;                        // weights per block: 32 (16: Q6_K's 8-bit blocks)
-
-  // 4-bit block b of output feature n as 32 floats q (without its scale and offset).
-  inline void block(int64_t n, int64_t b, float* q) const {
-    // Byte j of a block: element j in its low nibble, element j + 16 in its high one.
-    const uint8_t* src = nibbles + n * (K / 2) + b * (kBlock / 2);
-#pragma omp simd
-    for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<float>(src[j] & 0x0F);
-      q[j + 16] = static_cast<float>(src[j] >> 4);
-    }
-  }
-
-  // Output feature n's weights, expanded to float32 (K values): scale * q + offset.
-  inline void row(int64_t n, float* w) const {
-    const int64_t blocks = K / size;
-    for (int64_t b = 0; b < blocks; ++b) {
-      float* dst = w + b * size;
-      if (nibbles != nullptr) {
-        block(n, b, dst);
-      } else {
-        const int8_t* src = bytes + n * K + b * size;
-#pragma omp simd
-        for (int64_t j = 0; j < size; ++j) dst[j] = static_cast<float>(src[j]);
-      }
-      const float s = scales[n * blocks + b];
-      const float o = offsets != nullptr ? offsets[n * blocks + b] : 0.f;
-#pragma omp simd
-      for (int64_t j = 0; j < size; ++j) dst[j] = dst[j] * s + o;
-    }
-  }
+struct Format {
+  int64_t weights;   // weights per block (super-block for the K-quants)
+  int64_t bytes;     // bytes per block
 };
 
-// Rows r0 .. r0 + R of x against one output feature's expanded weights w: R sets of 32 lane
-// sums, kept in registers across the row, added up once.
-template <int R>
-inline void dot_rows(const float* w, const float* x, int64_t K, float* out, int64_t N) {
-  float acc[R][kBlock] = {};
-  for (int64_t k = 0; k < K; k += kBlock) {
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * K + k;
-#pragma omp simd
-      for (int j = 0; j < kBlock; ++j) acc[r][j] += w[k + j] * xr[j];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < kBlock; ++j) sum += acc[r][j];
-    out[r * N] = sum;
+Format format_of(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", kind, " has no kernel");
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Eight codes as floats, times the block's scale plus its offset (one rounding: an FMA).
-inline __m256 weights8(__m128i codes8, bool is_signed, __m256 scale, __m256 offset) {
-  const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(codes8) : _mm256_cvtepu8_epi32(codes8);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), scale, offset);
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
 }
 
-// One output feature against R rows of x, the weights made in registers block by block and
-// never stored: R x 4 vector sums (R <= 2 keeps them and a block's 4 weight vectors in the 16
-// registers), added up once.
-template <int R>
-void fused_rows(const Codes& codes, int64_t n, const float* x, int64_t K, float* out, int64_t N) {
-  __m256 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
-  const int64_t blocks = K / codes.size;
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m256 scale = _mm256_set1_ps(codes.scales[n * blocks + b]);
-    const __m256 offset = _mm256_set1_ps(codes.offsets != nullptr ? codes.offsets[n * blocks + b] : 0.f);
-    __m256 w[4];
-    int lanes;       // vectors of 8 weights in this block: 4 (32 weights) or 2 (16)
-    if (codes.nibbles != nullptr) {
-      const __m128i bytes = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(codes.nibbles + n * (K / 2) + b * (kBlock / 2)));
-      const __m128i lo = _mm_and_si128(bytes, low_nibbles);                     // weights 0-15
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);  // 16-31
-      w[0] = weights8(lo, false, scale, offset);
-      w[1] = weights8(_mm_srli_si128(lo, 8), false, scale, offset);
-      w[2] = weights8(hi, false, scale, offset);
-      w[3] = weights8(_mm_srli_si128(hi, 8), false, scale, offset);
-      lanes = 4;
-    } else {
-      const int8_t* src = codes.bytes + n * K + b * codes.size;
-      lanes = static_cast<int>(codes.size / 8);
-      for (int i = 0; i < lanes; ++i)
-        w[i] = weights8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i)), true,
-                        scale, offset);
-    }
-    const int64_t k = b * codes.size;
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < lanes; ++i)
-        acc[r][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * K + k + 8 * i), acc[r][i]);
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m256 sum8 = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
-                                      _mm256_add_ps(acc[r][2], acc[r][3]));
-    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
-    sum4 = _mm_hadd_ps(sum4, sum4);
-    sum4 = _mm_hadd_ps(sum4, sum4);
-    out[r * N + n] = _mm_cvtss_f32(sum4);
+// Q4_K's and Q5_K's 6-bit scale and minimum of block j (of 8) from their 12 packed bytes.
+inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
 
-void direct(const float* x, int64_t M, const Codes& codes, int64_t N, float* out) {
-  const int64_t K = codes.K;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      int64_t r = 0;
-      for (; r + 2 <= M; r += 2) fused_rows<2>(codes, n, x + r * K, K, out + r * N, N);
-      if (r < M) fused_rows<1>(codes, n, x + r * K, K, out + r * N, N);
-    }
-  });
-}
-#else
-void direct(const float* x, int64_t M, const Codes& codes, int64_t N, float* out) {
-  const int64_t K = codes.K;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    // One output feature's weights at a time, expanded once into a row that stays in cache
-    // while every row of x passes over it, four at a time.
-    std::vector<float> w(K);
-    for (int64_t n = begin; n < end; ++n) {
-      codes.row(n, w.data());
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) dot_rows<4>(w.data(), x + r * K, K, out + r * N + n, N);
-      switch (M - r) {
-        case 3: dot_rows<3>(w.data(), x + r * K, K, out + r * N + n, N); break;
-        case 2: dot_rows<2>(w.data(), x + r * K, K, out + r * N + n, N); break;
-        case 1: dot_rows<1>(w.data(), x + r * K, K, out + r * N + n, N); break;
-        default: break;
+// Block b (32 weights) of a block or super-block `s` as w_i = a_i (u_i - zero) + c, u_i the
+// unsigned codes (Q8_0: signed, zero 0); a_i is `a` (Q6_K: a * sub[i / 16], its int8 scales
+// of 16 weights).
+struct Affine {
+  float a = 0.f, c = 0.f;
+  int zero = 0;
+  int sub[2] = {1, 1};
+};
+
+// The 32 codes of block b and their affine map, read one code at a time (the reference for
+// the vector unpacking, and the dequantization of the GEMM's tiles).
+void unpack_scalar(int64_t kind, const uint8_t* s, int b, int q[32], Affine& f) {
+  switch (kind) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {
+      const bool with_min = kind == kQ4_1 || kind == kQ5_1;
+      const bool five = kind == kQ5_0 || kind == kQ5_1;
+      const uint8_t* qs = s + 2 + (with_min ? 2 : 0) + (five ? 4 : 0);
+      uint32_t high = 0;
+      if (five) std::memcpy(&high, s + 2 + (with_min ? 2 : 0), 4);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (qs[j] & 0x0F) | (five ? ((high >> j) & 1) << 4 : 0);
+        q[j + 16] = (qs[j] >> 4) | (five ? ((high >> (j + 16)) & 1) << 4 : 0);
       }
+      f.a = half_at(s);
+      f.c = with_min ? half_at(s + 2) : 0.f;
+      f.zero = with_min ? 0 : (five ? 16 : 8);
+      return;
     }
-  });
+    case kQ8_0:
+      for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(s[2 + j]);
+      f.a = half_at(s);
+      return;
+    case kQ4_K: case kQ5_K: {
+      const uint8_t* qs = s + (kind == kQ4_K ? 16 : 48) + 32 * (b / 2);
+      for (int j = 0; j < 32; ++j) {
+        q[j] = (qs[j] >> (4 * (b % 2))) & 0x0F;
+        if (kind == kQ5_K) q[j] |= ((s[16 + j] >> b) & 1) << 4;
+      }
+      int sc, m;
+      scale_min(s + 4, b, sc, m);
+      f.a = half_at(s) * static_cast<float>(sc);
+      f.c = -half_at(s + 2) * static_cast<float>(m);
+      return;
+    }
+    case kQ6_K: {
+      const int h = b / 4, part = b % 4;
+      const uint8_t* ql = s + 64 * h + 32 * (part % 2);
+      const uint8_t* qh = s + 128 + 32 * h;
+      for (int j = 0; j < 32; ++j)
+        q[j] = ((ql[j] >> (4 * (part / 2))) & 0x0F) | (((qh[j] >> (2 * part)) & 3) << 4);
+      f.a = half_at(s + 208);
+      f.zero = 32;
+      f.sub[0] = static_cast<int8_t>(s[192 + 2 * b]);
+      f.sub[1] = static_cast<int8_t>(s[192 + 2 * b + 1]);
+      return;
+    }
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", kind, " has no kernel");
+  }
 }
-#endif
 
-void tiled(const at::Tensor& x, const Codes& codes, int64_t N, at::Tensor& out) {
-  const int64_t K = codes.K;
+// One output feature's K weights as float32.
+void dequantize_row(int64_t kind, const uint8_t* row, int64_t K, float* w) {
+  const Format fmt = format_of(kind);
+  int q[32];
+  Affine f;
+  for (int64_t k = 0; k < K; k += kBlock) {
+    const uint8_t* s = row + (k / fmt.weights) * fmt.bytes;
+    unpack_scalar(kind, s, static_cast<int>((k % fmt.weights) / kBlock), q, f);
+    for (int j = 0; j < 32; ++j)
+      w[k + j] = f.a * static_cast<float>(f.sub[j / 16]) * static_cast<float>(q[j] - f.zero) + f.c;
+  }
+}
+
+void tiled(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
+           int64_t N, at::Tensor& out) {
+  const int64_t K = x.size(1);
   at::Tensor tile = at::empty({kTile, K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += kTile) {
     const int64_t count = std::min(kTile, N - n0);
     float* w = tile.data_ptr<float>();
     at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) codes.row(n0 + i, w + i * K);
+      for (int64_t i = begin; i < end; ++i)
+        dequantize_row(kind, blocks + (n0 + i) * row_bytes, K, w + i * K);
     });
     out.narrow(1, n0, count).copy_(at::mm(x, tile.narrow(0, 0, count).t()));
   }
 }
 
-void check_blocks(const char* op, const char* name, const at::Tensor& t, int64_t N,
-                  int64_t blocks) {
-  spmd_cpu::check_tensor(op, name, t, 2);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
-              " must be a contiguous float32 tensor");
-  TORCH_CHECK(t.size(0) == N && t.size(1) == blocks, op, ": ", name, " has shape ",
-              t.sizes(), ", [out_features, in_features / block size] expected");
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Rows of x as 16-bit fixed point per block of 32: x ~= scale * q, |q| <= 32767; and per 16
+// and per 32 codes scale * (their sum), the factors of the zero points' and minimums' terms.
+struct Quantized {
+  at::Tensor q, scale, sum16, sum32;   // int16 [M, K]; float32 [M, K/32], [M, K/16], [M, K/32]
+  const int16_t* q_at;
+  const float *scale_at, *sum16_at, *sum32_at;
+};
+
+constexpr float kFixed = 32767.f;
+
+Quantized quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Quantized out{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, K / kBlock}, x.options()),
+                at::empty({M, K / 16}, x.options()), at::empty({M, K / kBlock}, x.options()),
+                nullptr, nullptr, nullptr, nullptr};
+  const float* src = x.data_ptr<float>();
+  int16_t* q = out.q.data_ptr<int16_t>();
+  float *scale = out.scale.data_ptr<float>(), *sum16 = out.sum16.data_ptr<float>(),
+        *sum32 = out.sum32.data_ptr<float>();
+  out.q_at = q;
+  out.scale_at = scale;
+  out.sum16_at = sum16;
+  out.sum32_at = sum32;
+  at::parallel_for(0, M * (K / kBlock), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = src + i * kBlock;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / kFixed, inv = amax > 0.f ? kFixed / amax : 0.f;
+      int sum[2] = {0, 0};
+      for (int j = 0; j < 32; ++j) {
+        const int c = static_cast<int>(std::nearbyint(v[j] * inv));
+        q[i * kBlock + j] = static_cast<int16_t>(c);
+        sum[j / 16] += c;
+      }
+      scale[i] = d;
+      sum16[2 * i] = d * static_cast<float>(sum[0]);
+      sum16[2 * i + 1] = d * static_cast<float>(sum[1]);
+      sum32[i] = d * static_cast<float>(sum[0] + sum[1]);
+    }
+  });
+  return out;
 }
 
-// x [M, K] float32, codes ([N, K/2] uint8 for 4 bits, [N, K] int8 for 8), scales [N, K/size],
-// offsets [N, K/size] or None, `size` weights a block (4 bits: 32; 8 bits: 32 or 16)
-// -> [M, N] float32.
-at::Tensor group_quant_linear(const at::Tensor& x, const at::Tensor& codes,
-                              const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
-                              int64_t bits, int64_t size) {
-  constexpr const char* op = "group_quant_linear";
+inline float half_fast(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// 32 bits as 32 bytes, byte j 0xFF where bit j is set.
+inline __m256i bytes_of_bits(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256i nibbles_at(const uint8_t* p, int shift) {
+  return _mm256_and_si256(_mm256_srli_epi16(load32(p), shift), _mm256_set1_epi8(0x0F));
+}
+
+// A block of 32's codes in a register (Q8_0: signed; the others unsigned, < 32) and its
+// scale a, offset c and zero point (as unpack_scalar's).
+template <int64_t KIND>
+inline __m256i unpack_block(const uint8_t* s, Affine& f) {
+  f.a = half_fast(s);
+  if constexpr (KIND == kQ8_0) {
+    return load32(s + 2);
+  } else {
+    constexpr bool with_min = KIND == kQ4_1 || KIND == kQ5_1;
+    constexpr bool five = KIND == kQ5_0 || KIND == kQ5_1;
+    constexpr int at = 2 + (with_min ? 2 : 0);
+    f.c = with_min ? half_fast(s + 2) : 0.f;
+    f.zero = with_min ? 0 : (five ? 16 : 8);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at + (five ? 4 : 0)));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    if constexpr (five) {
+      uint32_t high;
+      std::memcpy(&high, s + at, 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(bytes_of_bits(high), _mm256_set1_epi8(0x10)));
+    }
+    return q;
+  }
+}
+
+// Block b (of 8) of a K-quant super-block's codes in a register, unsigned (< 64).
+template <int64_t KIND>
+inline __m256i unpack_super(const uint8_t* s, int b) {
+  if constexpr (KIND == kQ6_K) {
+    const int h = b / 4, part = b % 4;
+    const __m256i low = nibbles_at(s + 64 * h + 32 * (part % 2), 4 * (part / 2));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(s + 128 + 32 * h), 2 * part),
+                                          _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  } else {
+    __m256i q = nibbles_at(s + (KIND == kQ4_K ? 16 : 48) + 32 * (b / 2), 4 * (b % 2));
+    if constexpr (KIND == kQ5_K) {
+      const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load32(s + 16), b), _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(fifth, 4));
+    }
+    return q;
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// 32 codes (bytes) as two registers of 16-bit ones: weights 0-15 and 16-31.
+struct Wide {
+  __m256i low, high;
+};
+
+template <bool SIGNED>
+inline Wide widen(__m256i codes) {
+  const __m128i a = _mm256_castsi256_si128(codes), b = _mm256_extracti128_si256(codes, 1);
+  if constexpr (SIGNED) return {_mm256_cvtepi8_epi16(a), _mm256_cvtepi8_epi16(b)};
+  return {_mm256_cvtepu8_epi16(a), _mm256_cvtepu8_epi16(b)};
+}
+
+// A block's 16-bit codes against 32 of x's 16-bit codes: 8 int32 sums of 4 products each.
+inline __m256i dot32(const Wide& w, const int16_t* x) {
+  return _mm256_add_epi32(_mm256_madd_epi16(w.low, load32(x)), _mm256_madd_epi16(w.high, load32(x + 16)));
+}
+
+inline __m256 int8x8_to_float(const void* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// R rows of quantized x against one output feature of blocks of 32: per block, the integer dot
+// products of its codes with each row's codes in 8 int32 lanes, scaled to float by a * x's
+// block scale; the zero point's and minimum's terms from the rows' scaled sums of codes.
+template <int64_t KIND, int R>
+void dot_blocks(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, float* out,
+                int64_t N) {
+  constexpr int64_t kBytes = KIND == kQ4_0 ? 18 : KIND == kQ4_1 ? 20 : KIND == kQ5_0 ? 22
+                             : KIND == kQ5_1 ? 24 : 34;
+  const int64_t blocks = K / kBlock;
+  __m256 acc[R];
+  float extra[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    extra[r] = 0.f;
+  }
+  for (int64_t i = 0; i < blocks; ++i) {
+    Affine f;
+    const Wide codes = widen<KIND == kQ8_0>(unpack_block<KIND>(row + i * kBytes, f));
+    const float shift = f.c - f.a * static_cast<float>(f.zero);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * blocks + i;
+      const __m256i dots = dot32(codes, xq.q_at + at * kBlock);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(f.a * xq.scale_at[at]), acc[r]);
+      if (KIND != kQ8_0) extra[r] += shift * xq.sum32_at[at];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = hsum(acc[r]) + extra[r];
+}
+
+// R rows of quantized x against one output feature of K-quant super-blocks: each super-block's
+// scales (and minimums) read once into vectors of its 8 blocks; per block the integer dot
+// products (Q6_K: weighed by its two int8 sub-block scales) scaled to float by its lane of
+// scale x x's block scales; the minimums' (Q6_K: zero point's) terms, one vector product per
+// super-block and row.
+template <int64_t KIND, int R>
+void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, float* out,
+                int64_t N) {
+  constexpr int64_t kBytes = KIND == kQ4_K ? 144 : KIND == kQ5_K ? 176 : 210;
+  const int64_t supers = K / 256, blocks = K / kBlock;
+  __m256 acc[R], extra[R];
+  for (int r = 0; r < R; ++r) acc[r] = extra[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < supers; ++i) {
+    const uint8_t* s = row + i * kBytes;
+    __m256 scale, low_min, high_min = _mm256_setzero_ps();
+    if constexpr (KIND == kQ6_K) {
+      const float d = half_fast(s + 208);
+      scale = _mm256_set1_ps(d);
+      low_min = _mm256_mul_ps(_mm256_set1_ps(-32.f * d), int8x8_to_float(s + 192));
+      high_min = _mm256_mul_ps(_mm256_set1_ps(-32.f * d), int8x8_to_float(s + 200));
+    } else {
+      // The 8 six-bit scales and minimums (scale_min), four to a 32-bit word, bytewise.
+      uint32_t w[3];
+      std::memcpy(w, s + 4, 12);
+      const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+      const uint32_t sc_words[2] = {w[0] & six, (w[2] & four) | (((w[0] >> 6) & two) << 4)};
+      const uint32_t m_words[2] = {w[1] & six, ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)};
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(sc_words))));
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(m_words))));
+      scale = _mm256_mul_ps(_mm256_set1_ps(half_fast(s)), sc);
+      low_min = _mm256_mul_ps(_mm256_set1_ps(-half_fast(s + 2)), m);
+    }
+    __m256 row_scale[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * blocks + i * 8;
+      row_scale[r] = _mm256_mul_ps(scale, _mm256_loadu_ps(xq.scale_at + at));
+      if constexpr (KIND == kQ6_K) {
+        // sum16's 16 values per super-block: lanes of low_min are sub-blocks 0-7, of high 8-15.
+        extra[r] = _mm256_fmadd_ps(low_min, _mm256_loadu_ps(xq.sum16_at + 2 * at), extra[r]);
+        extra[r] = _mm256_fmadd_ps(high_min, _mm256_loadu_ps(xq.sum16_at + 2 * at + 8), extra[r]);
+      } else {
+        extra[r] = _mm256_fmadd_ps(low_min, _mm256_loadu_ps(xq.sum32_at + at), extra[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) {
+      Wide codes = widen<false>(unpack_super<KIND>(s, b));
+      if constexpr (KIND == kQ6_K) {    // times the sub-blocks' int8 scales: |q sc| <= 63 * 128
+        codes.low = _mm256_mullo_epi16(codes.low, _mm256_set1_epi16(static_cast<int8_t>(s[192 + 2 * b])));
+        codes.high = _mm256_mullo_epi16(codes.high, _mm256_set1_epi16(static_cast<int8_t>(s[193 + 2 * b])));
+      }
+      const __m256i lane = _mm256_set1_epi32(b);
+      for (int r = 0; r < R; ++r) {
+        const __m256i dots = dot32(codes, xq.q_at + ((r0 + r) * blocks + i * 8 + b) * kBlock);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots),
+                                 _mm256_permutevar8x32_ps(row_scale[r], lane), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = hsum(_mm256_add_ps(acc[r], extra[r]));
+}
+
+template <int64_t KIND, int R>
+inline void dot_feature(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, float* out,
+                        int64_t N) {
+  if constexpr (KIND >= kQ4_K) {
+    dot_supers<KIND, R>(row, K, xq, r0, out, N);
+  } else {
+    dot_blocks<KIND, R>(row, K, xq, r0, out, N);
+  }
+}
+
+template <int64_t KIND>
+void direct_kind(const Quantized& xq, int64_t M, const uint8_t* blocks, int64_t row_bytes,
+                 int64_t K, int64_t N, float* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = blocks + n * row_bytes;
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) dot_feature<KIND, 4>(row, K, xq, r, out + r * N + n, N);
+      switch (M - r) {
+        case 3: dot_feature<KIND, 3>(row, K, xq, r, out + r * N + n, N); break;
+        case 2: dot_feature<KIND, 2>(row, K, xq, r, out + r * N + n, N); break;
+        case 1: dot_feature<KIND, 1>(row, K, xq, r, out + r * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+void direct(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
+            int64_t N, at::Tensor& out) {
+  const Quantized xq = quantize_rows(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  float* o = out.data_ptr<float>();
+  switch (kind) {
+    case kQ4_0: direct_kind<kQ4_0>(xq, M, blocks, row_bytes, K, N, o); break;
+    case kQ4_1: direct_kind<kQ4_1>(xq, M, blocks, row_bytes, K, N, o); break;
+    case kQ5_0: direct_kind<kQ5_0>(xq, M, blocks, row_bytes, K, N, o); break;
+    case kQ5_1: direct_kind<kQ5_1>(xq, M, blocks, row_bytes, K, N, o); break;
+    case kQ8_0: direct_kind<kQ8_0>(xq, M, blocks, row_bytes, K, N, o); break;
+    case kQ4_K: direct_kind<kQ4_K>(xq, M, blocks, row_bytes, K, N, o); break;
+    case kQ5_K: direct_kind<kQ5_K>(xq, M, blocks, row_bytes, K, N, o); break;
+    case kQ6_K: direct_kind<kQ6_K>(xq, M, blocks, row_bytes, K, N, o); break;
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", kind, " has no kernel");
+  }
+}
+#endif
+
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t kind, int64_t K) {
+  const Format fmt = format_of(kind);
+  TORCH_CHECK(K > 0 && K % fmt.weights == 0, op, ": in_features (", K,
+              ") must be a positive multiple of ", fmt.weights, " for GGML type ", kind);
+  spmd_cpu::check_tensor(op, "blocks", blocks, 2);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), op,
+              ": blocks must be a contiguous uint8 tensor");
+  TORCH_CHECK(blocks.size(1) == K / fmt.weights * fmt.bytes, op, ": blocks has ", blocks.size(1),
+              " bytes a row, ", K / fmt.weights * fmt.bytes, " expected for ", K,
+              " weights of GGML type ", kind);
+}
+
+// x [M, K] float32 @ W^T, W [N, K] as its GGUF blocks ([N, bytes a row] uint8) -> [M, N] float32.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                       int64_t in_features, int64_t direct_rows) {
+  constexpr const char* op = "gguf_linear";
   spmd_cpu::check_tensor(op, "x", x, 2);
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32");
-  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8");
-  spmd_cpu::check_tensor(op, "codes", codes, 2);
-  TORCH_CHECK(codes.is_contiguous() &&
-                  codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              op, ": codes must be a contiguous ", bits == 4 ? "uint8" : "int8", " tensor");
-  TORCH_CHECK(size == 32 || (size == 16 && bits == 8), op,
-              ": blocks are 32 weights (8-bit codes: 32 or 16)");
-  const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % kBlock == 0, op, ": in_features must be a multiple of 32");
-  TORCH_CHECK(codes.size(1) == (bits == 4 ? K / 2 : K), op,
-              ": codes and x disagree on in_features");
-  check_blocks(op, "scales", scales, N, K / size);
-  if (offsets.has_value()) check_blocks(op, "offsets", *offsets, N, K / size);
+  TORCH_CHECK(x.size(1) == in_features, op, ": x has ", x.size(1), " features, the weight ",
+              in_features);
+  check_blocks(op, blocks, kind, in_features);
   const at::Tensor rows = x.contiguous();
-  Codes view{bits == 4 ? codes.data_ptr<uint8_t>() : nullptr,
-             bits == 8 ? codes.data_ptr<int8_t>() : nullptr, scales.data_ptr<float>(),
-             offsets.has_value() ? offsets->data_ptr<float>() : nullptr, K, size};
+  const int64_t N = blocks.size(0);
   at::Tensor out = at::empty({rows.size(0), N}, rows.options());
-  if (rows.size(0) <= kDirectRows) {
-    direct(rows.data_ptr<float>(), rows.size(0), view, N, out.data_ptr<float>());
-  } else {
-    tiled(rows, view, N, out);
+  const uint8_t* data = blocks.data_ptr<uint8_t>();
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (rows.size(0) <= direct_rows) {
+    direct(rows, kind, data, blocks.size(1), N, out);
+    return out;
   }
+#endif
+  tiled(rows, kind, data, blocks.size(1), N, out);
+  return out;
+}
+
+// W [N, K] as its GGUF blocks -> float32 [N, K].
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  check_blocks("gguf_dequantize", blocks, kind, in_features);
+  at::Tensor out = at::empty({blocks.size(0), in_features}, blocks.options().dtype(at::kFloat));
+  const uint8_t* data = blocks.data_ptr<uint8_t>();
+  float* w = out.data_ptr<float>();
+  at::parallel_for(0, blocks.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      dequantize_row(kind, data + n * blocks.size(1), in_features, w + n * in_features);
+  });
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
-  m.def("group_quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits, "
-        "int size=32) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int kind, int in_features, "
+        "int direct_rows=32) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int kind, int in_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) { m.impl("group_quant_linear", &group_quant_linear); }
+TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+}

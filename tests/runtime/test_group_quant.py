@@ -1,6 +1,8 @@
 """GGUF block-quantized weights kept quantized (runtime/layers/group_quant.py and the C++
-group_quant_linear): decoding the file's blocks, slicing and stacking them as shards and fused
-projections do, and the product against the float32 dequantised weight (float32 throughout)."""
+gguf_linear): the file's blocks held as they are, sliced and stacked as shards and fused
+projections do, and the products (float32 throughout): at up to DIRECT_ROWS rows against the
+dequantised weight times the activations as 16-bit fixed point per block of 32 (integer dot
+products), past it against the float32 activations."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,14 +26,28 @@ from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
 from spmd_runtime.runtime.models import build_model
 
 TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0]
-# Bytes each weight is held in: 4-bit codes and two float32 per block of 32, or 8-bit codes and
-# one (two with an offset).
-HELD_BYTES = {GGML.Q4_0: 0.75, GGML.Q4_1: 0.75, GGML.Q5_0: 1.125, GGML.Q5_1: 1.25, GGML.Q8_0: 1.125}
+# Bytes each weight is held in: the file's, a block's bytes over its 32 weights.
+HELD_BYTES = {GGML.Q4_0: 18 / 32, GGML.Q4_1: 20 / 32, GGML.Q5_0: 22 / 32, GGML.Q5_1: 24 / 32,
+              GGML.Q8_0: 34 / 32}
+DIRECT_ROWS = 32    # cpu_group_quant.cpp's kDirectRows
+
+
+def activations_as_multiplied(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel multiplies it: up to DIRECT_ROWS rows, each block of 32 as 16-bit fixed
+    point (scale max|x| / 32767, round to nearest even) and back; past it, x itself."""
+    if x.shape[0] > DIRECT_ROWS:
+        return x
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 32767)).view_as(x)
 
 
 def assert_product_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """out == x @ weight^T up to float32 sums taken in another order: each element within
-    2 K eps of the sum of its terms' magnitudes (|x| @ |weight|^T), the bound of reordering."""
+    """out == x' @ weight^T, x' = activations_as_multiplied(x), up to float32 sums taken in
+    another order: each element within 2 K eps of the sum of its terms' magnitudes
+    (|x| @ |weight|^T), the bound of reordering."""
+    x = activations_as_multiplied(x)
     reference = x.double() @ weight.double().t()
     bound = 2 * x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs().double()
                                                                  @ weight.abs().double().t())
@@ -81,21 +97,28 @@ def test_k_quant_super_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit(ten
 
 
 def test_parts_of_different_layouts_stack_without_being_expanded() -> None:
-    """Q4_K_M's fused QKV: Q4_K queries and keys beside Q6_K values (in a third of the layers)
-    stack as 8-bit codes in blocks of 16, not as float32."""
+    """Q4_K_M's fused QKV: Q4_K queries and keys beside Q6_K values (in half the layers) stack
+    as one run of blocks per type, each as the file holds it, not as float32; a slice of rows
+    takes the runs it crosses."""
     queries, q_dense = random_k_quant(GGML.Q4_K, 24, 512, seed=1)
+    keys, k_dense = random_k_quant(GGML.Q4_K, 8, 512, seed=3)
     values, v_dense = random_k_quant(GGML.Q6_K, 8, 512, seed=2)
-    legacy, l_dense = quantized(GGML.Q8_0, 16, 512)
-    stacked = stack_rows([queries, values, legacy])
+    stacked = stack_rows([queries, keys, values])
     assert isinstance(stacked, GroupQuantWeight)
-    assert (stacked.bits, stacked.block, stacked.offsets is not None) == (8, 16, True)
-    assert torch.equal(stacked.expand(), torch.cat([torch.from_numpy(d) for d in
-                                                    (q_dense, v_dense, l_dense)]))
+    assert [(p.kind, p.data.shape[0]) for p in stacked.parts] == [(GGML.Q4_K, 32), (GGML.Q6_K, 8)]
+    held = sum(t.numel() for t in stacked.tensors())
+    assert held == sum(t.numel() for w in (queries, keys, values) for t in w.tensors())
+    dense = torch.cat([torch.from_numpy(d) for d in (q_dense, k_dense, v_dense)])
+    assert torch.equal(stacked.expand(), dense)
+    assert torch.equal(stacked[28:36].expand(), dense[28:36])
+    assert torch.equal(stacked[:, 256:].expand(), dense[:, 256:])
+    with pytest.raises(ValueError, match="slice"):
+        stacked[torch.tensor([0, 30])]
 
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", list(K_QUANTS))
-@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("rows", [1, 5, 9, 32, 70])
 def test_k_quant_products_are_the_expanded_weights_float32_product(tensor_type, rows) -> None:
     weight, expected = random_k_quant(tensor_type, 72, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -121,7 +144,8 @@ def test_shards_and_stacks_are_the_slices_of_the_expanded_weight(tensor_type) ->
     assert torch.equal(weight[:, 32:96].expand(), dense[:, 32:96])
     permuted = torch.randperm(48)
     assert torch.equal(weight[permuted].expand(), dense[permuted])
-    stacked = GroupQuantWeight.cat_rows([weight[:16], weight[16:]])
+    stacked = stack_rows([weight[:16], weight[16:]])
+    assert len(stacked.parts) == 1
     assert torch.equal(stacked.expand(), dense)
     # Columns that split blocks come expanded (a shard of a width per rank not a multiple of 32).
     assert torch.equal(weight[:, 16:48], dense[:, 16:48])
@@ -129,10 +153,11 @@ def test_shards_and_stacks_are_the_slices_of_the_expanded_weight(tensor_type) ->
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 32, 70])
 def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, rows) -> None:
-    """Both kernels (a few rows: direct; more: tiles through the GEMM) against F.linear on the
-    expanded float32 weight: the same products, summed in another order."""
+    """Both kernels (up to DIRECT_ROWS rows: 8-bit activations, integer dot products; more:
+    tiles through the GEMM) against the expanded float32 weight's product: the same products,
+    summed in another order."""
     weight, expected = quantized(tensor_type, out_features=150, in_features=320, seed=rows)
     x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
     dense = torch.from_numpy(expected)
@@ -148,15 +173,29 @@ def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, ro
 @needs_cpu_ops
 def test_the_cpu_product_refuses_mismatched_blocks_naming_them() -> None:
     weight, _ = quantized(GGML.Q4_1)
-    with pytest.raises(RuntimeError, match="blocks are 32 weights"):
-        torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 96), weight.codes, weight.scales,
-                                              weight.offsets, 4, 16)
-    with pytest.raises(RuntimeError, match="offsets has shape"):
-        torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 96), weight.codes, weight.scales,
-                                              weight.offsets[:, :1].contiguous(), 4)
-    with pytest.raises(RuntimeError, match="in_features"):
-        torch.ops.spmd_cpu.group_quant_linear(torch.randn(2, 64), weight.codes, weight.scales,
-                                              weight.offsets, 4)
+    blocks = weight.parts[0].data
+    with pytest.raises(RuntimeError, match="60 bytes a row, 40 expected"):
+        torch.ops.spmd_cpu.gguf_linear(torch.randn(2, 64), blocks, int(GGML.Q4_1), 64)
+    with pytest.raises(RuntimeError, match="x has 64 features, the weight 96"):
+        torch.ops.spmd_cpu.gguf_linear(torch.randn(2, 64), blocks, int(GGML.Q4_1), 96)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        torch.ops.spmd_cpu.gguf_linear(torch.randn(2, 96), blocks, int(GGML.Q4_K), 96)
+    with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):
+        torch.ops.spmd_cpu.gguf_linear(torch.randn(2, 96), blocks, 1, 96)
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        torch.ops.spmd_cpu.gguf_linear(torch.randn(2, 96), blocks.view(torch.int8), int(GGML.Q4_1), 96)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", [*TYPES, *K_QUANTS])
+def test_the_cpu_dequantisation_is_ggufs(tensor_type) -> None:
+    """The tiles the GEMM multiplies: gguf's dequantisation, within one rounding of each
+    weight (the C++ may fuse a multiply and add)."""
+    weight, expected = (random_k_quant(tensor_type, 24, 512) if tensor_type in K_QUANTS
+                        else quantized(tensor_type))
+    tiles = torch.ops.spmd_cpu.gguf_dequantize(weight.parts[0].data, int(tensor_type),
+                                               weight.in_features)
+    torch.testing.assert_close(tiles, torch.from_numpy(expected), rtol=2 ** -22, atol=0)
 
 
 def random_gguf_bench():
@@ -170,20 +209,24 @@ def random_gguf_bench():
 
 def test_a_random_q4_k_m_file_loads_in_its_blocks_to_the_dequantised_models_logits(tmp_path) -> None:
     """bench/make_random_gguf.py's tiny shape in Q4_K_M (Q4_K, and Q6_K by llama-quantize's
-    rule): every projection and the embedding kept in blocks, and the same logits as the file
-    dequantised (float32, reordered sums)."""
+    rule): every projection and the embedding kept in blocks. A 40-token prompt (float32
+    activations through the GEMM) gives the dequantised model's logits up to reordered sums;
+    a 5-token one (16-bit fixed-point activations) the same argmax, within 1e-4 in norm."""
     path = str(tmp_path / "tiny.gguf")
     random_gguf_bench().main(["--shape", "tiny", "--type", "Q4_K_M", path])
     kinds = {t.tensor_type.name for t in GGUFFile(path).tensors}
     assert kinds == {"Q4_K", "Q6_K", "F32"}
-    config, dense = load_gguf_model(path, torch.float32)
-    _, kept = load_gguf_model(path, torch.float32, keep_quantized=True)
+    config, kept = load_gguf_model(path, torch.float32, keep_quantized=True)
     assert {name for name, w in kept.items() if isinstance(w, GroupQuantWeight)} == {
         name for name in kept if name.endswith(("_proj.weight", "embed_tokens.weight",
                                                 "lm_head.weight"))}
-    logits = []
-    for weights in (dense, kept):
+    models = []
+    for keep in (False, True):
         model = build_model(config, torch.float32)
-        model.load_hf_state_dict(weights)
-        logits.append(model.eval().prompt_logits([1, 5, 9, 300, 2]))
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+        model.load_hf_state_dict(load_gguf_model(path, torch.float32, keep_quantized=keep)[1])
+        models.append(model.eval())
+    dense, blocks = (model.prompt_logits(list(range(1, 41))) for model in models)
+    torch.testing.assert_close(blocks, dense, rtol=1e-4, atol=1e-4)
+    dense, blocks = (model.prompt_logits([1, 5, 9, 300, 2]) for model in models)
+    assert torch.equal(blocks.argmax(-1), dense.argmax(-1))
+    assert float((blocks - dense).norm() / dense.norm()) < 1e-4
