@@ -290,6 +290,14 @@ inline __m256i dot32(const Wide& w, const int16_t* x) {
   return _mm256_add_epi32(_mm256_madd_epi16(w.low, load32(x)), _mm256_madd_epi16(w.high, load32(x + 16)));
 }
 
+// Eight blocks' vectors of int32 partial sums as one vector of their totals, lane b block b's.
+inline __m256i block_sums(const __m256i d[8]) {
+  // hadd works within 128-bit halves: after two rounds each half holds 4 blocks' half-sums.
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
 inline __m256 int8x8_to_float(const void* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -369,6 +377,7 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
         extra[r] = _mm256_fmadd_ps(low_min, _mm256_loadu_ps(xq.sum32_at + at), extra[r]);
       }
     }
+    __m256i dots[R][8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) {
       Wide codes = widen<false>(unpack_super<KIND>(s, b));
@@ -376,13 +385,19 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
         codes.low = _mm256_mullo_epi16(codes.low, _mm256_set1_epi16(static_cast<int8_t>(s[192 + 2 * b])));
         codes.high = _mm256_mullo_epi16(codes.high, _mm256_set1_epi16(static_cast<int8_t>(s[193 + 2 * b])));
       }
-      const __m256i lane = _mm256_set1_epi32(b);
       for (int r = 0; r < R; ++r) {
-        const __m256i dots = dot32(codes, xq.q_at + ((r0 + r) * blocks + i * 8 + b) * kBlock);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots),
-                                 _mm256_permutevar8x32_ps(row_scale[r], lane), acc[r]);
+        const __m256i d = dot32(codes, xq.q_at + ((r0 + r) * blocks + i * 8 + b) * kBlock);
+        if constexpr (KIND == kQ6_K) {    // a block's lanes may sum past int32: to float now
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                   _mm256_permutevar8x32_ps(row_scale[r], _mm256_set1_epi32(b)), acc[r]);
+        } else {
+          dots[r][b] = d;     // |sum| <= 32 * 31 * 32767: summed in int32, one float product
+        }
       }
     }
+    if constexpr (KIND != kQ6_K)
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(dots[r])), row_scale[r], acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r * N] = hsum(_mm256_add_ps(acc[r], extra[r]));
 }

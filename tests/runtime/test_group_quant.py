@@ -230,3 +230,23 @@ def test_a_random_q4_k_m_file_loads_in_its_blocks_to_the_dequantised_models_logi
     dense, blocks = (model.prompt_logits([1, 5, 9, 300, 2]) for model in models)
     assert torch.equal(blocks.argmax(-1), dense.argmax(-1))
     assert float((blocks - dense).norm() / dense.norm()) < 1e-4
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", list(K_QUANTS))
+@pytest.mark.parametrize("rows", [1, 4])
+def test_k_quant_products_do_not_overflow_at_the_largest_codes_and_scales(tensor_type, rows) -> None:
+    """Every code and block scale at its largest (Q6_K: q 63, sub-scales 127) against equal
+    activations: the integer sums run to ~8.4e9 a block, past int32, and must still give the
+    float32 product."""
+    size, halves = K_QUANTS[tensor_type]
+    blocks = np.full((8, 2, size), 0xFF, dtype=np.uint8)
+    if tensor_type == GGML.Q6_K:
+        blocks[..., 192:208] = 127
+    for offset in halves:
+        blocks[..., offset:offset + 2] = np.array([1e-3], np.float16).view(np.uint8)
+    raw = blocks.reshape(8, -1)
+    weight = from_gguf_blocks(raw, tensor_type, (8, 512))
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, tensor_type).reshape(8, 512))
+    x = torch.full((rows, 512), 3.0)
+    assert_product_close(group_quant_linear(x, weight, None), x, dense)
