@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -147,7 +148,9 @@ def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torc
 def release_free_memory() -> None:
     """Hand the freed checkpoint tensors' memory back to the OS: tcmalloc (preloaded in CPU
     workers, launch/engine.py) keeps freed pages for reuse, which would leave a worker resident
-    at two copies of its weights after loading; glibc's trim does the same without it."""
+    at two copies of its weights after loading; glibc's trim does the same without it. A GGUF
+    file's mapping goes with its reader, once collected."""
+    gc.collect()    # a checkpoint reader in a reference cycle holds its file mapping resident
     process = ctypes.CDLL(None)
     release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
     if release is not None:
