@@ -16,7 +16,7 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
 With `gguf`, every position's products take the path decode's few rows take (activations
 quantized to 8 bits per block of 32, integer dot products): a window's rows would otherwise go
 through the float32 GEMM that prompts of more than group_quant.DIRECT_ROWS tokens take.
-`--gguf-rows-as prefill` measures that path instead.
+`--gguf-products gemm` measures that path instead.
 """
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ def main() -> int:
                         help=f"text files (default: the *.md files of {SEEDS})")
     parser.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced window")
     parser.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens")
-    parser.add_argument("--gguf-rows-as", choices=("decode", "prefill"), default="decode",
-                        help="gguf: the products' path every position takes")
+    parser.add_argument("--gguf-products", choices=("integer", "gemm"), default="integer",
+                        help="gguf: every position's products through the integer dot products "
+                        "(decode's few rows) or the float32 GEMM (long prompts)")
     args = parser.parse_args()
-    if args.gguf_rows_as == "decode":
+    if args.gguf_products == "integer":
         group_quant.DIRECT_ROWS = 1 << 62
     torch.manual_seed(0)
     paths = args.text or sorted(SEEDS.glob("*.md"))
