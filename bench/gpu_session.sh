@@ -74,6 +74,16 @@ link_checkout() {   # the namespace spmd_runtime is this checkout, for every pro
         echo "$SITE"
         [ ! -d "$own_user_site" ] || echo "import site; site.addsitedir('$own_user_site')"
     } >"$user_site/spmd_gpu_session.pth"
+    # A python without a user site (a venv: ENABLE_USER_SITE false, seen on an H200 image)
+    # reads the .pth files of its own site-packages only: on a lent GPU machine the set-up goes
+    # there (never here, where that python is the project's venv).
+    if command -v nvidia-smi >/dev/null 2>&1 &&
+        [ "$("$PYTHON" -c 'import site; print(site.ENABLE_USER_SITE)')" != True ]; then
+        local own_site
+        own_site=$("$PYTHON" -c "import site; print(site.getsitepackages()[0])") &&
+            echo "$SITE" >"$own_site/spmd_gpu_session.pth" 2>/dev/null ||
+            echo "warning: no user site, and $own_site is not writable"
+    fi
     export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}   # what the caller gave stays, after
 }
 
