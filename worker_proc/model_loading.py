@@ -1,0 +1,77 @@
+"""A worker's model: its shard of the checkpoint loaded, built on its device and its
+projections in their serving form (packed for MKL, quantized, or left in GGUF blocks)."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import time
+
+import torch
+from spmd_runtime.protocol.buckets import compiling
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers.attention_backend import CPP, AttentionBackend, choose_attention_backend
+from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
+from spmd_runtime.runtime.layers.parallel import TensorParallel
+from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
+from spmd_runtime.runtime.loaders import load_model, resolve_model
+from spmd_runtime.runtime.models import build_model, shard_spec
+from spmd_runtime.worker_proc.chunk_tuning import tensor_parallel, tuned_if_asked
+from spmd_runtime.worker_proc.distributed import DistributedContext
+
+log = logging.getLogger("spmd.worker")
+
+
+def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torch.dtype
+                      ) -> tuple[ModelConfig, torch.nn.Module, TensorParallel, AttentionBackend]:
+    """This rank's model with its weights in their serving form, and the attention backend
+    it runs (chosen before the weights are built, so a backend that cannot run fails fast)."""
+    started = time.perf_counter()
+    tp = tensor_parallel(config, ctx)
+    model_config, weights = load_model(
+        resolve_model(config.model), dtype, seed=config.dummy_seed, shard_spec_for=lambda c:
+        shard_spec(c, tp), keep_quantized=config.quantization == "gguf")
+    attention = choose_attention_backend(config.attention_backend, ctx.device, dtype, model_config.head_dim)
+    if ctx.rank == 0:
+        built = f" (C++ library built for {cpu_ops.loaded().level})" if attention is CPP else ""
+        log.info("attention backend %s%s", attention.name, built)
+    tp = tuned_if_asked(config, tp, model_config, dtype, ctx.device)
+    model = build_model(model_config, dtype, tp)
+    model.load_hf_state_dict(weights)
+    del weights
+    model.to(ctx.device).eval()
+    prepare_weights(config, model, ctx.device, dtype)
+    release_free_memory()
+    log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
+             config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
+    return model_config, model, tp, attention
+
+
+def release_free_memory() -> None:
+    """Hand the freed checkpoint tensors' memory back to the OS: tcmalloc (preloaded in CPU
+    workers, launch/engine.py) keeps freed pages for reuse, which would leave a worker resident
+    at two copies of its weights after loading; glibc's trim does the same without it. A GGUF
+    file's mapping goes with its reader, once collected."""
+    gc.collect()    # a checkpoint reader in a reference cycle holds its file mapping resident
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+    elif hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)
+
+
+def prepare_weights(config: EngineConfig, model: torch.nn.Module, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Quantize the projections if asked (gguf: kept in the file's blocks at load); otherwise,
+    on a CPU worker that does not compile, pack the float32 ones for MKL (layers/linear.py)."""
+    if config.quantization in ("none", "gguf"):
+        if can_pack(device, dtype) and not compiling(config, device.type):
+            pack_linear_weights(model)
+        return
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {config.quantization} needs a CPU worker, this one "
+                         f"runs on {device}")
+    quantize_linear_weights(model, config.quantization)
