@@ -285,12 +285,23 @@ inline Wide widen(__m256i codes) {
   return {_mm256_cvtepu8_epi16(a), _mm256_cvtepu8_epi16(b)};
 }
 
+// Q4_K's block b as 16-bit codes, straight from its bytes: each byte widened once holds the
+// codes of blocks b and b ^ 1 (low and high nibble), so no byte-wide unpacking in between.
+inline Wide q4_k_block(const uint8_t* s, int b) {
+  const uint8_t* qs = s + 16 + 32 * (b / 2);
+  const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  if (b % 2) return {_mm256_srli_epi16(low, 4), _mm256_srli_epi16(high, 4)};
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  return {_mm256_and_si256(low, nibble), _mm256_and_si256(high, nibble)};
+}
+
 // A block's 16-bit codes against 32 of x's 16-bit codes: 8 int32 sums of 4 products each.
 inline __m256i dot32(const Wide& w, const int16_t* x) {
   return _mm256_add_epi32(_mm256_madd_epi16(w.low, load32(x)), _mm256_madd_epi16(w.high, load32(x + 16)));
 }
 
-// Eight blocks' vectors of int32 partial sums as one vector of their totals, lane b block b's.
+// Eight vectors of int32 partial sums as one vector of their totals, lane b vector b's.
 inline __m256i block_sums(const __m256i d[8]) {
   // hadd works within 128-bit halves: after two rounds each half holds 4 blocks' half-sums.
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
@@ -377,27 +388,42 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
         extra[r] = _mm256_fmadd_ps(low_min, _mm256_loadu_ps(xq.sum32_at + at), extra[r]);
       }
     }
-    __m256i dots[R][8];
+    // Integer sums per block (Q4_K, Q5_K: |sum| <= 32 * 31 * 32767) or per sub-block of 16
+    // (Q6_K, whose int8 scales are applied in float: |sum| <= 16 * 63 * 32767), reduced to one
+    // vector of 8 per super-block and row and scaled once.
+    __m256i dots[R][KIND == kQ6_K && R <= 2 ? 16 : 8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) {
-      Wide codes = widen<false>(unpack_super<KIND>(s, b));
-      if constexpr (KIND == kQ6_K) {    // times the sub-blocks' int8 scales: |q sc| <= 63 * 128
-        codes.low = _mm256_mullo_epi16(codes.low, _mm256_set1_epi16(static_cast<int8_t>(s[192 + 2 * b])));
-        codes.high = _mm256_mullo_epi16(codes.high, _mm256_set1_epi16(static_cast<int8_t>(s[193 + 2 * b])));
-      }
+      const Wide codes = KIND == kQ4_K ? q4_k_block(s, b) : widen<false>(unpack_super<KIND>(s, b));
       for (int r = 0; r < R; ++r) {
-        const __m256i d = dot32(codes, xq.q_at + ((r0 + r) * blocks + i * 8 + b) * kBlock);
-        if constexpr (KIND == kQ6_K) {    // a block's lanes may sum past int32: to float now
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+        const int16_t* x = xq.q_at + ((r0 + r) * blocks + i * 8 + b) * kBlock;
+        if constexpr (KIND == kQ6_K && R > 2) {   // 16 sums a row would spill: scaled now
+          const Wide scaled{_mm256_mullo_epi16(codes.low, _mm256_set1_epi16(static_cast<int8_t>(s[192 + 2 * b]))),
+                            _mm256_mullo_epi16(codes.high, _mm256_set1_epi16(static_cast<int8_t>(s[193 + 2 * b])))};
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(scaled, x)),   // |lane| <= 4 * 63 * 128 * 32767
                                    _mm256_permutevar8x32_ps(row_scale[r], _mm256_set1_epi32(b)), acc[r]);
+        } else if constexpr (KIND == kQ6_K) {
+          dots[r][2 * b] = _mm256_madd_epi16(codes.low, load32(x));
+          dots[r][2 * b + 1] = _mm256_madd_epi16(codes.high, load32(x + 16));
         } else {
-          dots[r][b] = d;     // |sum| <= 32 * 31 * 32767: summed in int32, one float product
+          dots[r][b] = dot32(codes, x);
         }
       }
     }
-    if constexpr (KIND != kQ6_K)
-      for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      if constexpr (KIND == kQ6_K && R > 2) {
+        continue;
+      } else if constexpr (KIND == kQ6_K) {   // sub-block j: scale d x (block j / 2) x sc_j
+        const __m256 low = _mm256_mul_ps(int8x8_to_float(s + 192), _mm256_permutevar8x32_ps(
+            row_scale[r], _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+        const __m256 high = _mm256_mul_ps(int8x8_to_float(s + 200), _mm256_permutevar8x32_ps(
+            row_scale[r], _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(dots[r])), low, acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(dots[r] + 8)), high, acc[r]);
+      } else {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(dots[r])), row_scale[r], acc[r]);
+      }
+    }
   }
   for (int r = 0; r < R; ++r) out[r * N] = hsum(_mm256_add_ps(acc[r], extra[r]));
 }

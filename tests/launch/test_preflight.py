@@ -24,6 +24,24 @@ def taken_port() -> Iterator[int]:
         yield holder.getsockname()[1]
 
 
+def held_after_a_free_port(holder: socket.socket) -> int:
+    """Bind `holder` (listening) to a port whose predecessor is free just now (a process of
+    another test may hold any port): the port, for checks that take its predecessor too."""
+    for _ in range(50):
+        probe = socket.socket()
+        try:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1] + 1
+            holder.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            probe.close()
+        holder.listen()
+        return port
+    raise RuntimeError("no free port followed by a free port on 127.0.0.1")
+
+
 def _problem(**options) -> str:
     with pytest.raises(ConfigError) as raised:
         check_config(EngineConfig(**options))
@@ -139,8 +157,10 @@ def test_ports_in_use_on_node_0(taken_port, free_port) -> None:
     assert _problem(**private, master_port=taken_port).startswith(
         f"--master-port {taken_port}: ")
     # Across nodes the scheduler's worker socket is master port + 1.
-    assert "the scheduler's worker socket" in _problem(**private, nnodes=2,
-                                                        master_port=taken_port - 1)
+    with socket.socket() as holder:
+        above_free = held_after_a_free_port(holder)
+        assert "the scheduler's worker socket" in _problem(**private, nnodes=2,
+                                                            master_port=above_free - 1)
     port = free_port()
     assert _problem(model=TINY, rpc_address=f"tcp://127.0.0.1:{port}", http_port=port) == (
         f"--http-port {port} and --rpc-address tcp://127.0.0.1:{port} both use port {port}: "
