@@ -250,3 +250,19 @@ def test_k_quant_products_do_not_overflow_at_the_largest_codes_and_scales(tensor
     dense = torch.from_numpy(gguf.quants.dequantize(raw, tensor_type).reshape(8, 512))
     x = torch.full((rows, 512), 3.0)
     assert_product_close(group_quant_linear(x, weight, None), x, dense)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", [GGML.Q4_1, GGML.Q4_K, GGML.Q6_K])
+def test_row_parallel_shards_partial_products_sum_to_the_whole(tensor_type) -> None:
+    """A row-parallel layer's ranks each hold whole blocks of its columns (kept, not expanded)
+    and multiply their slice of x: the partial products add up to one rank's product."""
+    weight, _ = (random_k_quant(tensor_type, 24, 1024) if tensor_type in K_QUANTS
+                 else quantized(tensor_type, 24, 1024))
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0))
+    shards = [weight[:, start:start + 512] for start in (0, 512)]
+    assert all(isinstance(shard, GroupQuantWeight) for shard in shards)
+    shards = [shard.contiguous() for shard in shards]     # as assign_weight holds them
+    parts = sum(group_quant_linear(x[:, start:start + 512], shard, None)
+                for start, shard in zip((0, 512), shards, strict=True))
+    torch.testing.assert_close(parts, group_quant_linear(x, weight, None), rtol=1e-5, atol=1e-4)

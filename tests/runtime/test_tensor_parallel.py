@@ -90,11 +90,11 @@ def test_smollm2_kept_in_its_gguf_blocks_with_three_workers_equals_one() -> None
     """--quantization gguf, float32: each rank holds its rows (column-parallel) or its blocks of
     columns (row-parallel: 192 of 576 and 512 of 1,536, whole blocks of 32) of the file's Q4_1
     and Q8_0 blocks; the partial products' sum gives one worker's tokens."""
-    texts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    texts = ["The capital of France is"]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
     outputs = {}
     for tp in (1, 3):
         with LLM("smollm2", nproc_per_node=tp, dtype="float32", device="cpu", quantization="gguf",
-                 num_kv_blocks=64, max_model_len=128) as llm:
+                 num_kv_blocks=16, max_model_len=64) as llm:
             outputs[tp] = [o.token_ids for o in llm.generate(texts, params)]
     assert outputs[3] == outputs[1]
