@@ -14,7 +14,7 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
     python bench/quant_quality.py --quantization gguf     # the file's blocks kept, vs dequantised
 
 With `gguf`, every position's products take the path decode's few rows take (activations
-quantized to 8 bits per block of 32, integer dot products): a window's rows would otherwise go
+held as 16-bit fixed point per block of 32, integer dot products): a window's rows would otherwise go
 through the float32 GEMM that prompts of more than group_quant.DIRECT_ROWS tokens take.
 `--gguf-products gemm` measures that path instead.
 """

@@ -35,7 +35,8 @@ struct Format {
   int64_t bytes;     // bytes per block
 };
 
-Format format_of(int64_t kind) {
+// A type's block shape; {0, 0} for a type without a kernel.
+constexpr Format block_format(int64_t kind) {
   switch (kind) {
     case kQ4_0: return {32, 18};
     case kQ4_1: return {32, 20};
@@ -45,14 +46,24 @@ Format format_of(int64_t kind) {
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
-    default: TORCH_CHECK(false, "gguf_linear: GGML type ", kind, " has no kernel");
+    default: return {0, 0};
   }
+}
+
+Format format_of(int64_t kind) {
+  const Format fmt = block_format(kind);
+  TORCH_CHECK(fmt.weights != 0, "gguf_linear: GGML type ", kind, " has no kernel");
+  return fmt;
 }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 // Q4_K's and Q5_K's 6-bit scale and minimum of block j (of 8) from their 12 packed bytes.
@@ -199,12 +210,6 @@ Quantized quantize_rows(const at::Tensor& x) {
   return out;
 }
 
-inline float half_fast(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return _cvtsh_ss(bits);
-}
-
 // 32 bits as 32 bytes, byte j 0xFF where bit j is set.
 inline __m256i bytes_of_bits(uint32_t bits) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -226,14 +231,14 @@ inline __m256i nibbles_at(const uint8_t* p, int shift) {
 // scale a, offset c and zero point (as unpack_scalar's).
 template <int64_t KIND>
 inline __m256i unpack_block(const uint8_t* s, Affine& f) {
-  f.a = half_fast(s);
+  f.a = half_at(s);
   if constexpr (KIND == kQ8_0) {
     return load32(s + 2);
   } else {
     constexpr bool with_min = KIND == kQ4_1 || KIND == kQ5_1;
     constexpr bool five = KIND == kQ5_0 || KIND == kQ5_1;
     constexpr int at = 2 + (with_min ? 2 : 0);
-    f.c = with_min ? half_fast(s + 2) : 0.f;
+    f.c = with_min ? half_at(s + 2) : 0.f;
     f.zero = with_min ? 0 : (five ? 16 : 8);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at + (five ? 4 : 0)));
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -247,9 +252,11 @@ inline __m256i unpack_block(const uint8_t* s, Affine& f) {
   }
 }
 
-// Block b (of 8) of a K-quant super-block's codes in a register, unsigned (< 64).
+// Block b (of 8) of a Q5_K or Q6_K super-block's codes in a register, unsigned (< 64). (Q4_K's
+// are widened straight from their bytes: q4_k_block.)
 template <int64_t KIND>
 inline __m256i unpack_super(const uint8_t* s, int b) {
+  static_assert(KIND == kQ5_K || KIND == kQ6_K);
   if constexpr (KIND == kQ6_K) {
     const int h = b / 4, part = b % 4;
     const __m256i low = nibbles_at(s + 64 * h + 32 * (part % 2), 4 * (part / 2));
@@ -257,12 +264,9 @@ inline __m256i unpack_super(const uint8_t* s, int b) {
                                           _mm256_set1_epi8(3));
     return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
   } else {
-    __m256i q = nibbles_at(s + (KIND == kQ4_K ? 16 : 48) + 32 * (b / 2), 4 * (b % 2));
-    if constexpr (KIND == kQ5_K) {
-      const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load32(s + 16), b), _mm256_set1_epi8(1));
-      q = _mm256_or_si256(q, _mm256_slli_epi16(fifth, 4));
-    }
-    return q;
+    const __m256i q = nibbles_at(s + 48 + 32 * (b / 2), 4 * (b % 2));
+    const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load32(s + 16), b), _mm256_set1_epi8(1));
+    return _mm256_or_si256(q, _mm256_slli_epi16(fifth, 4));
   }
 }
 
@@ -296,6 +300,13 @@ inline Wide q4_k_block(const uint8_t* s, int b) {
   return {_mm256_and_si256(low, nibble), _mm256_and_si256(high, nibble)};
 }
 
+// Block b (of 8) of a K-quant super-block as 16-bit codes.
+template <int64_t KIND>
+inline Wide super_block_codes(const uint8_t* s, int b) {
+  if constexpr (KIND == kQ4_K) return q4_k_block(s, b);
+  else return widen<false>(unpack_super<KIND>(s, b));
+}
+
 // A block's 16-bit codes against 32 of x's 16-bit codes: 8 int32 sums of 4 products each.
 inline __m256i dot32(const Wide& w, const int16_t* x) {
   return _mm256_add_epi32(_mm256_madd_epi16(w.low, load32(x)), _mm256_madd_epi16(w.high, load32(x + 16)));
@@ -319,8 +330,7 @@ inline __m256 int8x8_to_float(const void* p) {
 template <int64_t KIND, int R>
 void dot_blocks(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, float* out,
                 int64_t N) {
-  constexpr int64_t kBytes = KIND == kQ4_0 ? 18 : KIND == kQ4_1 ? 20 : KIND == kQ5_0 ? 22
-                             : KIND == kQ5_1 ? 24 : 34;
+  constexpr int64_t kBytes = block_format(KIND).bytes;
   const int64_t blocks = K / kBlock;
   __m256 acc[R];
   float extra[R];
@@ -350,7 +360,7 @@ void dot_blocks(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
 template <int64_t KIND, int R>
 void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, float* out,
                 int64_t N) {
-  constexpr int64_t kBytes = KIND == kQ4_K ? 144 : KIND == kQ5_K ? 176 : 210;
+  constexpr int64_t kBytes = block_format(KIND).bytes;
   const int64_t supers = K / 256, blocks = K / kBlock;
   __m256 acc[R], extra[R];
   for (int r = 0; r < R; ++r) acc[r] = extra[r] = _mm256_setzero_ps();
@@ -358,7 +368,7 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
     const uint8_t* s = row + i * kBytes;
     __m256 scale, low_min, high_min = _mm256_setzero_ps();
     if constexpr (KIND == kQ6_K) {
-      const float d = half_fast(s + 208);
+      const float d = half_at(s + 208);
       scale = _mm256_set1_ps(d);
       low_min = _mm256_mul_ps(_mm256_set1_ps(-32.f * d), int8x8_to_float(s + 192));
       high_min = _mm256_mul_ps(_mm256_set1_ps(-32.f * d), int8x8_to_float(s + 200));
@@ -373,8 +383,8 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
           reinterpret_cast<const __m128i*>(sc_words))));
       const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
           reinterpret_cast<const __m128i*>(m_words))));
-      scale = _mm256_mul_ps(_mm256_set1_ps(half_fast(s)), sc);
-      low_min = _mm256_mul_ps(_mm256_set1_ps(-half_fast(s + 2)), m);
+      scale = _mm256_mul_ps(_mm256_set1_ps(half_at(s)), sc);
+      low_min = _mm256_mul_ps(_mm256_set1_ps(-half_at(s + 2)), m);
     }
     __m256 row_scale[R];
     for (int r = 0; r < R; ++r) {
@@ -394,7 +404,7 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
     __m256i dots[R][KIND == kQ6_K && R <= 2 ? 16 : 8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) {
-      const Wide codes = KIND == kQ4_K ? q4_k_block(s, b) : widen<false>(unpack_super<KIND>(s, b));
+      const Wide codes = super_block_codes<KIND>(s, b);
       for (int r = 0; r < R; ++r) {
         const int16_t* x = xq.q_at + ((r0 + r) * blocks + i * 8 + b) * kBlock;
         if constexpr (KIND == kQ6_K && R > 2) {   // 16 sums a row would spill: scaled now

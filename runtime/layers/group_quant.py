@@ -11,14 +11,15 @@ bits, Q6_K: 6.56), and nothing is converted at load. A fused projection whose pa
 different types (Q4_K_M's Q4_K queries and keys beside Q6_K values) holds one part per type.
 
 The products (runtime/layers/cpu_group_quant.cpp): at decode's few rows the activations are
-quantized to 8 bits per block of 32 and multiplied by the block codes with integer dot products,
-as llama.cpp's CPU backend does; at a prompt's many rows the weights are dequantized to float32
-64 output features at a time for MKL's GEMM. `expand` is gguf's own dequantisation, bit for bit
+held as 16-bit fixed point per block of 32 and multiplied by the block codes with integer dot
+products; at a prompt's many rows the weights are dequantized to float32 64 output features at a
+time for MKL's GEMM. `expand` is gguf's own dequantisation, bit for bit
 what `--quantization none` loads; the torch path (no C++ library, other devices) uses it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 import gguf
 import numpy as np
@@ -27,8 +28,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime.layers import cpu_ops
 
-# Up to this many rows a product quantizes the activations to 8 bits and multiplies with integer
-# dot products; past it, float32 activations through the GEMM. bench/quant_quality.py raises it
+# Up to this many rows a product holds the activations as 16-bit fixed point and multiplies with
+# integer dot products; past it, float32 activations through the GEMM. bench/quant_quality.py raises it
 # to measure every position as decode computes it.
 DIRECT_ROWS = 32
 
@@ -97,16 +98,16 @@ class GroupQuantWeight:
         if len(self.parts) == 1:
             part = self.parts[0]
             return self._with([Blocks(part.data[index], part.kind)])
-        if not isinstance(index, slice):
+        start, stop, step = index.indices(self.shape[0]) if isinstance(index, slice) else (0, 0, 0)
+        if step != 1:
             raise ValueError("rows of a weight stacked from parts of different GGUF types are "
-                             "taken by a slice, not by an index")
-        start, stop, step = index.indices(self.shape[0])
+                             "taken by a slice of step 1, not by an index")
         parts, offset = [], 0
         for part in self.parts:
             count = part.data.shape[0]
             lo, hi = max(start - offset, 0), min(stop - offset, count)
-            if lo < hi or step != 1:
-                parts.append(Blocks(part.data[lo:hi:step], part.kind))
+            if lo < hi:
+                parts.append(Blocks(part.data[lo:hi], part.kind))
             offset += count
         return self._with(parts)
 
@@ -144,13 +145,10 @@ def stack_rows(parts: list) -> torch.Tensor | GroupQuantWeight:
     where every part is (runs of the same type joined); expanded where a part is a plain tensor
     (a type not kept)."""
     if all(isinstance(part, GroupQuantWeight) for part in parts):
-        runs: list[Blocks] = []
-        for block in (b for part in parts for b in part.parts):
-            if runs and runs[-1].kind == block.kind:
-                runs[-1] = Blocks(torch.cat([runs[-1].data, block.data]), block.kind)
-            else:
-                runs.append(block)
-        return GroupQuantWeight(tuple(runs), parts[0].in_features, parts[0].dtype)
+        blocks = (b for part in parts for b in part.parts)
+        runs = tuple(Blocks(torch.cat([b.data for b in run]), kind)
+                     for kind, run in groupby(blocks, key=lambda b: b.kind))
+        return GroupQuantWeight(runs, parts[0].in_features, parts[0].dtype)
     dtype = next(part.dtype for part in parts if not isinstance(part, GroupQuantWeight))
     return torch.cat([part.expand().to(dtype) if isinstance(part, GroupQuantWeight) else part
                       for part in parts])
