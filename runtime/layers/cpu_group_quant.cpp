@@ -219,6 +219,15 @@ inline __m256i bytes_of_bits(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
+// The bytes `ahead` past p asked into the cache: the weights stream from memory once a token,
+// and the hardware's prefetcher alone left the integer units waiting (about 5% at one row).
+template <int64_t BYTES>
+inline void prefetch(const uint8_t* p) {
+  constexpr int64_t ahead = 2048;   // a few K-quant super-blocks
+  for (int64_t line = 0; line < BYTES; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead + line), _MM_HINT_T0);
+}
+
 inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -258,11 +267,15 @@ template <int64_t KIND>
 inline __m256i unpack_super(const uint8_t* s, int b) {
   static_assert(KIND == kQ5_K || KIND == kQ6_K);
   if constexpr (KIND == kQ6_K) {
+    // Each pair of high bits masked where it lies, then moved to bits 4-5 (part 2's lie there).
     const int h = b / 4, part = b % 4;
     const __m256i low = nibbles_at(s + 64 * h + 32 * (part % 2), 4 * (part / 2));
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(load32(s + 128 + 32 * h), 2 * part),
-                                          _mm256_set1_epi8(3));
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    const __m256i bits = _mm256_and_si256(load32(s + 128 + 32 * h),
+                                          _mm256_set1_epi8(static_cast<char>(3 << (2 * part))));
+    const __m256i high = part == 0 ? _mm256_slli_epi16(bits, 4)
+                         : part == 1 ? _mm256_slli_epi16(bits, 2)
+                         : part == 2 ? bits : _mm256_srli_epi16(bits, 2);
+    return _mm256_or_si256(low, high);
   } else {
     const __m256i q = nibbles_at(s + 48 + 32 * (b / 2), 4 * (b % 2));
     const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load32(s + 16), b), _mm256_set1_epi8(1));
@@ -340,6 +353,7 @@ void dot_blocks(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
   }
   for (int64_t i = 0; i < blocks; ++i) {
     Affine f;
+    if (i % 2 == 0) prefetch<2 * kBytes>(row + i * kBytes);
     const Wide codes = widen<KIND == kQ8_0>(unpack_block<KIND>(row + i * kBytes, f));
     const float shift = f.c - f.a * static_cast<float>(f.zero);
     for (int r = 0; r < R; ++r) {
@@ -366,6 +380,7 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
   for (int r = 0; r < R; ++r) acc[r] = extra[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < supers; ++i) {
     const uint8_t* s = row + i * kBytes;
+    prefetch<kBytes>(s);
     __m256 scale, low_min, high_min = _mm256_setzero_ps();
     if constexpr (KIND == kQ6_K) {
       const float d = half_at(s + 208);
