@@ -86,6 +86,21 @@ struct Affine {
   int sub[2] = {1, 1};
 };
 
+// Block b's affine map in a K-quant super-block `s` (Q4_K, Q5_K, Q6_K).
+inline void super_affine(int64_t kind, const uint8_t* s, int b, Affine& f) {
+  if (kind == kQ6_K) {
+    f.a = half_at(s + 208);
+    f.zero = 32;
+    f.sub[0] = static_cast<int8_t>(s[192 + 2 * b]);
+    f.sub[1] = static_cast<int8_t>(s[192 + 2 * b + 1]);
+    return;
+  }
+  int sc, m;
+  scale_min(s + 4, b, sc, m);
+  f.a = half_at(s) * static_cast<float>(sc);
+  f.c = -half_at(s + 2) * static_cast<float>(m);
+}
+
 // The 32 codes of block b and their affine map, read one code at a time (the reference for
 // the vector unpacking, and the dequantization of the GEMM's tiles).
 void unpack_scalar(int64_t kind, const uint8_t* s, int b, int q[32], Affine& f) {
@@ -115,10 +130,7 @@ void unpack_scalar(int64_t kind, const uint8_t* s, int b, int q[32], Affine& f) 
         q[j] = (qs[j] >> (4 * (b % 2))) & 0x0F;
         if (kind == kQ5_K) q[j] |= ((s[16 + j] >> b) & 1) << 4;
       }
-      int sc, m;
-      scale_min(s + 4, b, sc, m);
-      f.a = half_at(s) * static_cast<float>(sc);
-      f.c = -half_at(s + 2) * static_cast<float>(m);
+      super_affine(kind, s, b, f);
       return;
     }
     case kQ6_K: {
@@ -127,10 +139,7 @@ void unpack_scalar(int64_t kind, const uint8_t* s, int b, int q[32], Affine& f) 
       const uint8_t* qh = s + 128 + 32 * h;
       for (int j = 0; j < 32; ++j)
         q[j] = ((ql[j] >> (4 * (part / 2))) & 0x0F) | (((qh[j] >> (2 * part)) & 3) << 4);
-      f.a = half_at(s + 208);
-      f.zero = 32;
-      f.sub[0] = static_cast<int8_t>(s[192 + 2 * b]);
-      f.sub[1] = static_cast<int8_t>(s[192 + 2 * b + 1]);
+      super_affine(kind, s, b, f);
       return;
     }
     default: TORCH_CHECK(false, "gguf_linear: GGML type ", kind, " has no kernel");
@@ -147,21 +156,6 @@ void dequantize_row(int64_t kind, const uint8_t* row, int64_t K, float* w) {
     unpack_scalar(kind, s, static_cast<int>((k % fmt.weights) / kBlock), q, f);
     for (int j = 0; j < 32; ++j)
       w[k + j] = f.a * static_cast<float>(f.sub[j / 16]) * static_cast<float>(q[j] - f.zero) + f.c;
-  }
-}
-
-void tiled(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
-           int64_t N, at::Tensor& out) {
-  const int64_t K = x.size(1);
-  at::Tensor tile = at::empty({kTile, K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += kTile) {
-    const int64_t count = std::min(kTile, N - n0);
-    float* w = tile.data_ptr<float>();
-    at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        dequantize_row(kind, blocks + (n0 + i) * row_bytes, K, w + i * K);
-    });
-    out.narrow(1, n0, count).copy_(at::mm(x, tile.narrow(0, 0, count).t()));
   }
 }
 
@@ -463,6 +457,42 @@ inline void dot_feature(const uint8_t* row, int64_t K, const Quantized& xq, int6
   }
 }
 
+// 16 codes (16-bit lanes) as float32 weights a (q - zero) + c into w: multiplied, then added,
+// as dequantize_row rounds them.
+inline void store_weights(__m256i codes, float a, int zero, float c, float* w) {
+  const __m256i q = _mm256_sub_epi16(codes, _mm256_set1_epi16(static_cast<int16_t>(zero)));
+  const __m256 scale = _mm256_set1_ps(a), offset = _mm256_set1_ps(c);
+  const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q)));
+  const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1)));
+  _mm256_storeu_ps(w, _mm256_add_ps(_mm256_mul_ps(low, scale), offset));
+  _mm256_storeu_ps(w + 8, _mm256_add_ps(_mm256_mul_ps(high, scale), offset));
+}
+
+// One output feature's K weights as float32, the codes unpacked in registers (dequantize_row's
+// values, for the GEMM's tiles).
+template <int64_t KIND>
+void dequantize_vector(const uint8_t* row, int64_t K, float* w) {
+  constexpr Format fmt = block_format(KIND);
+  for (int64_t k = 0; k < K; k += fmt.weights) {
+    const uint8_t* s = row + (k / fmt.weights) * fmt.bytes;
+    prefetch<fmt.bytes>(s);
+    if constexpr (KIND >= kQ4_K) {
+      for (int b = 0; b < 8; ++b) {
+        Affine f;
+        super_affine(KIND, s, b, f);
+        const Wide codes = super_block_codes<KIND>(s, b);
+        store_weights(codes.low, f.a * static_cast<float>(f.sub[0]), f.zero, f.c, w + k + 32 * b);
+        store_weights(codes.high, f.a * static_cast<float>(f.sub[1]), f.zero, f.c, w + k + 32 * b + 16);
+      }
+    } else {
+      Affine f;
+      const Wide codes = widen<KIND == kQ8_0>(unpack_block<KIND>(s, f));
+      store_weights(codes.low, f.a, f.zero, f.c, w + k);
+      store_weights(codes.high, f.a, f.zero, f.c, w + k + 16);
+    }
+  }
+}
+
 template <int64_t KIND>
 void direct_kind(const Quantized& xq, int64_t M, const uint8_t* blocks, int64_t row_bytes,
                  int64_t K, int64_t N, float* out) {
@@ -499,6 +529,43 @@ void direct(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t ro
   }
 }
 #endif
+
+// Rows [begin, end) of W's blocks as float32, `K` weights a row, into w.
+void dequantize_rows(int64_t kind, const uint8_t* blocks, int64_t row_bytes, int64_t K,
+                     int64_t begin, int64_t end, float* w) {
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = blocks + n * row_bytes;
+    float* out = w + (n - begin) * K;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    switch (kind) {
+      case kQ4_0: dequantize_vector<kQ4_0>(row, K, out); continue;
+      case kQ4_1: dequantize_vector<kQ4_1>(row, K, out); continue;
+      case kQ5_0: dequantize_vector<kQ5_0>(row, K, out); continue;
+      case kQ5_1: dequantize_vector<kQ5_1>(row, K, out); continue;
+      case kQ8_0: dequantize_vector<kQ8_0>(row, K, out); continue;
+      case kQ4_K: dequantize_vector<kQ4_K>(row, K, out); continue;
+      case kQ5_K: dequantize_vector<kQ5_K>(row, K, out); continue;
+      case kQ6_K: dequantize_vector<kQ6_K>(row, K, out); continue;
+      default: break;
+    }
+#endif
+    dequantize_row(kind, row, K, out);
+  }
+}
+
+void tiled(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
+           int64_t N, at::Tensor& out) {
+  const int64_t K = x.size(1);
+  at::Tensor tile = at::empty({kTile, K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += kTile) {
+    const int64_t count = std::min(kTile, N - n0);
+    float* w = tile.data_ptr<float>();
+    at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+      dequantize_rows(kind, blocks, row_bytes, K, n0 + begin, n0 + end, w + begin * K);
+    });
+    out.narrow(1, n0, count).copy_(at::mm(x, tile.narrow(0, 0, count).t()));
+  }
+}
 
 void check_blocks(const char* op, const at::Tensor& blocks, int64_t kind, int64_t K) {
   const Format fmt = format_of(kind);
@@ -542,8 +609,7 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_fe
   const uint8_t* data = blocks.data_ptr<uint8_t>();
   float* w = out.data_ptr<float>();
   at::parallel_for(0, blocks.size(0), 4, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      dequantize_row(kind, data + n * blocks.size(1), in_features, w + n * in_features);
+    dequantize_rows(kind, data, blocks.size(1), in_features, begin, end, w + begin * in_features);
   });
   return out;
 }
