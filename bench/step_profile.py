@@ -4,6 +4,8 @@ Builds the model runner in process (no scheduler, no sockets) on the embedded mo
 hand-made step plans, so the figures are the worker's alone.
 
     python bench/step_profile.py --batch 32 --context 176 --prefill-tokens 1024
+    python bench/step_profile.py --model FILE.gguf --quantization gguf --batch 1 --context 16 \
+        --prefill-tokens 16 --num-kv-blocks 64 --trace
 """
 from __future__ import annotations
 
@@ -26,11 +28,14 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--trace", action="store_true", help="print the profiler's op table")
-    parser.add_argument("--quantization", default="none", choices=("none", "int8"))
+    parser.add_argument("--model", default="smollm2", help="what --model serves (default smollm2)")
+    parser.add_argument("--num-kv-blocks", type=int, default=2048)
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "gguf"))
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpp"))
     args = parser.parse_args()
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
-    config = EngineConfig(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=2048,
+    config = EngineConfig(model=args.model, dtype="float32", device="cpu",
+                          num_kv_blocks=args.num_kv_blocks,
                           quantization=args.quantization, attention_backend=args.attention_backend)
     ctx = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
                              backend="gloo")
