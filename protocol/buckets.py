@@ -262,8 +262,10 @@ def compiling(config: EngineConfig, device_type: str = "cpu") -> bool:
 
 
 def graphs_enabled(config: EngineConfig, device_type: str) -> bool:
-    """Whether a worker captures CUDA graphs of its buckets: compiled on CUDA."""
-    return device_type == "cuda" and execution_mode(config, device_type) == "compiled"
+    """Whether a worker captures CUDA graphs of its buckets: compiled on CUDA, but for GGUF
+    blocks (expanded by torch operations at each product, eagerly)."""
+    return (device_type == "cuda" and execution_mode(config, device_type) == "compiled"
+            and config.quantization != "gguf")
 
 
 def bucketing_enabled(config: EngineConfig, device_type: str = "cpu") -> bool:

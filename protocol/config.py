@@ -68,9 +68,9 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
         if sensor not in THERMAL_SENSORS and not (sensor.startswith("file:") and len(sensor) > 5):
             raise ValueError(f"thermal_sensor must be one of {', '.join(THERMAL_SENSORS)} or "
                              f"file:PATH, got {sensor!r}")
-        if self.quantization != "none" and self.device == "cuda":
-            raise ValueError(f"--quantization {self.quantization} runs on the CPU's kernels: "
-                             "use --device cpu, or --quantization none on CUDA")
+        if self.quantization == "int8" and self.device == "cuda":
+            raise ValueError("--quantization int8 runs on the CPU's kernels: use --device cpu, "
+                             "or --quantization none or gguf on CUDA")
         remote = [address for address in (self.rpc_address, self.worker_address,
                                           f"tcp://{self.http_host}:{self.http_port}")
                   if address and not is_local_address(address)]

@@ -34,7 +34,8 @@ class ModelOptions(msgspec.Struct, kw_only=True):
         "docs/BENCHMARKS.md for its quality); gguf: a .gguf file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and "
         "K-quant (Q4_K, Q5_K, Q6_K) projection and embedding weights stay in the file's own "
         "blocks (weight memory = the file's size; 16-bit fixed-point activations and integer "
-        "dot products at decode; other types are dequantised, logged; CPU only, eager)"))
+        "dot products at decode; other types are dequantised, logged; eager; on CUDA each "
+        "projection's blocks are expanded by torch operations before its product)"))
     ] = "none"
     dummy_seed: Annotated[int, Meta(description="seed of the random weights of dummy: models")] = 0
 

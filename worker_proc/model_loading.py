@@ -11,7 +11,7 @@ import torch
 from spmd_runtime.protocol.buckets import compiling
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers import cpu_ops, group_quant
 from spmd_runtime.runtime.layers.attention_backend import CPP, AttentionBackend, choose_attention_backend
 from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
 from spmd_runtime.runtime.layers.parallel import TensorParallel
@@ -42,6 +42,7 @@ def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torc
     model.load_hf_state_dict(weights)
     del weights
     model.to(ctx.device).eval()
+    group_quant.move_to(model, ctx.device)
     prepare_weights(config, model, ctx.device, dtype)
     release_free_memory()
     log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,

@@ -14,7 +14,8 @@ The products (runtime/layers/cpu_group_quant.cpp): at decode's few rows the acti
 held as 16-bit fixed point per block of 32 and multiplied by the block codes with integer dot
 products; at a prompt's many rows the weights are dequantized to float32 64 output features at a
 time for MKL's GEMM. `expand` is gguf's own dequantisation, bit for bit
-what `--quantization none` loads; the torch path (no C++ library, other devices) uses it.
+what `--quantization none` loads. On another device (CUDA), or without the C++ library, the
+blocks are expanded a projection at a time by torch operations (runtime/layers/gguf_torch.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGML
-from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers import cpu_ops, gguf_torch
 
 # Up to this many rows a product holds the activations as 16-bit fixed point and multiplies with
 # integer dot products; past it, float32 activations through the GEMM. bench/quant_quality.py raises it
@@ -46,18 +47,23 @@ class Blocks:
     kind: GGML
 
     def expand(self, in_features: int) -> torch.Tensor:
-        """The weights as float32 [out, in]: gguf's own dequantisation."""
+        """The weights as float32 [out, in] on the blocks' device: gguf's own dequantisation
+        (on another device than the CPU, gguf_torch's, bit for bit the same)."""
+        if self.data.device.type != "cpu":
+            return gguf_torch.dequantize(self.data, self.kind, in_features)
         if not self.data.shape[0]:
             return torch.empty(0, in_features)
-        raw = self.data.cpu().numpy()
+        raw = self.data.numpy()
         return torch.from_numpy(gguf.quants.dequantize(raw, self.kind).reshape(-1, in_features))
 
     def product(self, rows: torch.Tensor, in_features: int) -> torch.Tensor:
-        """float32 rows [M, in] @ the weights^T -> [M, out]."""
+        """float32 rows [M, in] @ the weights^T -> [M, out]: the C++ kernels on the CPU; on
+        another device (or without the library) the weight expanded there by torch operations
+        for this product alone."""
         if rows.device.type == "cpu" and cpu_ops.load():
             return torch.ops.spmd_cpu.gguf_linear(rows, self.data, int(self.kind), in_features,
                                                   DIRECT_ROWS)
-        return F.linear(rows, self.expand(in_features).to(rows.device))
+        return F.linear(rows, gguf_torch.dequantize(self.data.to(rows.device), self.kind, in_features))
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,9 @@ class GroupQuantWeight:
         pad = last.data.new_zeros((count - self.shape[0], last.data.shape[1]))
         return self._with([*self.parts[:-1], Blocks(torch.cat([last.data, pad]), last.kind)])
 
+    def to(self, device: torch.device) -> GroupQuantWeight:
+        return self._with([Blocks(p.data.to(device), p.kind) for p in self.parts])
+
     def contiguous(self) -> GroupQuantWeight:
         return self._with([Blocks(p.data.contiguous(), p.kind) for p in self.parts])
 
@@ -131,7 +140,7 @@ class GroupQuantWeight:
         if len(self.parts) > 1:
             return self.expand()[rows]
         part = self.parts[0]
-        flat = rows.reshape(-1).cpu()
+        flat = rows.reshape(-1).to(part.data.device)
         return Blocks(part.data[flat], part.kind).expand(self.in_features).view(
             *rows.shape, self.in_features)
 
@@ -164,6 +173,15 @@ def assign_weight(module: torch.nn.Module, name: str,
         object.__setattr__(module, name, value.contiguous())    # a column shard is not
     else:
         getattr(module, name).copy_(value)
+
+
+def move_to(model: torch.nn.Module, device: torch.device) -> None:
+    """The weights kept in blocks (which `model.to` does not see: they are no parameters) onto
+    `device`."""
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, GroupQuantWeight):
+                object.__setattr__(module, name, value.to(device))
 
 
 def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,

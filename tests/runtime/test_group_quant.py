@@ -155,7 +155,7 @@ def test_shards_and_stacks_are_the_slices_of_the_expanded_weight(tensor_type) ->
 @pytest.mark.parametrize("tensor_type", TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32, 70])
 def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, rows) -> None:
-    """Both kernels (up to DIRECT_ROWS rows: 8-bit activations, integer dot products; more:
+    """Both kernels (up to DIRECT_ROWS rows: 16-bit activations, integer dot products; more:
     tiles through the GEMM) against the expanded float32 weight's product: the same products,
     summed in another order."""
     weight, expected = quantized(tensor_type, out_features=150, in_features=320, seed=rows)

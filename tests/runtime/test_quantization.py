@@ -121,7 +121,7 @@ def test_the_rescored_head_gives_float_logits_for_its_candidates() -> None:
 
 
 def test_int8_on_cuda_is_refused_with_what_to_change_and_compile_leaves_it_eager() -> None:
-    with pytest.raises(ValueError, match="use --device cpu, or --quantization none on CUDA"):
+    with pytest.raises(ValueError, match="use --device cpu, or --quantization none or gguf on CUDA"):
         EngineConfig(quantization="int8", device="cuda")
     assert compiling(EngineConfig(execution_mode="compiled"))
     assert not compiling(EngineConfig(execution_mode="compiled", quantization="int8"))
