@@ -195,7 +195,9 @@ def engines_from_args(args: argparse.Namespace, agreement_prompts: int = AGREEME
     """Ours (each --ours config), then the peers that are set up; a message for the others.
     agreement_prompts: how many outputs of ours to keep from each throughput run."""
     gguf = getattr(args, "gguf", None)
-    default = [(resolve_dtype_name(args.dtype, "cpu")[0], {"quantization": "gguf"} if gguf else {})]
+    # Like for like: without --gguf the peers run SmolLM2's float32 weights, so ours dequantises
+    # the embedded file as well (--quantization none; auto would keep its Q4_1 blocks).
+    default = [(resolve_dtype_name(args.dtype, "cpu")[0], {"quantization": "gguf" if gguf else "none"})]
     engines = [Engine(f"spmd-runtime {name}", partial(run_ours, f"spmd-runtime {name}",
                                                       {"dtype": args.dtype, **options},
                                                       agreement_prompts=agreement_prompts,

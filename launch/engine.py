@@ -12,6 +12,7 @@ from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.env_vars import SPMD_WORKER_GENERATION
 from spmd_runtime.protocol.process_entry import config_env
 from spmd_runtime.protocol.transport import free_tcp_port, private_ipc_address
+from spmd_runtime.runtime.preflight import resolved_quantization
 
 log = logging.getLogger("spmd.launch")
 
@@ -34,7 +35,8 @@ def complete_addresses(config: EngineConfig) -> EngineConfig:
 
 def start_engine(config: EngineConfig, supervisor: Supervisor) -> EngineConfig:
     """Spawn this node's processes under `supervisor`; returns the completed config."""
-    config = complete_addresses(config)
+    config, why = resolved_quantization(complete_addresses(config))
+    log.info("quantization %s (%s)", config.quantization, why)
     if config.node_rank == 0:
         supervisor.add("scheduler", spawn_child("spmd_runtime.scheduler_proc", config))
     if config.node_rank == 0 or config.nnodes == 1:

@@ -256,9 +256,11 @@ def execution_mode(config: EngineConfig, device_type: str) -> str:
 
 def compiling(config: EngineConfig, device_type: str = "cpu") -> bool:
     """Whether a CPU worker compiles its layer pieces: --execution-mode compiled, unless the
-    projections are quantized (their integer GEMM runs eagerly)."""
+    projections are quantized (their integer GEMM runs eagerly). spmdrun makes
+    --quantization auto concrete before any process starts; a scheduler started by hand with it
+    takes it as none (its workers, if they keep GGUF blocks, then warm its buckets up eagerly)."""
     return (device_type != "cuda" and execution_mode(config, device_type) == "compiled"
-            and config.quantization == "none")
+            and config.quantization in ("none", "auto"))
 
 
 def graphs_enabled(config: EngineConfig, device_type: str) -> bool:

@@ -27,8 +27,9 @@ class ModelOptions(msgspec.Struct, kw_only=True):
         "float16 or bfloat16"))] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], Meta(description=(
         "auto: cuda where available, else cpu"))] = "auto"
-    quantization: Annotated[Literal["none", "int8", "gguf"], Meta(description=(
-        "none: the weights in --dtype (exact); int8: projection weights quantized per output "
+    quantization: Annotated[Literal["auto", "none", "int8", "gguf"], Meta(description=(
+        "auto: gguf for a .gguf file whose layers are in the block types gguf keeps, none "
+        "otherwise; none: the weights in --dtype (exact); int8: projection weights quantized per output "
         "channel and activations per token, multiplied as int8 (CPU only; eager: "
         "--execution-mode compiled compiles nothing; faster, slightly different outputs: see "
         "docs/BENCHMARKS.md for its quality); gguf: a .gguf file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and "
@@ -36,7 +37,7 @@ class ModelOptions(msgspec.Struct, kw_only=True):
         "blocks (weight memory = the file's size; 16-bit fixed-point activations and integer "
         "dot products at decode; other types are dequantised, logged; eager; on CUDA each "
         "projection's blocks are expanded by torch operations before its product)"))
-    ] = "none"
+    ] = "auto"
     dummy_seed: Annotated[int, Meta(description="seed of the random weights of dummy: models")] = 0
 
 

@@ -35,6 +35,23 @@ def check_config(config: EngineConfig, *, serves_rpc: bool = True) -> None:
         check_ports(config, serves_rpc=serves_rpc)
 
 
+def resolved_quantization(config: EngineConfig) -> tuple[EngineConfig, str]:
+    """--quantization auto made concrete, and why: gguf for a GGUF file whose layers are in
+    block types the engine multiplies in place (weight memory = the file's), none otherwise."""
+    if config.quantization != "auto":
+        return config, "asked for with --quantization"
+    source = model_source(config.model)
+    if source.kind == "gguf" and config_source_kind(source) == "gguf":
+        from spmd_runtime.runtime.loaders.gguf_file import quantized_layer_types
+
+        kinds = quantized_layer_types(source.path)
+        if kinds:
+            return (msgspec.structs.replace(config, quantization="gguf"),
+                    f"auto: the file's layers are {'/'.join(kinds)} blocks, kept as they are")
+        return msgspec.structs.replace(config, quantization="none"), "auto: the file is not quantized"
+    return msgspec.structs.replace(config, quantization="none"), "auto: not a GGUF file"
+
+
 def validation_message(error: msgspec.ValidationError, values: dict | None = None) -> str:
     """msgspec's "Expected `int` >= 1 - at `$.max_num_seqs`" as the option to change, with the
     value given when `values` (field name -> value) has it."""

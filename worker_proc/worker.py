@@ -35,6 +35,7 @@ from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 from spmd_runtime.runtime.cpu_features import resolve_dtype_name
+from spmd_runtime.runtime.preflight import resolved_quantization
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
 from spmd_runtime.worker_proc.liveness import start_liveness_beats
@@ -64,7 +65,10 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                  buckets_from_scheduler: BucketsFromScheduler | None = None
                  ) -> tuple[ModelRunner, WorkerReady]:
     """Load the model, allocate the KV cache and warm up the scheduler's buckets (asked for
-    with `buckets_from_scheduler`; without it, none: the runner serves unpadded batches)."""
+    with `buckets_from_scheduler`; without it, none: the runner serves unpadded batches).
+    --quantization auto is made concrete here too (spmdrun does it before any process starts;
+    workers started by torchrun, or in process, get it as asked)."""
+    config, _ = resolved_quantization(config)
     dtype, why = resolve_dtype(config.dtype, ctx.device)
     if ctx.rank == 0:
         log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime.layers import cpu_ops, gguf_torch
+from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 
 # Up to this many rows a product holds the activations as 16-bit fixed point and multiplies with
 # integer dot products; past it, float32 activations through the GEMM. bench/quant_quality.py raises it
@@ -35,8 +36,7 @@ from spmd_runtime.runtime.layers import cpu_ops, gguf_torch
 DIRECT_ROWS = 32
 
 # The block formats kept quantized: (weights, bytes) per block.
-KEPT_TYPES = {kind: gguf.GGML_QUANT_SIZES[kind] for kind in (
-    GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)}
+KEPT_TYPES = {kind: gguf.GGML_QUANT_SIZES[kind] for kind in KEPT_BLOCK_TYPES}
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ import gguf
 import numpy as np
 
 _MAGIC = b"GGUF"
+# The block formats `--quantization gguf` multiplies in place (runtime/layers/group_quant.py).
+KEPT_BLOCK_TYPES = tuple(gguf.GGMLQuantizationType[name] for name in (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 _DEFAULT_ALIGNMENT = 32
 VT = gguf.GGUFValueType
 _SCALARS = {VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I",
@@ -165,3 +168,10 @@ class GGUFFile:
                              f"{end:,}, the file has {len(self.buffer):,}")
         data = np.frombuffer(self.buffer, dtype, size, data_start + offset).reshape(shape)
         return TensorInfo(name, np.array(dims, dtype=np.uint64), tensor_type, data)
+
+
+def quantized_layer_types(path: str) -> list[str]:
+    """The kept block types (by name, sorted) of the file's layer weights (`blk.N.*`): what
+    `--quantization auto` keeps in blocks; [] for a file whose layers are F32, F16 or BF16."""
+    return sorted({t.tensor_type.name for t in GGUFFile(path).tensors
+                   if t.name.startswith("blk.") and t.tensor_type in KEPT_BLOCK_TYPES})

@@ -175,3 +175,50 @@ def test_ports_that_are_not_bound_are_not_checked(taken_port) -> None:
     check_config(EngineConfig(model=TINY, nnodes=2, node_rank=1, master_port=taken_port))
     # 0 or * picks a free port when binding.
     check_config(EngineConfig(model=TINY, rpc_address="tcp://127.0.0.1:*"))
+
+
+def _gguf_with_a_layer(path, tensor_type) -> str:
+    """A GGUF file of one layer weight of `tensor_type` (F32 or Q8_0): all --quantization auto
+    reads."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+    if tensor_type is gguf.GGMLQuantizationType.F32:
+        writer.add_tensor("blk.0.attn_q.weight", values)
+    else:
+        writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(values, tensor_type),
+                          raw_dtype=tensor_type)
+    writer.add_tensor("token_embd.weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_quantization_auto_keeps_a_quantized_gguf_files_blocks_only(tmp_path) -> None:
+    """auto: gguf for a GGUF file whose layers are in kept block types (the embedded SmolLM2's
+    Q4_1), none for an unquantized GGUF file, a Hugging Face directory or a dummy model; a
+    concrete value stays as asked. The reason says which."""
+    import gguf
+    from spmd_runtime.runtime.preflight import resolved_quantization
+
+    def resolved(**values) -> tuple[str, str]:
+        config, why = resolved_quantization(EngineConfig(**values))
+        return config.quantization, why
+
+    assert EngineConfig().quantization == "auto"
+    assert resolved(model="smollm2") == ("gguf", "auto: the file's layers are Q4_1 blocks, kept as they are")
+    q8 = _gguf_with_a_layer(tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    assert resolved(model=q8) == ("gguf", "auto: the file's layers are Q8_0 blocks, kept as they are")
+    f32 = _gguf_with_a_layer(tmp_path / "f32.gguf", gguf.GGMLQuantizationType.F32)
+    assert resolved(model=f32) == ("none", "auto: the file is not quantized")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+         "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256}))
+    assert resolved(model=str(tmp_path / "hf"))[0] == "none"
+    assert resolved(model="dummy:llama-3.2-1b")[0] == "none"
+    assert resolved(model="smollm2", quantization="none") == ("none", "asked for with --quantization")

@@ -49,7 +49,9 @@ def smollm2_prompts(hf_smollm2) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def smollm2_llm():
-    with LLM("smollm2", dtype="float32") as llm:
+    """The exact mode: float32 weights dequantised from the file (--quantization none; auto
+    would keep the embedded file's Q4_1 blocks, whose test is below)."""
+    with LLM("smollm2", dtype="float32", quantization="none") as llm:
         yield llm
 
 
