@@ -1,6 +1,7 @@
 """Shared fixtures of the spmd-runtime test suite.
 
-* the embedded SmolLM2 GGUF and a float32 Hugging Face reference model + tokenizer of it;
+* the embedded SmolLM2 GGUF and a float32 Hugging Face reference model + tokenizer of it
+  (transformers' load, done once and kept in .pytest_cache: see _cached_pickle);
 * HF greedy decoding and the "equal, or a documented near-tie" comparison used by the
   correctness tests;
 * free TCP ports on 127.0.0.1;
@@ -368,17 +369,91 @@ def smollm2_gguf() -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf):
-    """(model, tokenizer): transformers' own float32 load of the embedded GGUF."""
+def reference_cache_dir(request, tmp_path_factory) -> Path:
+    """The suite's own cache directory: pytest's cache (.pytest_cache, kept between runs of
+    this checkout), or, with the cache provider off, a folder beside this run's basetemp
+    (shared by the xdist workers of the run)."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir("hf-reference"))
+    return tmp_path_factory.getbasetemp().parent / "hf-reference"
+
+
+def _cached_pickle(cache_dir: Path, what: str, key_parts: Sequence[object], build: Callable[[], object]):
+    """build(), computed once per key and kept as a pickle in the suite's cache directory.
+
+    transformers' load of a GGUF file spends ~20 s of one core parsing its metadata (the
+    49152-token vocabulary, read twice) for a deterministic result; the pickle of that result
+    (every float32 weight bit for bit, the same tokenizer object) loads in about a second. The
+    key is the content hash of the file plus the versions of everything that reads it; a file
+    lock makes xdist workers wanting it at once build it once, and os.replace() makes a killed
+    run leave no half-written entry."""
+    import fcntl
+    import hashlib
+    import platform
+
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    digest = hashlib.sha256(repr([what, platform.python_version(), *key_parts]).encode())
+    path = cache_dir / f"{what}-{digest.hexdigest()[:24]}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            try:
+                return torch.load(path, weights_only=False)
+            except Exception:  # noqa: BLE001 - a corrupt or stale entry: rebuild it
+                path.unlink(missing_ok=True)
+        value = build()
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        torch.save(value, partial)
+        os.replace(partial, path)
+        for stale in path.parent.glob(f"{what}-*.pt"):   # entries of older keys: ~0.5 GB each
+            if stale != path:
+                stale.unlink(missing_ok=True)
+        return value
+
+
+def _gguf_reference_key(smollm2_gguf) -> list[object]:
+    import hashlib
+    import importlib.metadata as metadata
 
     directory, name = smollm2_gguf
-    model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=name,
-                                                 dtype=torch.float32)
+    with open(directory / name, "rb") as gguf_file:
+        content = hashlib.file_digest(gguf_file, "sha256").hexdigest()
+    return [name, content, *(f"{dist}=={metadata.version(dist)}"
+                             for dist in ("torch", "transformers", "tokenizers", "gguf"))]
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(reference_cache_dir, smollm2_gguf):
+    """transformers' own tokenizer of the embedded GGUF (AutoTokenizer, gguf_file=...)."""
+    def build():
+        from transformers import AutoTokenizer
+
+        directory, name = smollm2_gguf
+        return AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
+
+    return _cached_pickle(reference_cache_dir, "smollm2-tokenizer", _gguf_reference_key(smollm2_gguf),
+                          build)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(reference_cache_dir, smollm2_gguf, hf_smollm2_tokenizer):
+    """(model, tokenizer): transformers' own float32 load of the embedded GGUF (computed once
+    and cached by _cached_pickle: the same module, bit for bit, without re-parsing the file)."""
+    def build():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        directory, name = smollm2_gguf
+        return AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=name,
+                                                    dtype=torch.float32)
+
+    model = _cached_pickle(reference_cache_dir, "smollm2-float32-model",
+                           _gguf_reference_key(smollm2_gguf), build)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
-    return model, tokenizer
+    return model, hf_smollm2_tokenizer
 
 
 def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -18,11 +18,12 @@ MESSAGES = [{"role": "user", "content": TEXT}]
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoTokenizer
-
+def reference(hf_smollm2_tokenizer, smollm2_gguf):
+    """transformers' direct GGUF conversion (AutoTokenizer.from_pretrained(gguf_file=...)) of
+    the file "smollm2" resolves to: conftest's session tokenizer, converted once per run."""
     path = Path(resolve_model("smollm2").path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert (path.parent, path.name) == smollm2_gguf
+    return hf_smollm2_tokenizer
 
 
 def _assert_same(tok, ref) -> None:
