@@ -425,6 +425,33 @@ def _gguf_reference_key(smollm2_gguf) -> list[object]:
                              for dist in ("torch", "transformers", "tokenizers", "gguf"))]
 
 
+_GGUF_READERS: dict = {}
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """While transformers converts the GGUF: gguf.GGUFReader (its metadata parse, ~5 s, done
+    once for the config, once for the weights and once for the tokenizer) and
+    gguf.get_tensor_name_map (~17 ms, called once per tensor) memoized. Both are pure functions
+    of their arguments and their results are only read, so the load gives the same objects."""
+    import functools
+    from unittest import mock
+
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real_reader(path, mode)
+        return _GGUF_READERS[key]
+
+    with mock.patch.object(gguf, "GGUFReader", reader), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(real_name_map)):
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(reference_cache_dir, smollm2_gguf):
     """transformers' own tokenizer of the embedded GGUF (AutoTokenizer, gguf_file=...)."""
@@ -432,7 +459,8 @@ def hf_smollm2_tokenizer(reference_cache_dir, smollm2_gguf):
         from transformers import AutoTokenizer
 
         directory, name = smollm2_gguf
-        return AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
+        with _gguf_parsed_once():
+            return AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
 
     return _cached_pickle(reference_cache_dir, "smollm2-tokenizer", _gguf_reference_key(smollm2_gguf),
                           build)
@@ -447,8 +475,9 @@ def hf_smollm2(reference_cache_dir, smollm2_gguf, hf_smollm2_tokenizer):
         from transformers import AutoModelForCausalLM
 
         directory, name = smollm2_gguf
-        return AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=name,
-                                                    dtype=torch.float32)
+        with _gguf_parsed_once():
+            return AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=name,
+                                                        dtype=torch.float32)
 
     model = _cached_pickle(reference_cache_dir, "smollm2-float32-model",
                            _gguf_reference_key(smollm2_gguf), build)
