@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_math.h"
 
@@ -47,6 +48,23 @@ constexpr Format block_format(int64_t kind) {
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
     default: return {0, 0};
+  }
+}
+
+// f(std::integral_constant<int64_t, KIND>{}) for kind's block format: the one switch from a
+// type id to the code compiled per type.
+template <class F>
+void with_kind(int64_t kind, F&& f) {
+  switch (kind) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", kind, " has no kernel");
   }
 }
 
@@ -516,41 +534,21 @@ void direct(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t ro
   const Quantized xq = quantize_rows(x);
   const int64_t M = x.size(0), K = x.size(1);
   float* o = out.data_ptr<float>();
-  switch (kind) {
-    case kQ4_0: direct_kind<kQ4_0>(xq, M, blocks, row_bytes, K, N, o); break;
-    case kQ4_1: direct_kind<kQ4_1>(xq, M, blocks, row_bytes, K, N, o); break;
-    case kQ5_0: direct_kind<kQ5_0>(xq, M, blocks, row_bytes, K, N, o); break;
-    case kQ5_1: direct_kind<kQ5_1>(xq, M, blocks, row_bytes, K, N, o); break;
-    case kQ8_0: direct_kind<kQ8_0>(xq, M, blocks, row_bytes, K, N, o); break;
-    case kQ4_K: direct_kind<kQ4_K>(xq, M, blocks, row_bytes, K, N, o); break;
-    case kQ5_K: direct_kind<kQ5_K>(xq, M, blocks, row_bytes, K, N, o); break;
-    case kQ6_K: direct_kind<kQ6_K>(xq, M, blocks, row_bytes, K, N, o); break;
-    default: TORCH_CHECK(false, "gguf_linear: GGML type ", kind, " has no kernel");
-  }
+  with_kind(kind, [&](auto k) { direct_kind<decltype(k)::value>(xq, M, blocks, row_bytes, K, N, o); });
 }
 #endif
 
 // Rows [begin, end) of W's blocks as float32, `K` weights a row, into w.
 void dequantize_rows(int64_t kind, const uint8_t* blocks, int64_t row_bytes, int64_t K,
                      int64_t begin, int64_t end, float* w) {
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = blocks + n * row_bytes;
-    float* out = w + (n - begin) * K;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    switch (kind) {
-      case kQ4_0: dequantize_vector<kQ4_0>(row, K, out); continue;
-      case kQ4_1: dequantize_vector<kQ4_1>(row, K, out); continue;
-      case kQ5_0: dequantize_vector<kQ5_0>(row, K, out); continue;
-      case kQ5_1: dequantize_vector<kQ5_1>(row, K, out); continue;
-      case kQ8_0: dequantize_vector<kQ8_0>(row, K, out); continue;
-      case kQ4_K: dequantize_vector<kQ4_K>(row, K, out); continue;
-      case kQ5_K: dequantize_vector<kQ5_K>(row, K, out); continue;
-      case kQ6_K: dequantize_vector<kQ6_K>(row, K, out); continue;
-      default: break;
-    }
+  with_kind(kind, [&](auto k) {
+    for (int64_t n = begin; n < end; ++n)
+      dequantize_vector<decltype(k)::value>(blocks + n * row_bytes, K, w + (n - begin) * K);
+  });
+#else
+  for (int64_t n = begin; n < end; ++n) dequantize_row(kind, blocks + n * row_bytes, K, w + (n - begin) * K);
 #endif
-    dequantize_row(kind, row, K, out);
-  }
 }
 
 void tiled(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
