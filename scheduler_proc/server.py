@@ -98,10 +98,16 @@ class SchedulerServer:
             self.warmup = derive_warmup_plan(self.config, loaded)
         return self.warmup
 
+    def _answer_clients_and_beat(self) -> None:
+        self.group.heartbeat_if_due()
+        self.front.receive()
+
     def wait_for_workers(self) -> None:
         ready = self.group.gather_ready(self._warmup_plan, while_waiting=self.front.receive)
-        # Text prompts can be served once the tokenizer, loaded meanwhile, is there.
-        self.tokenizer.wait(while_waiting=self.front.receive)
+        # Text prompts can be served once the tokenizer, loaded meanwhile, is there. Its first
+        # conversion from a GGUF can outlast the workers' --heartbeat-timeout-s (18-23 s seen
+        # on a busy 16-core machine): they hear from us all the while.
+        self.tokenizer.wait(while_waiting=self._answer_clients_and_beat)
         self.scheduler, self.model_info = build_scheduler(self.config, ready, self.warmup,
                                                           self.thermal)
         self.intake = RequestIntake(self.scheduler, self.tokenizer, self.model_info)

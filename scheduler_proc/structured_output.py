@@ -29,9 +29,8 @@ class GrammarCompiler:
     request a fresh matcher of its constraint."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
-        backend = hf_tokenizer.backend_tokenizer
-        eos = list(eos_token_ids) or hf_tokenizer.eos_token_id
-        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer = llguidance_tokenizer(hf_tokenizer, vocab_size,
+                                              list(eos_token_ids) or hf_tokenizer.eos_token_id)
         self._templates: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
@@ -75,6 +74,41 @@ def grammar_text(spec: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(choice) for choice in spec.choice))
     return llguidance.grammar_from("grammar", spec.grammar)   # Lark, or GBNF converted to it
+
+
+# Spaces, brackets, digits, quotes and a newline: what constrained outputs are made of.
+TOKEN_PROBE = 'The capital of France is (817) 555-0199; {"a": [1, 2.5], "b": "hi there"}\n'
+
+
+def llguidance_tokenizer(hf_tokenizer, vocab_size: int, eos) -> llguidance.LLTokenizer:
+    """llguidance's view of the served tokenizer, checked to read tokens as the tokenizer does
+    (ValueError otherwise: a wrong view would mask the wrong tokens without a word).
+
+    A byte-level BPE vocabulary (GPT-2's alphabet, 'Ġ' standing for a space) is given a plain
+    ByteLevel decoder. Some transformers versions (5.17) convert a GGUF's byte-level tokenizer
+    with sentencepiece's decoders in front (ByteFallback, Fuse, Replace) and byte fallback on;
+    llguidance then took 'Ġ' literally, so no mask allowed a space."""
+    spec = json.loads(hf_tokenizer.backend_tokenizer.to_str())
+    if _is_byte_level(spec.get("pre_tokenizer")):
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                           "use_regex": True}
+        spec["model"]["byte_fallback"] = False
+    tokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=eos)
+    ids = hf_tokenizer(TOKEN_PROBE, add_special_tokens=False).input_ids
+    read = tokenizer.decode_bytes(ids)
+    if read != TOKEN_PROBE.encode():
+        raise ValueError(f"llguidance reads this tokenizer's tokens differently from the tokenizer "
+                         f"itself ({read[:60]!r} for {TOKEN_PROBE[:60]!r}): structured outputs "
+                         "are not available with it")
+    return tokenizer
+
+
+def _is_byte_level(pre_tokenizer: dict | None) -> bool:
+    if not pre_tokenizer:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_is_byte_level(p) for p in pre_tokenizer.get("pretokenizers", ()))
+    return pre_tokenizer.get("type") == "ByteLevel"
 
 
 def _cache_key(spec: StructuredOutput) -> tuple:

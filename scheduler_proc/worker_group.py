@@ -65,6 +65,9 @@ class WorkerGroup:
         self.config = config
         self.encoder = encoder
         self._is_stopping = stopping
+        # A third of --heartbeat-timeout-s where that is under 3 s: a beat a second against a
+        # 1-second timeout would leave the workers guessing.
+        self.heartbeat_interval_s = min(HEARTBEAT_INTERVAL_S, config.heartbeat_timeout_s / 3)
         self.decoder = scheduler_inbound_decoder()
         self.socket = make_socket(ctx, zmq.ROUTER, config.worker_address, bind=True,
                                   curve=socket_keys(config.curve_keys, config.worker_address,
@@ -96,7 +99,7 @@ class WorkerGroup:
             if while_waiting is not None:
                 while_waiting()
             frames = poll_recv(self.socket,
-                               0.05 if while_waiting is not None else HEARTBEAT_INTERVAL_S)
+                               0.05 if while_waiting is not None else self.heartbeat_interval_s)
             if self._is_stopping():
                 raise WorkersFailed("stopped while waiting for workers")
             if self.nodes is not None and (missing := self.nodes.missing()):
@@ -214,7 +217,7 @@ class WorkerGroup:
             heartbeat = self.encoder.encode(Heartbeat())
             for node in self.nodes.node_heard:
                 self._send_to_node(node_identity(node), heartbeat)
-        if now - self._last_sent < HEARTBEAT_INTERVAL_S:
+        if now - self._last_sent < self.heartbeat_interval_s:
             return
         self._send_without_waiting(self.encoder.encode(Heartbeat()))
         self._last_sent = time.monotonic()

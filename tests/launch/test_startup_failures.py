@@ -253,3 +253,19 @@ def test_sigterm_before_the_engine_is_ready_is_a_clean_stop(spmd_serve, free_por
         assert "Traceback" not in server.stderr, server.stderr[-3000:]
     finally:
         server.kill_tree()
+
+
+@pytest.mark.timeout(240)
+def test_workers_outwait_a_slow_first_tokenizer_load(tmp_path) -> None:
+    """float32 generation, smollm2. With no tokenizer cache (a fresh XDG_CACHE_HOME), the
+    scheduler converts the GGUF's tokenizer for seconds after the worker is ready; the worker,
+    told to give up after 1 s of silence, must hear heartbeats all the while, at a third of
+    that timeout. (On a busy GPU machine that conversion took 18-23 s and every worker left
+    after 5 s. Here the old code failed this in one run of five: whether the worker has heard a
+    beat, and so applies the short timeout, before the silence depends on timing.)"""
+    code, stderr, _ = run_python(
+        ["-m", "spmd_runtime.launch", "generate", "--model", "smollm2", "--dtype", "float32",
+         "--heartbeat-timeout-s", "1", "--prompt", "Hi", "--max-tokens", "2"],
+        env={"XDG_CACHE_HOME": str(tmp_path / "cold-cache")}, timeout_s=200)
+    assert code == 0, stderr[-3000:]
+    assert "tokenizer loaded in" in stderr, stderr[-3000:]

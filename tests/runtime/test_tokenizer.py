@@ -75,7 +75,19 @@ def test_smollm2_tokenizer_cache_round_trip(tmp_path: Path, monkeypatch, referen
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, check=True)
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                           capture_output=True, text=True)
+    if child.returncode and "torch imported" in child.stderr and _transformers_imports_torch():
+        pytest.skip(f"transformers {transformers.__version__} itself imports torch with its "
+                    "tokenizer classes (5.17 does; 5.24 does not): nothing this engine can avoid")
+    assert child.returncode == 0, child.stderr[-3000:]
+
+
+def _transformers_imports_torch() -> bool:
+    probe = ("import sys\nfrom transformers.tokenization_utils_tokenizers import TokenizersBackend\n"
+             "print('torch' in sys.modules)")
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return child.stdout.strip() == "True"
 
 
 def test_hf_and_dummy_tokenizers(tmp_path: Path, reference) -> None:

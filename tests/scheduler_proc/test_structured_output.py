@@ -3,8 +3,10 @@ matchers advanced by sampled tokens, masks of what may come next, errors that na
 Torch-free, as the scheduler process is."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,3 +89,55 @@ def test_structured_outputs_keep_the_scheduler_torch_free() -> None:
     code = ("import sys\nfrom spmd_runtime.scheduler_proc import structured_output, scheduler\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class RawTokenizer:
+    """The served tokenizer's interface that GrammarCompiler uses, over a `tokenizers` JSON."""
+
+    def __init__(self, spec: dict, shift: int = 0) -> None:
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_str(json.dumps(spec))
+        self.eos_token_id, self.shift = 2, shift
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
+        ids = self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return SimpleNamespace(input_ids=[i + self.shift for i in ids])
+
+
+def sentencepiece_decoded(tokenizer) -> dict:
+    """SmolLM2's byte-level tokenizer as transformers 5.17 converted it from the GGUF:
+    sentencepiece's decoders in front of ByteLevel, byte fallback on."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+    spec["model"]["byte_fallback"] = True
+    return spec
+
+
+def test_a_byte_level_vocabulary_with_sentencepiece_decoders_still_takes_spaces(tokenizer) -> None:
+    """Seen on a GPU machine with transformers 5.17: llguidance read 'Ġ' literally, so the
+    token after a space was refused and constrained outputs ended early ("(817) "). Here every
+    token of a valid phone number is allowed by the mask before it and taken, the last one
+    completing the constraint."""
+    raw = RawTokenizer(sentencepiece_decoded(tokenizer))
+    requests = ConstrainedRequests()
+    requests.configure(lambda: raw, VOCAB, [2])
+    requests.add(1, requests.check(StructuredOutput(regex=r"\(\d{3}\) \d{3}-\d{4}")))
+    ids = raw("(817) 555-0199").input_ids
+    steps = []
+    for token in ids:
+        steps.append((token in allowed(requests.masks([1])[0][1]), requests.accept(1, token)))
+    assert steps == [(True, False)] * (len(ids) - 1) + [(True, True)]
+
+
+def test_a_tokenizer_llguidance_reads_differently_is_refused_saying_so(tokenizer) -> None:
+    """Token ids that do not spell what the tokenizer means (here shifted by one): no silent
+    wrong masks, an error for the request."""
+    raw = RawTokenizer(json.loads(tokenizer.backend_tokenizer.to_str()), shift=1)
+    requests = ConstrainedRequests()
+    requests.configure(lambda: raw, VOCAB, [2])
+    with pytest.raises(ValueError, match="reads this tokenizer's tokens differently"):
+        requests.check(StructuredOutput(regex="[0-9]+"))
