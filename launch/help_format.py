@@ -13,7 +13,8 @@ ADVANCED_FIELDS = frozenset((
     "prompt_seq_bucket", "decode_bs_bucket", "decode_seq_bucket", "graph_prompt_ratio",
     "graph_prompt_strategy", "graph_decode_strategy", "thermal_interval_steps",
     "thermal_hysteresis_c", "thermal_kp", "heartbeat_timeout_s", "rejoin_timeout_s",
-    "max_message_bytes"))
+    "max_message_bytes", "prompt_lookup_min", "prompt_lookup_max",
+    "speculative_disable_by_batch_size", "row_parallel_chunks", "graph_reserved_mem"))
 
 
 class DefaultsShown(argparse.HelpFormatter):

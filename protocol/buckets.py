@@ -248,9 +248,10 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def execution_mode(config: EngineConfig, device_type: str) -> str:
-    """--execution-mode with auto resolved: compiled on CUDA (graphs), eager on CPU."""
+    """--execution-mode with auto resolved: compiled on CUDA (graphs), eager on CPU and with
+    speculative decoding (its verify steps are not bucketed)."""
     if config.execution_mode == "auto":
-        return "compiled" if device_type == "cuda" else "eager"
+        return "compiled" if device_type == "cuda" and config.speculative == "off" else "eager"
     return config.execution_mode
 
 

@@ -68,6 +68,12 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
         if sensor not in THERMAL_SENSORS and not (sensor.startswith("file:") and len(sensor) > 5):
             raise ValueError(f"thermal_sensor must be one of {', '.join(THERMAL_SENSORS)} or "
                              f"file:PATH, got {sensor!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"--prompt-lookup-min {self.prompt_lookup_min} is above "
+                             f"--prompt-lookup-max {self.prompt_lookup_max}")
+        if self.speculative != "off" and self.execution_mode in ("bucketed", "compiled"):
+            raise ValueError(f"--speculative {self.speculative} runs its steps eagerly: use "
+                             f"--execution-mode eager (or auto), or --speculative off")
         if self.quantization == "int8" and self.device == "cuda":
             raise ValueError("--quantization int8 runs on the CPU's kernels: use --device cpu, "
                              "or --quantization none or gguf on CUDA")

@@ -94,6 +94,21 @@ class SchedulingOptions(ParallelOptions, kw_only=True):
             "launch that step behind the running one, its inputs taking that step's sampled "
             "tokens on the device, so the device does not idle through host work between "
             "steps; auto: overlap with CUDA workers, schedule_ahead on CPU"))] = "auto"
+    speculative: Annotated[Literal["off", "ngram"], Meta(description=(
+        "speculative decoding. ngram: each decoding request's last tokens are looked up in its "
+        "prompt and output (prompt lookup), and the tokens that followed them there are "
+        "proposed; one step verifies them all, keeping the outputs exactly those of decoding "
+        "token by token (greedy) or their distribution (sampled). Requests with penalties, "
+        "logprobs or structured outputs decode as usual. Steps run eagerly (no buckets)"))] = "off"
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=64, description=(
+        "most tokens proposed per request and step"))] = 4
+    prompt_lookup_min: Annotated[int, Meta(ge=1, description=(
+        "ngram: shortest suffix looked up"))] = 1
+    prompt_lookup_max: Annotated[int, Meta(ge=1, description=(
+        "ngram: longest suffix looked up (longer matches are tried first)"))] = 4
+    speculative_disable_by_batch_size: Annotated[int, Meta(ge=1, description=(
+        "no proposals in a step where more requests than this run: verifying costs compute "
+        "that a large batch no longer has to spare"))] = 4
 
 
 class CacheOptions(SchedulingOptions, kw_only=True):

@@ -72,6 +72,24 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     invalid_requests: int              # decoded requests refused: bad values, unknown ids, admin
     device_idle_ms: float = 0.0        # rank 0's idle time between back-to-back steps (CUDA: event-timed)
     num_overlapped_steps: int = 0      # steps workers launched behind an unfinished one
+    # Speculative decoding (vLLM's spec_decode counters): "" when off, else its method.
+    speculative: str = ""
+    spec_decode_num_drafts: int = 0            # steps x requests that verified proposals
+    spec_decode_num_draft_tokens: int = 0      # tokens proposed
+    spec_decode_num_accepted_tokens: int = 0   # of those, accepted
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []   # accepted at draft position 0, 1 ...
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted proposals per proposal."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def spec_decode_tokens_per_draft(self) -> float:
+        """Tokens a verifying request gained per step: the proposals it accepted, and one."""
+        drafts = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
     @property
     def device_busy_ms(self) -> float:
@@ -83,6 +101,8 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
         values = {name: getattr(self, name) for name in self.__struct_fields__ if name != "tag"}
         values["rank_temps_c"] = list(self.rank_temps_c)
         values["thermal_events"] = [msgspec.structs.asdict(e) for e in self.thermal_events]
+        values["spec_decode_acceptance_rate"] = self.spec_decode_acceptance_rate
+        values["spec_decode_tokens_per_draft"] = self.spec_decode_tokens_per_draft
         return values
 
     def __str__(self) -> str:
@@ -109,6 +129,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
             ("buckets", f"padding waste {self.padding_waste:.1%}, {self.batches_outside_buckets} "
                         f"batches outside every bucket, {self.runtime_graph_compilations} "
                         "compilations after warmup" if self.bucketing else "off"),
+            ("speculative", _speculative(self)),
             ("thermal", _thermal(self)),
             ("faults", f"{self.num_worker_restarts} worker restarts, {self.rejected_frames} "
                        f"rejected frames, {self.invalid_requests} invalid requests"),
@@ -133,6 +154,15 @@ def _prefix_cache(stats: EngineStats) -> str:
         return "off"
     return (f"hit rate {stats.prefix_cache_hit_rate:.1%} ({stats.prefix_cache_hits:,} of "
             f"{stats.prefix_cache_queries:,} prompt tokens looked up)")
+
+
+def _speculative(stats: EngineStats) -> str:
+    if not stats.speculative:
+        return "off"
+    return (f"{stats.speculative}: {stats.spec_decode_num_accepted_tokens:,} of "
+            f"{stats.spec_decode_num_draft_tokens:,} proposed tokens accepted "
+            f"({stats.spec_decode_acceptance_rate:.1%}), {stats.spec_decode_tokens_per_draft:.2f} "
+            f"tokens per verifying step ({stats.spec_decode_num_drafts:,} of them)")
 
 
 def _thermal(stats: EngineStats) -> str:

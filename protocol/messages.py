@@ -265,6 +265,9 @@ class StepPlan(_Wire, tag="plan"):
     # Structured outputs: (request id, bitmask) of each constrained request sampling this step,
     # bit t of little-endian 32-bit word t // 32 set where token t is allowed.
     token_masks: list[tuple[int, bytes]] = []
+    # Speculative decoding: (request id, proposed tokens) of each request that verifies
+    # proposals in this step. Its scheduled tokens are its last known token and these.
+    spec_token_ids: list[tuple[int, list[int]]] = []
 
 
 class ThermalReading(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -277,7 +280,8 @@ class ThermalReading(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class StepResult(_Wire, tag="result"):
-    """Rank 0's answer: one sampled token for each request whose scheduled tokens reached its end."""
+    """Rank 0's answer: one sampled token for each request whose scheduled tokens reached its end
+    (one or more for a request that verified proposals)."""
 
     step_id: int
     request_ids: list[int]
@@ -295,6 +299,10 @@ class StepResult(_Wire, tag="result"):
     overlapped: bool = False
     # For the requests that asked for logprobs or prompt_logprobs (SamplingParams).
     logprobs: list[StepLogprobs] = []
+    # Speculative decoding: (request id, its output tokens: the proposals accepted, then the
+    # target's own next token) of each request that verified proposals; such a request is not
+    # in request_ids.
+    spec_token_ids: list[tuple[int, list[int]]] = []
 
 
 class WorkerError(_Wire, tag="worker_error"):

@@ -35,6 +35,8 @@ class StepDraft:
     preempted: bool = False
     phase: Phase | None = None      # with buckets: the phase of every request in the step
     longest: int = 0                # with buckets: the step's length dimension so far
+    # Speculative decoding: (request id, proposed tokens) of the requests verifying proposals.
+    spec: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 def _empty_plan(**extra) -> StepPlan:
@@ -92,7 +94,8 @@ class PlanBuilder:
                         cached_num_scheduled_tokens=draft.cached_tokens,
                         cached_new_block_ids=draft.cached_blocks,
                         dropped_request_ids=self.dropped, swap_out=self.swap_out,
-                        swap_in=draft.swap_in, bucket=self._bucket(draft))
+                        swap_in=draft.swap_in, bucket=self._bucket(draft),
+                        spec_token_ids=draft.spec)
         self.dropped = []
         self.swap_out = []
         self.next_step_id += 1

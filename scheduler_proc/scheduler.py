@@ -19,10 +19,9 @@ temperature: before each step, running requests over the cap leave through the s
 preemption (swap or soft reset), and swapped or waiting requests come back only under the cap.
 
 Hashing newly full blocks and freeing finished requests happen in `maintain`, which the step
-loop runs while the workers compute.
-
-Elsewhere: encoding plans and what the workers hold (plan_builder), swap-out, soft reset and
-victim checks (preemption), planning the next step before a result (schedule_ahead).
+loop runs while the workers compute. Elsewhere: encoding plans and what the workers hold
+(plan_builder), swap-out, soft reset and victim checks (preemption), planning the next step
+before a result (schedule_ahead), speculative decoding's proposals (speculation).
 """
 from __future__ import annotations
 
@@ -49,6 +48,7 @@ from spmd_runtime.scheduler_proc.preemption import (
 from spmd_runtime.scheduler_proc.request import FinishReason, Request, RequestStatus
 from spmd_runtime.scheduler_proc.schedule_ahead import plan_ahead
 from spmd_runtime.scheduler_proc.scheduler_state import SchedulerState
+from spmd_runtime.scheduler_proc.speculation import Speculator
 from spmd_runtime.scheduler_proc.structured_output import ConstrainedRequests
 from spmd_runtime.scheduler_proc.thermal import ProportionalThermalPolicy, ThermalControl
 
@@ -68,7 +68,8 @@ class Scheduler(SchedulerState):
                  max_model_len: int, eos_token_ids: list[int], policy: Policy = "fifo",
                  num_cpu_blocks: int = 0, admission_watermark: float = 0.0,
                  buckets: dict[Phase, PhaseBuckets] | None = None,
-                 thermal: ThermalControl | None = None) -> None:
+                 thermal: ThermalControl | None = None,
+                 speculator: Speculator | None = None) -> None:
         super().__init__(kv, max_num_batched_tokens=max_num_batched_tokens,
                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, policy=policy,
                          planner=BucketPlanner(buckets, policy) if buckets else None,
@@ -83,6 +84,8 @@ class Scheduler(SchedulerState):
         self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
         # Matchers of the requests with a structured output (configured by the server).
         self.constrained = ConstrainedRequests()
+        # Speculative decoding's proposals (None: off); not with buckets, which it would leave.
+        self.speculator = speculator if self.planner is None else None
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -176,12 +179,16 @@ class Scheduler(SchedulerState):
         still fits a bucket."""
         draft = StepDraft(phase=phase, preempted=preempted)
         budget = self.max_num_batched_tokens
+        speculating = self.speculator is not None and self.speculator.active(len(self.running))
         for request in running_order(self.running, self.policy):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new, longest = self._tokens_to_schedule(request, budget, draft)
+            if speculating and num_new == 1 and self._speculate(request, budget, draft):
+                budget -= draft.num_scheduled[request.request_id]
+                continue
             # The usual case first, in one call: room without preempting anyone.
             if num_new and (self.kv.allocate_slots(request, num_new)
                             or allocate_or_preempt(self, request, num_new, draft)):
@@ -199,6 +206,17 @@ class Scheduler(SchedulerState):
                    and self._admit(self.waiting[0], budget, draft)):
                 budget -= draft.num_scheduled[self.waiting.popleft().request_id]
         return draft
+
+    def _speculate(self, request: Request, budget: int, draft: StepDraft) -> bool:
+        """A decoding request computes its last token and its proposals, if it has some and
+        their blocks leave one free per running request; else it decodes as usual."""
+        proposals = self.speculator.proposals(request, budget, self.max_model_len)
+        if not proposals or not self.kv.allocate_slots(request, 1 + len(proposals),
+                                                       reserve=len(self.running)):
+            return False
+        self.plans.add_running(request, 1 + len(proposals), draft)
+        draft.spec.append((request.request_id, proposals))
+        return True
 
     def _apply_running_cap(self) -> None:
         """Ask the thermal control for this step's cap; running requests over it leave."""
@@ -279,6 +297,8 @@ class Scheduler(SchedulerState):
         """Apply a step result: advance computed tokens, append samples, check stop conditions."""
         self.counters.num_steps += 1
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
+        verified = dict(result.spec_token_ids)
+        proposed = dict(step.plan.spec_token_ids) if verified else {}
         logprobs = {record.request_id: record for record in result.logprobs}
         update = StepUpdate()
         if result.thermal is not None:
@@ -288,23 +308,36 @@ class Scheduler(SchedulerState):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            tokens = verified.get(request_id)
+            if tokens is not None:
+                # Its last token and the accepted proposals have their KV; the rest is void.
+                num_tokens = len(tokens)
+                self.speculator.record(len(proposed[request_id]), len(tokens) - 1)
             request.num_computed_tokens += num_tokens
             if logprobs:
                 request.note_logprobs(logprobs.get(request_id))
-            token = sampled.get(request_id)
-            if token is None:
-                continue  # a prefill chunk that has not reached the end of the prompt yet
+            if tokens is None:
+                token = sampled.get(request_id)
+                if token is None:
+                    continue  # a prefill chunk that has not reached the end of the prompt yet
+                tokens = (token,)
+            update.progressed.append(request)
+            self._take_tokens(request, tokens, update)
+        return update
+
+    def _take_tokens(self, request: Request, tokens, update: StepUpdate) -> None:
+        """Append a request's new tokens in order until one ends it (the rest are dropped)."""
+        for token in tokens:
             request.output_token_ids.append(token)
             self.counters.num_generated_tokens += 1
-            update.progressed.append(request)
             reason = self.finish_rules.after_token(request, token)
-            if self.constrained.accept(request_id, token) and reason is None:
+            if self.constrained.accept(request.request_id, token) and reason is None:
                 reason = FinishReason.STOP      # its structured output is complete
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, free_now=False)
                 update.finished.append(request)
-        return update
+                return
 
     def maintain(self, step: ScheduledStep | None) -> None:
         """Cache bookkeeping that can wait for the workers: cache the blocks this step fills,
@@ -313,10 +346,13 @@ class Scheduler(SchedulerState):
             block_size = self.kv.block_size
             for request_id, num_tokens in step.num_scheduled.items():
                 request = self.requests.get(request_id)
+                if request is None:
+                    continue
+                # Proposals being verified are no tokens of the request's yet: up to its last.
+                computed = min(request.num_computed_tokens + num_tokens, request.num_tokens)
                 # Most steps fill no block of most requests: skip those without the call.
-                if request is not None and (request.num_computed_tokens + num_tokens) \
-                        // block_size > request.num_cached_blocks:
-                    self.kv.cache_full_blocks(request, request.num_computed_tokens + num_tokens)
+                if computed // block_size > request.num_cached_blocks:
+                    self.kv.cache_full_blocks(request, computed)
         self._free_finished()
 
     def restart(self, kv: KVCacheManager, num_cpu_blocks: int) -> list[Request]:

@@ -7,6 +7,7 @@ from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import ModelInfo, WarmupPlan, WorkerLoaded, WorkerReady
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.scheduler import Scheduler
+from spmd_runtime.scheduler_proc.speculation import Speculator
 from spmd_runtime.scheduler_proc.thermal import ThermalControl
 
 
@@ -44,7 +45,8 @@ def build_scheduler(config: EngineConfig, ready: dict[int, WorkerReady],
         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
         eos_token_ids=first.eos_token_ids, policy=config.scheduler,
         num_cpu_blocks=num_cpu_blocks, admission_watermark=config.kv_admission_watermark,
-        buckets=warmup.buckets if warmup is not None else None, thermal=thermal)
+        buckets=warmup.buckets if warmup is not None else None, thermal=thermal,
+        speculator=Speculator.from_config(config))
     info = ModelInfo(tag=0, model=config.model, max_model_len=max_model_len,
                      vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids,
                      block_size=config.block_size, world_size=config.world_size,

@@ -90,4 +90,15 @@ def engine_stats(tag: int, scheduler: Scheduler, times: StepTimes, *, thermal_se
         thermal_throttling=thermal.throttling, thermal_target_c=thermal.policy.target_c,
         thermal_evictions=thermal.thermal_evictions, admin_evictions=thermal.admin_evictions,
         thermal_events=list(thermal.events), rejected_frames=rejected_frames,
-        invalid_requests=invalid_requests)
+        invalid_requests=invalid_requests, **_spec_decode(scheduler))
+
+
+def _spec_decode(scheduler: Scheduler) -> dict:
+    speculator = scheduler.speculator
+    if speculator is None:
+        return {}
+    counters = speculator.counters
+    return dict(speculative="ngram", spec_decode_num_drafts=counters.num_drafts,
+                spec_decode_num_draft_tokens=counters.num_draft_tokens,
+                spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=list(counters.accepted_per_position))

@@ -27,7 +27,11 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
             if request.params.logprobs is not None else None
         request.num_tokens_streamed = len(request.output_token_ids)
         reason = request.finish_reason.value if request.finish_reason else None
-        text, hit_stop = tokenizer.text(request.request_id, new_tokens, reason is not None)
+        if len(new_tokens) > 1 and request.params.stop:
+            new_tokens, text, hit_stop = _text_to_stop(tokenizer, request, new_tokens,
+                                                       reason is not None)
+        else:
+            text, hit_stop = tokenizer.text(request.request_id, new_tokens, reason is not None)
         text_reason = FinishRules.after_text(hit_stop)
         if text_reason is not None and reason is None:
             reason = text_reason.value
@@ -40,3 +44,20 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
     unreachable = [client for client, deltas in by_client.items()
                    if not front.reply(client, Outputs(deltas=deltas))]
     return unreachable, stopped
+
+
+def _text_to_stop(tokenizer: ServedTokenizer, request, new_tokens: list[int],
+                  finished: bool) -> tuple[list[int], str, bool]:
+    """Several new tokens (speculative decoding) of a request with stop strings: their text a
+    token at a time, so that the tokens after the one completing a stop string are dropped,
+    as decoding token by token would never have made them."""
+    pieces = []
+    for index, token in enumerate(new_tokens):
+        last = index == len(new_tokens) - 1
+        piece, hit_stop = tokenizer.text(request.request_id, [token], finished and last)
+        pieces.append(piece)
+        if hit_stop:
+            del request.output_token_ids[len(request.output_token_ids) - len(new_tokens) + index + 1:]
+            request.num_tokens_streamed = len(request.output_token_ids)
+            return new_tokens[:index + 1], "".join(pieces), True
+    return new_tokens, "".join(pieces), False

@@ -15,6 +15,7 @@ from spmd_runtime.worker_proc.logprobs import prompt_logprobs, read_logprobs, sa
 from spmd_runtime.worker_proc.penalties import penalize_requests
 from spmd_runtime.worker_proc.runner_graphs import GraphRunner
 from spmd_runtime.worker_proc.sampler import sample_on_device
+from spmd_runtime.worker_proc.speculative import verify_proposals
 from spmd_runtime.worker_proc.step_inputs import StepInputs
 from spmd_runtime.worker_proc.step_state import (
     UNREAD_TOKEN,
@@ -29,6 +30,20 @@ from spmd_runtime.worker_proc.token_masks import apply_token_masks
 log = logging.getLogger("spmd.worker")
 
 HOST = torch.device("cpu")
+
+def split_verifying(sample_rows: list[int], sample_ids: list[int], proposals: dict[int, list[int]]
+                    ) -> tuple[list[int], list[int], list[tuple[int, int, list[int]]]]:
+    """The sampling rows of requests that sample as usual, and (request id, last row,
+    proposals) of those that verify proposals."""
+    rows, ids, spec = [], [], []
+    for row, request_id in zip(sample_rows, sample_ids, strict=True):
+        if request_id in proposals:
+            spec.append((request_id, row, proposals[request_id]))
+        else:
+            rows.append(row)
+            ids.append(request_id)
+    return rows, ids, spec
+
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -91,6 +106,9 @@ class ModelRunner:
             if new_blocks:
                 self.block_tables.append(request_id, new_blocks)
             scheduled.append((request_id, num_tokens))
+        # Proposals are inputs after the request's last token until verified (launch).
+        for request_id, proposals in plan.spec_token_ids:
+            self.requests[request_id].token_ids.extend(proposals)
         return scheduled
 
     @torch.inference_mode()
@@ -133,8 +151,12 @@ class ModelRunner:
                 unread_positions.append(offset + state.unread[0] - state.num_computed_tokens)
                 unread_rows.append(state.unread[1])
             offset += num_tokens
+        spec = []
+        if plan.spec_token_ids:
+            sample_rows, sample_ids, spec = split_verifying(sample_rows, sample_ids,
+                                                            dict(plan.spec_token_ids))
         return PreparedStep(scheduled=scheduled, bucket=plan.bucket, graph=graph, inputs=inputs,
-                            sample_rows=sample_rows, sample_ids=sample_ids,
+                            sample_rows=sample_rows, sample_ids=sample_ids, spec=spec,
                             unread_positions=unread_positions, unread_rows=unread_rows,
                             token_masks=dict(plan.token_masks),
                             prepare_ms=(time.perf_counter() - started) * 1e3)
@@ -176,6 +198,7 @@ class ModelRunner:
                       and step.bucket.phase is Phase.PROMPT else None)
         prompt = prompt_logprobs(self.model, hidden, step.scheduled, self.requests, row_length)
         tokens, host_tokens, token_slots, sampled = self._sample(step, hidden, cuda, in_flight)
+        verified = self._verify(step.spec, hidden) if step.spec else []
         for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished_at = time.perf_counter()
@@ -193,7 +216,7 @@ class ModelRunner:
                                 finished_at=finished_at, idle_ms=idle_ms,
                                 previous=previous if cuda else None,
                                 overlapped=in_flight is not None,
-                                logprobs=[sampled, prompt])
+                                logprobs=[sampled, prompt], spec_token_ids=verified)
         self._last_launched = launched
         return launched
 
@@ -220,6 +243,27 @@ class ModelRunner:
             token_slots.append((state, len(state.token_ids)))
             state.token_ids.append(UNREAD_TOKEN)
         return tokens, host_tokens, token_slots, logprobs
+
+    def _verify(self, spec: list[tuple[int, int, list[int]]],
+                hidden: torch.Tensor) -> list[tuple[int, list[int]]]:
+        """Verify each request's proposals against the model's logits at its rows; its tokens
+        become the accepted proposals and the model's next token (sampled, so on the host
+        now), and only its last token and the accepted proposals stay computed."""
+        rows = torch.tensor([r for _, last, proposals in spec
+                             for r in range(last - len(proposals), last + 1)])
+        logits = self.model.compute_logits(hidden[rows.to(self.device)])
+        outputs, first = [], 0
+        for request_id, _, proposals in spec:
+            state, k = self.requests[request_id], len(proposals)
+            del state.token_ids[-k:]
+            tokens = verify_proposals(logits[first:first + k + 1], proposals, state.params,
+                                      len(state.token_ids), self.generator)
+            first += k + 1
+            state.token_ids.extend(tokens)
+            # launch() adds the scheduled 1 + k: the rejected proposals are not computed.
+            state.num_computed_tokens -= k + 1 - len(tokens)
+            outputs.append((request_id, tokens))
+        return outputs
 
     def _fill_unread(self, input_ids: torch.Tensor, step: PreparedStep,
                      in_flight: LaunchedStep | None) -> None:
@@ -250,5 +294,5 @@ class ModelRunner:
             step.previous = None        # keep no chain of earlier steps alive
         return StepOutput(step.sample_ids, tokens, step.prepare_ms, device_ms,
                           step.num_compilations, idle_ms, step.overlapped,
-                          read_logprobs(step.logprobs))
+                          read_logprobs(step.logprobs), step.spec_token_ids)
 

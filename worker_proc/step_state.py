@@ -43,6 +43,8 @@ class StepOutput:
     idle_ms: float | None = None
     overlapped: bool = False
     logprobs: list[StepLogprobs] = field(default_factory=list)
+    # Speculative decoding: (request id, output tokens) of each request that verified proposals.
+    spec_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line for the worker's per-step debug log."""
@@ -68,6 +70,9 @@ class PreparedStep:
     prepare_ms: float
     # Structured outputs: the bitmask of each constrained request sampling in this step.
     token_masks: dict[int, bytes] = field(default_factory=dict)
+    # Speculative decoding: (request id, its last input row, its proposals) of each request
+    # verifying proposals, whose rows are the last len(proposals) + 1 up to that one.
+    spec: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line for the worker's per-step debug log."""
@@ -98,6 +103,8 @@ class LaunchedStep:
     overlapped: bool = False            # launched before the step before it was finished
     # Its sampled and prompt tokens' log-probabilities, on the device (None: nobody asked).
     logprobs: list[LogprobRows | None] = field(default_factory=list)
+    # Speculative decoding's outputs, read back at launch: (request id, tokens).
+    spec_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()

@@ -251,7 +251,8 @@ class StepLoop:
                 sampled_token_ids=output.sampled_token_ids, forward_ms=output.forward_ms,
                 prepare_ms=output.prepare_ms, num_compilations=output.num_compilations,
                 thermal=thermal, idle_ms=output.idle_ms,
-                overlapped=output.overlapped, logprobs=output.logprobs)))
+                overlapped=output.overlapped, logprobs=output.logprobs,
+                spec_token_ids=output.spec_token_ids)))
 
 
 def ask_for_buckets(sock: zmq.Socket, config: EngineConfig, encoder: Encoder, decoder,

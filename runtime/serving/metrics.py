@@ -42,6 +42,13 @@ class EngineStatsCollector:
                 name, documentation, labels=[MODEL_LABEL])
             family.add_metric([self.model_name], value)
             yield family
+        if stats.speculative:
+            family = CounterMetricFamily("spmd:spec_decode_num_accepted_tokens_per_pos",
+                                         "proposals accepted, by their position in the draft",
+                                         labels=[MODEL_LABEL, "position"])
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                family.add_metric([self.model_name, str(position)], count)
+            yield family
         if any(t is not None for t in stats.rank_temps_c):
             family = GaugeMetricFamily("spmd_rank_temperature_celsius",
                                        "each rank's last temperature reading",
@@ -68,6 +75,7 @@ def engine_figures(stats: EngineStats) -> list[tuple[str, str, str, float]]:
          stats.prefix_cache_queries),
         ("counter", "spmd:prefix_cache_hits", "prompt tokens served from the prefix cache",
          stats.prefix_cache_hits),
+        *_spec_decode_figures(stats),
         # No vLLM counterpart from here on.
         ("gauge", "spmd_num_requests_swapped",
          "preempted requests whose KV blocks wait in the CPU pool", stats.num_swapped),
@@ -95,6 +103,20 @@ def engine_figures(stats: EngineStats) -> list[tuple[str, str, str, float]]:
     if stats.power_w is not None:
         figures.append(("gauge", "spmd_power_watts", "the group's power draw", stats.power_w))
     return figures
+
+
+def _spec_decode_figures(stats: EngineStats) -> list[tuple[str, str, str, float]]:
+    """vLLM's spec_decode counters, where speculative decoding is on."""
+    if not stats.speculative:
+        return []
+    return [
+        ("counter", "spmd:spec_decode_num_drafts", "steps x requests that verified proposals",
+         stats.spec_decode_num_drafts),
+        ("counter", "spmd:spec_decode_num_draft_tokens", "tokens proposed",
+         stats.spec_decode_num_draft_tokens),
+        ("counter", "spmd:spec_decode_num_accepted_tokens", "proposed tokens accepted",
+         stats.spec_decode_num_accepted_tokens),
+    ]
 
 
 class ServingMetrics:

@@ -16,7 +16,7 @@ from spmd_runtime.runtime.preflight import ConfigError
 PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dummy_seed": 3,
              "block_size": 8, "num_kv_blocks": 24, "gpu_memory_utilization": 0.5,
              "kv_cache_memory": 1 << 30, "kv_swap_memory": 3 << 29, "scheduler": "prefill_first",
-             "kv_admission_watermark": 0.05, "execution_mode": "bucketed", "prompt_bs_bucket": "1,2,4",
+             "kv_admission_watermark": 0.05, "execution_mode": "eager", "prompt_bs_bucket": "1,2,4",
              "prompt_seq_bucket": "32,32,64", "decode_bs_bucket": "1,4,8",
              "decode_seq_bucket": "64,64,256", "dist_backend": "gloo",
              "max_num_batched_tokens": 64, "max_num_seqs": 4,
@@ -30,7 +30,7 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "graph_decode_strategy": "min_tokens", "attention_backend": "torch",
              "step_pipelining": "overlap", "quantization": "int8", "served_model_name": "my-model",
              "curve_keys": "/tmp/job-keys", "row_parallel_chunks": "auto",
-             "tool_call_parser": "hermes"}
+             "tool_call_parser": "hermes", "speculative": "ngram"}
 
 
 def _non_default(name: str, kind: type, default):

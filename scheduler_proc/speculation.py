@@ -1,0 +1,94 @@
+"""Speculative decoding in the scheduler: which decoding requests propose tokens in a step, how
+many, and what became of them.
+
+A request that speculates computes its last known token and the k tokens proposed after it in
+one step, as a chunk; the workers verify the proposals against the model's own choices and
+return the accepted ones followed by one token of the model's (worker_proc.speculative). Only
+its last token and the accepted proposals then count as computed: the KV written for rejected
+proposals is overwritten by later steps, and the blocks allocated for them stay the request's,
+which grows into them.
+
+Proposals are asked for only where verifying them is cheap and exact:
+- in steps where few requests run (--speculative-disable-by-batch-size): verifying costs up to
+  k times the compute of a decode, which a large batch no longer has to spare;
+- for requests whose sampling does not depend on the tokens before it in the same step
+  (penalties), needs no per-token records (logprobs) and no grammar (structured outputs);
+- within the request's max_tokens and the context length, and the step's token budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.scheduler_proc.ngram_proposer import NgramProposer
+from spmd_runtime.scheduler_proc.request import Request
+
+
+@dataclass
+class SpecDecodeCounters:
+    """vLLM's spec_decode counters: drafts (a request proposing in a step), tokens proposed,
+    tokens accepted, and accepted tokens by their position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_tokens_per_draft(self) -> float:
+        """Tokens a speculating request gained per step: its accepted proposals and one more."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def speculation_fits(params: SamplingParams) -> bool:
+    """Whether a request's outputs can be verified several at a time, exactly: no penalties
+    (they would change with each accepted token), no logprobs, no grammar."""
+    return (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.logprobs is None
+            and params.prompt_logprobs is None and params.structured_output is None)
+
+
+class Speculator:
+    """Proposals for the scheduler's decoding requests (n-gram prompt lookup), and counters."""
+
+    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int,
+                 disable_by_batch_size: int) -> None:
+        self.proposer = NgramProposer(num_speculative_tokens, min_n, max_n)
+        self.disable_by_batch_size = disable_by_batch_size
+        self.counters = SpecDecodeCounters(accepted_per_position=[0] * num_speculative_tokens)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Speculator | None:
+        if config.speculative == "off":
+            return None
+        return cls(config.num_speculative_tokens, config.prompt_lookup_min,
+                   config.prompt_lookup_max, config.speculative_disable_by_batch_size)
+
+    def active(self, num_running: int) -> bool:
+        """Whether a step with this many running requests proposes at all."""
+        return num_running <= self.disable_by_batch_size
+
+    def proposals(self, request: Request, budget: int, max_model_len: int) -> list[int]:
+        """Tokens a decoding request proposes after its last one: none where its sampling does
+        not allow it, or where its outputs, its context or the step's `budget` (tokens left,
+        its own last token included) leave no room."""
+        if not speculation_fits(request.params):
+            return []
+        room = min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1,
+                   max_model_len - request.num_tokens - 1)
+        if room <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, room)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        counters = self.counters
+        counters.num_drafts += 1
+        counters.num_draft_tokens += num_proposed
+        counters.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            counters.accepted_per_position[position] += 1

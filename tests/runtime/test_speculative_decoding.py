@@ -1,0 +1,157 @@
+"""Speculative decoding (n-gram prompt lookup) end to end: greedy outputs token for token those of
+the same engine without it, through chunked prefill (a budget of 16 tokens), prefix caching and
+preemption (a pool too small for the batch), with stop strings, max_tokens and requests that
+decode as usual (penalties, logprobs); under TP=2 on a sharp tiny Llama; stats() counting the
+proposals. Everything here is float32.
+
+Two smollm2 engines, the same but for --speculative, are shared by the module's tests; the
+distribution kept by sampled verification is tested without an engine, in
+tests/worker_proc/test_speculative.py.
+"""
+from __future__ import annotations
+
+import pytest
+from engine_idle import wait_idle
+from sharp_llama import FAMILY_ENGINE, sharp_llama
+from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.runtime import LLM, SamplingParams
+from test_llm_correctness import CHAT_QUESTIONS, RAW_PROMPTS
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# Chunks of 16 tokens and a pool of 24 blocks of 16 for ten requests that need ~45 together:
+# preemption; the second pass over the same prompts finds their prefixes cached. Every
+# request may speculate (the batch never exceeds 16).
+ENGINE = dict(dtype="float32", quantization="none", max_num_batched_tokens=16, num_kv_blocks=24,
+              kv_admission_watermark=0.0, enable_prefix_caching=True)
+SPECULATIVE = dict(speculative="ngram", num_speculative_tokens=4,
+                   speculative_disable_by_batch_size=16)
+# Outputs that repeat their prompt: where prompt lookup proposes, and proposals are accepted.
+PASSAGE = ("The committee met on Tuesday to review the budget. After a long discussion, the "
+           "committee approved the new budget for the library, the park and the school.")
+REPEAT_QUESTIONS = [f"Repeat this text exactly:\n\n{PASSAGE}",
+                    f"Copy this sentence twice: {PASSAGE.split('. ')[0]}."]
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_smollm2_tokenizer) -> list[list[int]]:
+    """The parity prompts of test_llm_correctness, then two whose answers repeat them."""
+    tokenizer = hf_smollm2_tokenizer
+    chats = []
+    for question in CHAT_QUESTIONS + REPEAT_QUESTIONS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=False)
+        chats.append(list(tokenizer(text, add_special_tokens=False).input_ids))
+    raw = [list(tokenizer(text).input_ids) for text in RAW_PROMPTS]
+    return chats[:3] + raw + chats[3:]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with LLM("smollm2", **ENGINE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def speculating():
+    with LLM("smollm2", **ENGINE, **SPECULATIVE) as llm:
+        yield llm
+
+
+def tokens_and_reasons(llm: LLM, prompts, params) -> list[tuple[list[int], str | None]]:
+    return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.timeout(600)
+def test_greedy_outputs_equal_speculation_off(plain, speculating, prompts) -> None:
+    """float32 greedy, twice over the same ten prompts (the second time from the prefix cache),
+    with chunks of 16 tokens and preemption: token for token the engine without speculation's;
+    stats() counts proposals and accepted tokens (the repeating prompts accept most)."""
+    before = speculating.client.stats()
+    expected = tokens_and_reasons(plain, prompts, GREEDY)
+    for _ in range(2):
+        assert tokens_and_reasons(speculating, prompts, GREEDY) == expected
+    stats = wait_idle(speculating.client)
+    assert stats.speculative == "ngram"
+    assert stats.num_preemptions > before.num_preemptions, "the pool should have been too small"
+    assert stats.prefix_cache_hits > before.prefix_cache_hits
+    drafts = stats.spec_decode_num_drafts - before.spec_decode_num_drafts
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert drafts > 0 and accepted > 0, stats
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
+    assert stats.kv_blocks_in_use == 0, "blocks of rejected proposals must be freed with the request"
+    assert "ngram:" in str(stats)
+
+
+@pytest.mark.timeout(300)
+def test_stop_strings_and_max_tokens_end_where_token_by_token_decoding_ends(
+        plain, speculating, prompts) -> None:
+    """float32 greedy on the repeating prompts: a stop string met inside a verified run of
+    tokens, and max_tokens inside one, end the output where decoding one token at a time ends
+    it (tokens and text)."""
+    repeating = prompts[-2:]
+    cases = [SamplingParams(max_tokens=40, temperature=0.0, stop=("library",)),
+             SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)]
+    for params in cases:
+        want = plain.generate(repeating, params)
+        got = speculating.generate(repeating, params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+            [(o.token_ids, o.text, o.finish_reason) for o in want], params
+
+
+@pytest.mark.timeout(300)
+def test_requests_with_penalties_or_logprobs_decode_as_usual(plain, speculating, prompts) -> None:
+    """float32 greedy: a repetition penalty or logprobs keep a request out of speculation (no
+    proposal is counted for them) and give the engine without speculation's outputs."""
+    repeating = prompts[-2:]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)]
+    before = wait_idle(speculating.client).spec_decode_num_drafts
+    got = speculating.generate(repeating, params)
+    want = plain.generate(repeating, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [[r.logprobs for r in o.logprobs] for o in got[1:]] == \
+        [[r.logprobs for r in o.logprobs] for o in want[1:]]
+    assert wait_idle(speculating.client).spec_decode_num_drafts == before
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_with_speculation_is_reproducible(speculating, prompts) -> None:
+    """float32, temperature 0.8 with a seed: the same outputs twice, max_tokens long."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    first = speculating.generate(prompts[-2:], params)
+    second = speculating.generate(prompts[-2:], params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert all(len(o.token_ids) == 24 for o in first)
+
+
+@pytest.mark.timeout(400)
+def test_tensor_parallel_speculation_equals_speculation_off(tmp_path) -> None:
+    """float32 greedy on a sharp tiny Llama split over two CPU ranks, with chunks of 16,
+    prefix caching and preemption (FAMILY_ENGINE): speculating gives the outputs of not
+    speculating, on prompts that repeat themselves so that proposals are made."""
+    model, _ = sharp_llama(tmp_path / "sharp", heads=4, kv_heads=2)
+    pattern = [5, 17, 42, 99, 7, 63]
+    prompts = [pattern * 4, [3] + pattern * 6 + [8, 9], pattern[:4] * 5]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(FAMILY_ENGINE, nproc_per_node=2, device="cpu")
+    with LLM(model, **options) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(model, **options, **SPECULATIVE) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.client.stats().spec_decode_num_drafts > 0
+
+
+def test_speculation_refuses_buckets_and_runs_eagerly() -> None:
+    """Configuration only: verify steps are not bucketed, so auto resolves to eager with
+    speculation (on CUDA too), and asking for buckets is an error saying what to change."""
+    from spmd_runtime.protocol.buckets import execution_mode
+
+    config = EngineConfig(speculative="ngram")
+    assert execution_mode(config, "cuda") == "eager"
+    assert execution_mode(EngineConfig(), "cuda") == "compiled"
+    with pytest.raises(ValueError, match="--execution-mode eager"):
+        EngineConfig(speculative="ngram", execution_mode="bucketed")
+    with pytest.raises(ValueError, match="--prompt-lookup-min 5 is above"):
+        EngineConfig(prompt_lookup_min=5, prompt_lookup_max=4)
