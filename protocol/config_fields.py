@@ -103,7 +103,7 @@ class SchedulingOptions(ParallelOptions, kw_only=True):
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=64, description=(
         "most tokens proposed per request and step"))] = 4
     prompt_lookup_min: Annotated[int, Meta(ge=1, description=(
-        "ngram: shortest suffix looked up"))] = 1
+        "ngram: shortest suffix looked up"))] = 2
     prompt_lookup_max: Annotated[int, Meta(ge=1, description=(
         "ngram: longest suffix looked up (longer matches are tried first)"))] = 4
     speculative_disable_by_batch_size: Annotated[int, Meta(ge=1, description=(

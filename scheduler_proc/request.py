@@ -29,7 +29,7 @@ class Request:
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
                  "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority", "arrival_time",
-                 "queue_time_s", "output_logprobs", "prompt_logprobs")
+                 "queue_time_s", "output_logprobs", "prompt_logprobs", "draft_length")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -61,6 +61,8 @@ class Request:
         # per prompt token, None for the first, filled as prefill chunks are computed.
         self.output_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] = [None]
+        # Speculative decoding: how many tokens it proposes next (0: the most allowed).
+        self.draft_length = 0
 
     @property
     def num_tokens(self) -> int:

@@ -47,7 +47,11 @@ def plan_ahead(scheduler: SchedulerState, step: ScheduledStep) -> ScheduledStep 
 def _continuing(scheduler: SchedulerState, step: ScheduledStep) -> list[tuple[Request, int]] | None:
     """The running requests with their tokens in `step`, in scheduling order, where all of
     them continue as plain decodes after it and nothing else wants in; else None."""
-    # A constrained request's next mask depends on the token `step` samples: planned after it.
+    # A constrained request's next mask depends on the token `step` samples, and proposals on
+    # all its tokens (speculative decoding, in a batch small enough to speculate): planned after.
+    speculator = scheduler.speculator
+    if speculator is not None and speculator.active(len(scheduler.running)):
+        return None
     if (scheduler.waiting or scheduler.swapped or scheduler.plans.swap_out or scheduler.constrained
             or scheduler.thermal.near_target() or not step.num_scheduled
             or len(step.num_scheduled) != len(scheduler.running)

@@ -312,7 +312,7 @@ class Scheduler(SchedulerState):
             if tokens is not None:
                 # Its last token and the accepted proposals have their KV; the rest is void.
                 num_tokens = len(tokens)
-                self.speculator.record(len(proposed[request_id]), len(tokens) - 1)
+                self.speculator.record(request, len(proposed[request_id]), len(tokens) - 1)
             request.num_computed_tokens += num_tokens
             if logprobs:
                 request.note_logprobs(logprobs.get(request_id))

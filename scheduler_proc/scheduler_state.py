@@ -13,6 +13,7 @@ from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.plan_builder import PlanBuilder
 from spmd_runtime.scheduler_proc.policy import Policy
 from spmd_runtime.scheduler_proc.request import Request
+from spmd_runtime.scheduler_proc.speculation import Speculator
 from spmd_runtime.scheduler_proc.thermal import ThermalControl
 
 
@@ -51,6 +52,8 @@ class SchedulerState:
         self.requests: dict[int, Request] = {}
         self.counters = SchedulerCounters()
         self.plans = PlanBuilder(planner)
+        # Speculative decoding's proposer and counters (None: off; the Scheduler sets it).
+        self.speculator: Speculator | None = None
         # Finished requests whose blocks are freed at the next maintenance (or when short).
         self._finished_unfreed: list[Request] = []
 

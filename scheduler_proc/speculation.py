@@ -13,7 +13,11 @@ Proposals are asked for only where verifying them is cheap and exact:
   k times the compute of a decode, which a large batch no longer has to spare;
 - for requests whose sampling does not depend on the tokens before it in the same step
   (penalties), needs no per-token records (logprobs) and no grammar (structured outputs);
-- within the request's max_tokens and the context length, and the step's token budget.
+- within the request's max_tokens and the context length, and the step's token budget;
+- as many as the request's last verification suggests: a request proposes
+  --num-speculative-tokens at first; after a rejection, one more than it had accepted (the
+  text it copies may have diverged: a wasted proposal costs a verify row), doubling again
+  (up to the maximum) each time all its proposals are accepted.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ class Speculator:
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int,
                  disable_by_batch_size: int) -> None:
         self.proposer = NgramProposer(num_speculative_tokens, min_n, max_n)
+        self.max_proposals = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.counters = SpecDecodeCounters(accepted_per_position=[0] * num_speculative_tokens)
 
@@ -80,12 +85,16 @@ class Speculator:
         if not speculation_fits(request.params):
             return []
         room = min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1,
-                   max_model_len - request.num_tokens - 1)
+                   max_model_len - request.num_tokens - 1,
+                   request.draft_length or self.max_proposals)
         if room <= 0:
             return []
         return self.proposer.propose(request.all_token_ids, room)
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
+    def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """A verification's outcome: the counters, and the request's next draft length."""
+        request.draft_length = (min(self.max_proposals, 2 * num_proposed)
+                                if num_accepted == num_proposed else num_accepted + 1)
         counters = self.counters
         counters.num_drafts += 1
         counters.num_draft_tokens += num_proposed
