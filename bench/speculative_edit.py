@@ -3,7 +3,8 @@ the spelling of a paragraph, so its answer repeats the paragraph, and n-gram pro
 most of what comes next in the prompt.
 
     python bench/speculative_edit.py --rounds 3
-    python bench/speculative_edit.py --rounds 3 --ours off='{}' --ours k8='{"speculative": "ngram", "num_speculative_tokens": 8}'
+    python bench/speculative_edit.py --rounds 3 --ours off='{}' \
+        --ours k8='{"speculative": "ngram", "num_speculative_tokens": 8}'
 
 Each round starts every engine afresh (start-up not timed), alternating their order (the first
 engine first in odd rounds). In each, per paragraph (five, each with three misspellings, so that

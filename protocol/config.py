@@ -71,6 +71,9 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"--prompt-lookup-min {self.prompt_lookup_min} is above "
                              f"--prompt-lookup-max {self.prompt_lookup_max}")
+        if (self.speculative == "draft") != bool(self.draft_model):
+            raise ValueError("--speculative draft needs --draft-model MODEL, and --draft-model "
+                             "needs --speculative draft")
         if self.speculative != "off" and self.execution_mode in ("bucketed", "compiled"):
             raise ValueError(f"--speculative {self.speculative} runs its steps eagerly: use "
                              f"--execution-mode eager (or auto), or --speculative off")

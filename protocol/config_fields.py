@@ -94,12 +94,16 @@ class SchedulingOptions(ParallelOptions, kw_only=True):
             "launch that step behind the running one, its inputs taking that step's sampled "
             "tokens on the device, so the device does not idle through host work between "
             "steps; auto: overlap with CUDA workers, schedule_ahead on CPU"))] = "auto"
-    speculative: Annotated[Literal["off", "ngram"], Meta(description=(
+    speculative: Annotated[Literal["off", "ngram", "draft"], Meta(description=(
         "speculative decoding. ngram: each decoding request's last tokens are looked up in its "
         "prompt and output (prompt lookup), and the tokens that followed them there are "
-        "proposed; one step verifies them all, keeping the outputs exactly those of decoding "
-        "token by token (greedy) or their distribution (sampled). Requests with penalties, "
-        "logprobs or structured outputs decode as usual. Steps run eagerly (no buckets)"))] = "off"
+        "proposed; draft: --draft-model proposes them, greedily, on every worker; one step "
+        "verifies them all, keeping the outputs exactly those of decoding token by token "
+        "(greedy) or their distribution (sampled). Requests with penalties, logprobs or "
+        "structured outputs decode as usual. Steps run eagerly (no buckets)"))] = "off"
+    draft_model: Annotated[str, Meta(description=(
+        "--speculative draft: the model that proposes (any --model form; the same vocabulary "
+        "as --model), whole on every worker, its KV cache in the same blocks"))] = ""
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=64, description=(
         "most tokens proposed per request and step"))] = 4
     prompt_lookup_min: Annotated[int, Meta(ge=1, description=(

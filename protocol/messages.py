@@ -268,6 +268,9 @@ class StepPlan(_Wire, tag="plan"):
     # Speculative decoding: (request id, proposed tokens) of each request that verifies
     # proposals in this step. Its scheduled tokens are its last known token and these.
     spec_token_ids: list[tuple[int, list[int]]] = []
+    # Speculative decoding with a draft model: (request id, tokens to propose) of each request
+    # whose proposals the workers' draft model makes this step; scheduled as above.
+    draft_lengths: list[tuple[int, int]] = []
 
 
 class ThermalReading(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

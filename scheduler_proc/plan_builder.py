@@ -37,6 +37,8 @@ class StepDraft:
     longest: int = 0                # with buckets: the step's length dimension so far
     # Speculative decoding: (request id, proposed tokens) of the requests verifying proposals.
     spec: list[tuple[int, list[int]]] = field(default_factory=list)
+    # ... and (request id, number of tokens) of those whose draft model proposes in the workers.
+    draft_lengths: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _empty_plan(**extra) -> StepPlan:
@@ -95,7 +97,7 @@ class PlanBuilder:
                         cached_new_block_ids=draft.cached_blocks,
                         dropped_request_ids=self.dropped, swap_out=self.swap_out,
                         swap_in=draft.swap_in, bucket=self._bucket(draft),
-                        spec_token_ids=draft.spec)
+                        spec_token_ids=draft.spec, draft_lengths=draft.draft_lengths)
         self.dropped = []
         self.swap_out = []
         self.next_step_id += 1

@@ -48,9 +48,11 @@ def _continuing(scheduler: SchedulerState, step: ScheduledStep) -> list[tuple[Re
     """The running requests with their tokens in `step`, in scheduling order, where all of
     them continue as plain decodes after it and nothing else wants in; else None."""
     # A constrained request's next mask depends on the token `step` samples, and proposals on
-    # all its tokens (speculative decoding, in a batch small enough to speculate): planned after.
+    # all its tokens (speculative decoding, in a batch small enough to speculate; a draft model
+    # always reads every token): planned after.
     speculator = scheduler.speculator
-    if speculator is not None and speculator.active(len(scheduler.running)):
+    if speculator is not None and (speculator.method == "draft"
+                                   or speculator.active(len(scheduler.running))):
         return None
     if (scheduler.waiting or scheduler.swapped or scheduler.plans.swap_out or scheduler.constrained
             or scheduler.thermal.near_target() or not step.num_scheduled

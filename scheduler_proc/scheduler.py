@@ -186,7 +186,8 @@ class Scheduler(SchedulerState):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new, longest = self._tokens_to_schedule(request, budget, draft)
-            if speculating and num_new == 1 and self._speculate(request, budget, draft):
+            if speculating and num_new == 1 and self.speculator.speculate(self, request, budget,
+                                                                          draft):
                 budget -= draft.num_scheduled[request.request_id]
                 continue
             # The usual case first, in one call: room without preempting anyone.
@@ -206,17 +207,6 @@ class Scheduler(SchedulerState):
                    and self._admit(self.waiting[0], budget, draft)):
                 budget -= draft.num_scheduled[self.waiting.popleft().request_id]
         return draft
-
-    def _speculate(self, request: Request, budget: int, draft: StepDraft) -> bool:
-        """A decoding request computes its last token and its proposals, if it has some and
-        their blocks leave one free per running request; else it decodes as usual."""
-        proposals = self.speculator.proposals(request, budget, self.max_model_len)
-        if not proposals or not self.kv.allocate_slots(request, 1 + len(proposals),
-                                                       reserve=len(self.running)):
-            return False
-        self.plans.add_running(request, 1 + len(proposals), draft)
-        draft.spec.append((request.request_id, proposals))
-        return True
 
     def _apply_running_cap(self) -> None:
         """Ask the thermal control for this step's cap; running requests over it leave."""
@@ -298,7 +288,8 @@ class Scheduler(SchedulerState):
         self.counters.num_steps += 1
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         verified = dict(result.spec_token_ids)
-        proposed = dict(step.plan.spec_token_ids) if verified else {}
+        proposed = {rid: len(tokens) for rid, tokens in step.plan.spec_token_ids}
+        proposed.update(step.plan.draft_lengths)
         logprobs = {record.request_id: record for record in result.logprobs}
         update = StepUpdate()
         if result.thermal is not None:
@@ -312,7 +303,7 @@ class Scheduler(SchedulerState):
             if tokens is not None:
                 # Its last token and the accepted proposals have their KV; the rest is void.
                 num_tokens = len(tokens)
-                self.speculator.record(request, len(proposed[request_id]), len(tokens) - 1)
+                self.speculator.record(request, proposed[request_id], len(tokens) - 1)
             request.num_computed_tokens += num_tokens
             if logprobs:
                 request.note_logprobs(logprobs.get(request_id))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.scheduler_proc.ngram_proposer import NgramProposer
+from spmd_runtime.scheduler_proc.plan_builder import StepDraft
 from spmd_runtime.scheduler_proc.request import Request
 
 
@@ -61,7 +62,9 @@ class Speculator:
     """Proposals for the scheduler's decoding requests (n-gram prompt lookup), and counters."""
 
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int,
-                 disable_by_batch_size: int) -> None:
+                 disable_by_batch_size: int, method: str = "ngram") -> None:
+        # draft: the workers' draft model proposes; the scheduler only says how many.
+        self.method = method
         self.proposer = NgramProposer(num_speculative_tokens, min_n, max_n)
         self.max_proposals = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
@@ -72,24 +75,43 @@ class Speculator:
         if config.speculative == "off":
             return None
         return cls(config.num_speculative_tokens, config.prompt_lookup_min,
-                   config.prompt_lookup_max, config.speculative_disable_by_batch_size)
+                   config.prompt_lookup_max, config.speculative_disable_by_batch_size,
+                   config.speculative)
 
     def active(self, num_running: int) -> bool:
         """Whether a step with this many running requests proposes at all."""
         return num_running <= self.disable_by_batch_size
 
-    def proposals(self, request: Request, budget: int, max_model_len: int) -> list[int]:
-        """Tokens a decoding request proposes after its last one: none where its sampling does
-        not allow it, or where its outputs, its context or the step's `budget` (tokens left,
-        its own last token included) leave no room."""
+    def draft_room(self, request: Request, budget: int, max_model_len: int) -> int:
+        """How many tokens a decoding request may propose after its last one: none where its
+        sampling does not allow it, or where its outputs, its context or the step's `budget`
+        (tokens left, its own last token included) leave no room; at most its draft length."""
         if not speculation_fits(request.params):
-            return []
-        room = min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1,
-                   max_model_len - request.num_tokens - 1,
-                   request.draft_length or self.max_proposals)
-        if room <= 0:
-            return []
-        return self.proposer.propose(request.all_token_ids, room)
+            return 0
+        return max(0, min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1,
+                          max_model_len - request.num_tokens - 1,
+                          request.draft_length or self.max_proposals))
+
+    def speculate(self, scheduler, request: Request, budget: int, draft: StepDraft) -> bool:
+        """A decoding request computes its last token and its proposals (n-gram: looked up
+        here; draft: made by the workers), if it has some and their blocks leave one free per
+        running request; else it decodes as usual (False). `scheduler`: the SchedulerState
+        planning the step."""
+        room = self.draft_room(request, budget, scheduler.max_model_len)
+        if not room:
+            return False
+        proposals = None if self.method == "draft" else self.proposer.propose(
+            request.all_token_ids, room)
+        num_proposed = room if proposals is None else len(proposals)
+        if not num_proposed or not scheduler.kv.allocate_slots(
+                request, 1 + num_proposed, reserve=len(scheduler.running)):
+            return False
+        scheduler.plans.add_running(request, 1 + num_proposed, draft)
+        if proposals is None:
+            draft.draft_lengths.append((request.request_id, num_proposed))
+        else:
+            draft.spec.append((request.request_id, proposals))
+        return True
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A verification's outcome: the counters, and the request's next draft length."""

@@ -7,6 +7,7 @@ import gc
 import logging
 import time
 
+import msgspec
 import torch
 from spmd_runtime.protocol.buckets import compiling
 from spmd_runtime.protocol.config import EngineConfig
@@ -76,3 +77,34 @@ def prepare_weights(config: EngineConfig, model: torch.nn.Module, device: torch.
         raise ValueError(f"--quantization {config.quantization} needs a CPU worker, this one "
                          f"runs on {device}")
     quantize_linear_weights(model, config.quantization)
+
+
+def load_draft_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                     vocab_size: int) -> tuple[ModelConfig, torch.nn.Module]:
+    """--draft-model whole on this worker (no tensor parallelism: every rank drafts alike), in
+    the target's dtype; its quantization as the target's where that is none or int8, else
+    resolved for its own file (auto). ValueError when its vocabulary is not the target's."""
+    from spmd_runtime.runtime.preflight import resolved_quantization
+
+    started = time.perf_counter()
+    quantization = config.quantization if config.quantization in ("none", "int8") else "auto"
+    draft_config, _ = resolved_quantization(msgspec.structs.replace(
+        config, model=config.draft_model, quantization=quantization, speculative="off",
+        draft_model=""))
+    model_config, weights = load_model(resolve_model(draft_config.model), dtype,
+                                       seed=config.dummy_seed,
+                                       keep_quantized=draft_config.quantization == "gguf")
+    if model_config.vocab_size != vocab_size:
+        raise ValueError(f"--draft-model {config.draft_model} has a vocabulary of "
+                         f"{model_config.vocab_size} tokens, --model {config.model} one of "
+                         f"{vocab_size}: the draft must share the target's tokenizer")
+    model = build_model(model_config, dtype, TensorParallel())
+    model.load_hf_state_dict(weights)
+    del weights
+    model.to(device).eval()
+    group_quant.move_to(model, device)
+    prepare_weights(draft_config, model, device, dtype)
+    release_free_memory()
+    log.info("draft model %s loaded (%s, quantization %s) in %.1fs", config.draft_model, dtype,
+             draft_config.quantization, time.perf_counter() - started)
+    return model_config, model

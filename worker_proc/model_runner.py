@@ -10,6 +10,7 @@ from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.worker_proc.block_table import BlockTables
+from spmd_runtime.worker_proc.drafting import Drafter
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
 from spmd_runtime.worker_proc.logprobs import prompt_logprobs, read_logprobs, sampled_logprobs
 from spmd_runtime.worker_proc.penalties import penalize_requests
@@ -67,6 +68,8 @@ class ModelRunner:
         self.inputs = StepInputs(self.requests, self.block_tables, block_size,
                                  self.scratch_block, device, attention)
         self.graph_runner = GraphRunner(model, kv_caches, self.inputs)
+        # --speculative draft: the draft model that proposes (worker_proc.drafting).
+        self.drafter: Drafter | None = None
         # The step launched last (the device's idle time before the next one).
         self._last_launched: LaunchedStep | None = None
         # Draws for requests without a seed of their own; seeded requests use per-position seeds.
@@ -132,8 +135,10 @@ class ModelRunner:
         self.swap_space.swap_out(plan.swap_out)
         scheduled = self.apply_plan_state(plan)
         self.swap_space.swap_in(plan.swap_in)
-        # Single-token queries first, longest context first, so attention can group them.
-        scheduled.sort(key=lambda item: (item[1] != 1, -self.requests[item[0]].num_computed_tokens))
+        proposals = dict(plan.spec_token_ids)
+        if self.drafter is not None and scheduled:
+            proposals.update(self.drafter.propose(scheduled, dict(plan.draft_lengths)))
+        self.inputs.sort_for_attention(scheduled)
         graph = self.graph_runner.graph_for(plan.bucket, scheduled) if scheduled else None
         inputs, sample_rows, sample_ids = None, [], []
         if graph is not None:
@@ -152,9 +157,8 @@ class ModelRunner:
                 unread_rows.append(state.unread[1])
             offset += num_tokens
         spec = []
-        if plan.spec_token_ids:
-            sample_rows, sample_ids, spec = split_verifying(sample_rows, sample_ids,
-                                                            dict(plan.spec_token_ids))
+        if proposals:
+            sample_rows, sample_ids, spec = split_verifying(sample_rows, sample_ids, proposals)
         return PreparedStep(scheduled=scheduled, bucket=plan.bucket, graph=graph, inputs=inputs,
                             sample_rows=sample_rows, sample_ids=sample_ids, spec=spec,
                             unread_positions=unread_positions, unread_rows=unread_rows,

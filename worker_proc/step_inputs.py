@@ -31,6 +31,11 @@ class StepInputs:
         # The worker's attention backend: decode groups read the cache in place or gather it.
         self.attention = attention
 
+    def sort_for_attention(self, scheduled: list[tuple[int, int]]) -> None:
+        """The order build() needs: single-token queries first (the decode groups are the first
+        rows), longest context first, so attention can group them."""
+        scheduled.sort(key=lambda item: (item[1] != 1, -self.requests[item[0]].num_computed_tokens))
+
     def build(self, scheduled: list[tuple[int, int]], bucket: StepShape | None = None,
               device: torch.device | None = None):
         """(input ids, positions, AttentionBatch, sample rows, sample request ids) of the

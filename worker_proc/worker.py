@@ -37,9 +37,10 @@ from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
 from spmd_runtime.runtime.cpu_features import resolve_dtype_name
 from spmd_runtime.runtime.preflight import resolved_quantization
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
+from spmd_runtime.worker_proc.drafting import Drafter
 from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
 from spmd_runtime.worker_proc.liveness import start_liveness_beats
-from spmd_runtime.worker_proc.model_loading import load_worker_model
+from spmd_runtime.worker_proc.model_loading import load_draft_model, load_worker_model
 from spmd_runtime.worker_proc.model_runner import LaunchedStep, ModelRunner
 from spmd_runtime.worker_proc.thermal import ThermalMonitor
 from spmd_runtime.worker_proc.warmup import prepare_buckets
@@ -97,6 +98,9 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
                          scratch_block=num_blocks,
                          attention=attention)
+    if config.speculative == "draft":
+        runner.drafter = drafter_for(config, runner, model_config.vocab_size, num_blocks + 1,
+                                     dtype, ctx.device)
     generation = int(os.environ.get(SPMD_WORKER_GENERATION, "0"))
     loaded = WorkerLoaded(rank=ctx.rank, max_model_len=max_model_len, device=str(ctx.device),
                           generation=generation,
@@ -112,6 +116,17 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
                         num_cpu_kv_blocks=num_cpu_blocks, generation=generation)
     return runner, ready
+
+
+def drafter_for(config: EngineConfig, runner: ModelRunner, vocab_size: int, num_blocks: int,
+                dtype: torch.dtype, device: torch.device) -> Drafter:
+    """The draft model of --speculative draft, with a KV cache of its own in the target's
+    block ids (as many blocks: its size is logged)."""
+    draft_config, model = load_draft_model(config, device, dtype, vocab_size)
+    kv_caches = allocate_kv_cache(draft_config, num_blocks, config.block_size, dtype, device, 1)
+    size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
+    log.info("draft KV cache: %d blocks, %.2f GiB", num_blocks, size / 2**30)
+    return Drafter(model, kv_caches, runner.inputs, runner.requests)
 
 
 def shared_sampling_seed(ctx: DistributedContext) -> int:

@@ -1,8 +1,9 @@
-"""Speculative decoding (n-gram prompt lookup) end to end: greedy outputs token for token those of
-the same engine without it, through chunked prefill (a budget of 16 tokens), prefix caching and
-preemption (a pool too small for the batch), with stop strings, max_tokens and requests that
-decode as usual (penalties, logprobs); under TP=2 on a sharp tiny Llama; stats() counting the
-proposals. Everything here is float32.
+"""Speculative decoding end to end (n-gram prompt lookup, and a draft model): greedy outputs
+token for token those of the same engine without it, through chunked prefill (a budget of 16
+tokens), prefix caching and preemption (a pool too small for the batch), with stop strings,
+max_tokens and requests that decode as usual (penalties, logprobs); smollm2 drafting for itself;
+under TP=2 on a sharp tiny Llama (prompt lookup, and a tiny random draft model); stats()
+counting the proposals. Everything here is float32.
 
 Two smollm2 engines, the same but for --speculative, are shared by the module's tests; the
 distribution kept by sampled verification is tested without an engine, in
@@ -131,21 +132,59 @@ def test_seeded_sampling_with_speculation_is_reproducible(speculating, prompts) 
     assert all(len(o.token_ids) == 24 for o in first)
 
 
+SHARP_PATTERN = [5, 17, 42, 99, 7, 63]
+SHARP_PROMPTS = [SHARP_PATTERN * 4, [3] + SHARP_PATTERN * 6 + [8, 9], SHARP_PATTERN[:4] * 5]
+SHARP_PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# Two CPU ranks, chunks of 16, prefix caching and a pool that preempts (FAMILY_ENGINE).
+SHARP_TP2 = dict(FAMILY_ENGINE, nproc_per_node=2, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sharp_models(tmp_path_factory) -> tuple[str, str]:
+    """A sharp tiny Llama, and another of the same vocabulary but other heads (other weights)
+    to draft for it."""
+    target, _ = sharp_llama(tmp_path_factory.mktemp("sharp-target"), heads=4, kv_heads=2)
+    draft, _ = sharp_llama(tmp_path_factory.mktemp("sharp-draft"), heads=2, kv_heads=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def sharp_expected(sharp_models) -> list[list[int]]:
+    """The target's greedy outputs under TP=2 without speculation."""
+    with LLM(sharp_models[0], **SHARP_TP2) as llm:
+        return [o.token_ids for o in llm.generate(SHARP_PROMPTS, SHARP_PARAMS)]
+
+
 @pytest.mark.timeout(400)
-def test_tensor_parallel_speculation_equals_speculation_off(tmp_path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tensor_parallel_speculation_equals_speculation_off(sharp_models, sharp_expected,
+                                                            method) -> None:
     """float32 greedy on a sharp tiny Llama split over two CPU ranks, with chunks of 16,
-    prefix caching and preemption (FAMILY_ENGINE): speculating gives the outputs of not
-    speculating, on prompts that repeat themselves so that proposals are made."""
-    model, _ = sharp_llama(tmp_path / "sharp", heads=4, kv_heads=2)
-    pattern = [5, 17, 42, 99, 7, 63]
-    prompts = [pattern * 4, [3] + pattern * 6 + [8, 9], pattern[:4] * 5]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    options = dict(FAMILY_ENGINE, nproc_per_node=2, device="cpu")
-    with LLM(model, **options) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, params)]
-    with LLM(model, **options, **SPECULATIVE) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-        assert llm.client.stats().spec_decode_num_drafts > 0
+    prefix caching and preemption: speculating (prompt lookup on prompts that repeat
+    themselves; or a tiny random draft model of the same vocabulary, whole on each rank) gives
+    the outputs of not speculating."""
+    target, draft = sharp_models
+    options = dict(SPECULATIVE, speculative=method, draft_model=draft if method == "draft" else "")
+    with LLM(target, **SHARP_TP2, **options) as llm:
+        assert [o.token_ids for o in llm.generate(SHARP_PROMPTS, SHARP_PARAMS)] == sharp_expected
+        stats = llm.client.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.num_preemptions > 0, stats
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_drafting_for_itself_equals_speculation_off(plain, prompts) -> None:
+    """float32 greedy, --speculative draft with smollm2 as its own draft model, chunks of 16
+    and prefix caching (the chat prompts share their system prompt's block): the outputs of the
+    engine without speculation, and nearly every proposal accepted. (Preemption with a draft
+    model: the TP=2 test below; here the requests that always propose keep the pool from
+    overflowing.)"""
+    expected = tokens_and_reasons(plain, prompts, GREEDY)
+    with LLM("smollm2", **ENGINE, **dict(
+            SPECULATIVE, speculative="draft", draft_model="smollm2")) as llm:
+        assert tokens_and_reasons(llm, prompts, GREEDY) == expected
+        stats = wait_idle(llm.client)
+    assert stats.prefix_cache_hits > 0, stats
+    assert stats.spec_decode_acceptance_rate > 0.9, stats
 
 
 def test_speculation_refuses_buckets_and_runs_eagerly() -> None:
@@ -160,6 +199,8 @@ def test_speculation_refuses_buckets_and_runs_eagerly() -> None:
         EngineConfig(speculative="ngram", execution_mode="bucketed")
     with pytest.raises(ValueError, match="--prompt-lookup-min 5 is above"):
         EngineConfig(prompt_lookup_min=5, prompt_lookup_max=4)
+    with pytest.raises(ValueError, match="--speculative draft needs --draft-model"):
+        EngineConfig(speculative="draft")
 
 
 @pytest.mark.timeout(300)
