@@ -14,7 +14,8 @@ ADVANCED_FIELDS = frozenset((
     "graph_prompt_strategy", "graph_decode_strategy", "thermal_interval_steps",
     "thermal_hysteresis_c", "thermal_kp", "heartbeat_timeout_s", "rejoin_timeout_s",
     "max_message_bytes", "prompt_lookup_min", "prompt_lookup_max",
-    "speculative_disable_by_batch_size", "row_parallel_chunks", "graph_reserved_mem"))
+    "speculative_disable_by_batch_size", "row_parallel_chunks", "graph_reserved_mem",
+    "thermal_victims"))
 
 
 class DefaultsShown(argparse.HelpFormatter):

@@ -101,8 +101,6 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
         values = {name: getattr(self, name) for name in self.__struct_fields__ if name != "tag"}
         values["rank_temps_c"] = list(self.rank_temps_c)
         values["thermal_events"] = [msgspec.structs.asdict(e) for e in self.thermal_events]
-        values["spec_decode_acceptance_rate"] = self.spec_decode_acceptance_rate
-        values["spec_decode_tokens_per_draft"] = self.spec_decode_tokens_per_draft
         return values
 
     def __str__(self) -> str:

@@ -265,7 +265,8 @@ def test_workers_outwait_a_slow_first_tokenizer_load(tmp_path) -> None:
     beat, and so applies the short timeout, before the silence depends on timing.)"""
     code, stderr, _ = run_python(
         ["-m", "spmd_runtime.launch", "generate", "--model", "smollm2", "--dtype", "float32",
-         "--heartbeat-timeout-s", "1", "--prompt", "Hi", "--max-tokens", "2"],
+         "--heartbeat-timeout-s", "1", "--num-kv-blocks", "64", "--prompt", "Hi",
+         "--max-tokens", "2"],
         env={"XDG_CACHE_HOME": str(tmp_path / "cold-cache")}, timeout_s=200)
     assert code == 0, stderr[-3000:]
     assert "tokenizer loaded in" in stderr, stderr[-3000:]

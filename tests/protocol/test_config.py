@@ -30,7 +30,8 @@ PREFERRED = {"model": "dummy:smollm2", "dtype": "float32", "device": "cpu", "dum
              "graph_decode_strategy": "min_tokens", "attention_backend": "torch",
              "step_pipelining": "overlap", "quantization": "int8", "served_model_name": "my-model",
              "curve_keys": "/tmp/job-keys", "row_parallel_chunks": "auto",
-             "tool_call_parser": "hermes", "speculative": "ngram"}
+             "tool_call_parser": "hermes", "speculative": "draft",
+             "draft_model": "dummy:tiny-llama"}
 
 
 def _non_default(name: str, kind: type, default):

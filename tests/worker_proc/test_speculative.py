@@ -147,13 +147,12 @@ def check_distribution(verify: Verifier, logits: torch.Tensor, proposals: list[i
     return p_values
 
 
+# Two cases in the suite (each 20,000 verifications, 3-6 s on 2 cores). Also checked once when
+# this was written, and passing: a likely first proposal then a less likely one at temperature
+# 1.0 ([4, 3]), and top_k=4 at 0.7 ([4, 2]).
 DISTRIBUTION_CASES: dict[str, tuple[dict[str, Any], list[int]]] = {
-    # Row 0's likeliest token then a less likely one for row 1.
-    "t1-likely-first": ({"temperature": 1.0}, [4, 3]),
     # A first proposal of low probability: mostly corrections.
     "t1-unlikely-first": ({"temperature": 1.0}, [1, 4]),
-    # top_k=4 at temperature 0.7: two tokens of each row must never appear.
-    "t0.7-top-k": ({"temperature": 0.7, "top_k": 4}, [4, 2]),
     # top_p=0.8 leaves the kept mass below 1; acceptance must read normalised probabilities.
     "t0.7-top-p": ({"temperature": 0.7, "top_p": 0.8}, [4, 0]),
 }

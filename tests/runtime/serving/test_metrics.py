@@ -54,6 +54,5 @@ def test_stats_report_acceptance_rate_and_tokens_per_step() -> None:
                      spec_decode_num_accepted_tokens=13)
     assert stats.spec_decode_acceptance_rate == 13 / 20
     assert stats.spec_decode_tokens_per_draft == 1 + 13 / 5
-    assert stats.as_dict()["spec_decode_acceptance_rate"] == 13 / 20
     assert "13 of 20 proposed tokens accepted (65.0%), 3.60 tokens per verifying step" in str(stats)
     assert "speculative:  off" in str(snapshot())
