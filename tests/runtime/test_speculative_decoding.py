@@ -178,9 +178,9 @@ def test_smollm2_drafting_for_itself_equals_speculation_off(plain, prompts) -> N
     engine without speculation, and nearly every proposal accepted. (Preemption with a draft
     model: the TP=2 test below; here the requests that always propose keep the pool from
     overflowing.)"""
-    # Two chat prompts (a shared system prompt) and two raw ones: drafting for itself doubles
-    # the compute of every step.
-    prompts = prompts[:2] + prompts[3:5]
+    # Two chat prompts (a shared system prompt) and a raw one: drafting for itself doubles the
+    # compute of every step.
+    prompts = prompts[:2] + prompts[3:4]
     expected = tokens_and_reasons(plain, prompts, GREEDY)
     with LLM("smollm2", **ENGINE, **dict(
             SPECULATIVE, speculative="draft", draft_model="smollm2")) as llm:
