@@ -79,6 +79,7 @@ def test_the_dry_stage_fails_when_a_carried_package_does_not_import(tmp_path: Pa
     assert result.returncode == 1, result.stdout[-4000:]
     assert "this zmq is broken" in result.stdout
     assert "dry-imports: exit 1" in result.stdout and "dry: FAILED" in result.stdout
+    assert "dry-collect: skipped (the imports failed)" in result.stdout
 
 
 @pytest.mark.parametrize("count", [None, "3"])
