@@ -40,15 +40,6 @@ class SpecDecodeCounters:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_tokens_per_draft(self) -> float:
-        """Tokens a speculating request gained per step: its accepted proposals and one more."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
 
 def speculation_fits(params: SamplingParams) -> bool:
     """Whether a request's outputs can be verified several at a time, exactly: no penalties
@@ -59,13 +50,16 @@ def speculation_fits(params: SamplingParams) -> bool:
 
 
 class Speculator:
-    """Proposals for the scheduler's decoding requests (n-gram prompt lookup), and counters."""
+    """Which decoding requests propose, how many tokens (and which, for n-gram prompt lookup),
+    and the counters of what became of them."""
 
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int,
                  disable_by_batch_size: int, method: str = "ngram") -> None:
-        # draft: the workers' draft model proposes; the scheduler only says how many.
+        # ngram: proposals looked up here; draft: the workers' draft model proposes, the
+        # scheduler only says how many.
         self.method = method
-        self.proposer = NgramProposer(num_speculative_tokens, min_n, max_n)
+        self.proposer = NgramProposer(num_speculative_tokens, min_n, max_n) \
+            if method == "ngram" else None
         self.max_proposals = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.counters = SpecDecodeCounters(accepted_per_position=[0] * num_speculative_tokens)
@@ -100,7 +94,7 @@ class Speculator:
         room = self.draft_room(request, budget, scheduler.max_model_len)
         if not room:
             return False
-        proposals = None if self.method == "draft" else self.proposer.propose(
+        proposals = None if self.proposer is None else self.proposer.propose(
             request.all_token_ids, room)
         num_proposed = room if proposals is None else len(proposals)
         if not num_proposed or not scheduler.kv.allocate_slots(

@@ -98,7 +98,7 @@ def _spec_decode(scheduler: Scheduler) -> dict:
     if speculator is None:
         return {}
     counters = speculator.counters
-    return dict(speculative="ngram", spec_decode_num_drafts=counters.num_drafts,
+    return dict(speculative=speculator.method, spec_decode_num_drafts=counters.num_drafts,
                 spec_decode_num_draft_tokens=counters.num_draft_tokens,
                 spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
                 spec_decode_num_accepted_tokens_per_pos=list(counters.accepted_per_position))

@@ -32,6 +32,7 @@ log = logging.getLogger("spmd.worker")
 
 HOST = torch.device("cpu")
 
+
 def split_verifying(sample_rows: list[int], sample_ids: list[int], proposals: dict[int, list[int]]
                     ) -> tuple[list[int], list[int], list[tuple[int, int, list[int]]]]:
     """The sampling rows of requests that sample as usual, and (request id, last row,
@@ -254,8 +255,8 @@ class ModelRunner:
         become the accepted proposals and the model's next token (sampled, so on the host
         now), and only its last token and the accepted proposals stay computed."""
         rows = torch.tensor([r for _, last, proposals in spec
-                             for r in range(last - len(proposals), last + 1)])
-        logits = self.model.compute_logits(hidden[rows.to(self.device)])
+                             for r in range(last - len(proposals), last + 1)], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
         outputs, first = [], 0
         for request_id, _, proposals in spec:
             state, k = self.requests[request_id], len(proposals)

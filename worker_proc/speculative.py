@@ -1,4 +1,5 @@
-"""Verification of speculative proposals from a deterministic drafter (n-gram prompt lookup).
+"""Verification of speculative proposals from a deterministic drafter (n-gram prompt lookup, or
+a draft model decoding greedily).
 
 The drafter guesses k tokens p_1..p_k that may follow a request's text. The target model then
 runs once over [last known token, p_1, ..., p_k] and yields k+1 rows of next-token logits: row i

@@ -169,6 +169,7 @@ def test_tensor_parallel_speculation_equals_speculation_off(sharp_models, sharp_
         assert [o.token_ids for o in llm.generate(SHARP_PROMPTS, SHARP_PARAMS)] == sharp_expected
         stats = llm.client.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.num_preemptions > 0, stats
+    assert stats.speculative == method
 
 
 @pytest.mark.timeout(600)
