@@ -26,6 +26,9 @@ class AttentionBackend:
     # The C++ element-wise passes (FUSED_CPU) and, where a batch allows, the one-call decode
     # of every layer (runtime/models/llama.py).
     fused_layers = False
+    # Whether that one-call decode stack takes a sliding window (per-row `starts`, the same for
+    # every layer), so a model whose layers share a window may still run it.
+    windowed_decode_stack = False
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -34,12 +37,15 @@ class AttentionBackend:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
-               scale: float) -> torch.Tensor:
+               scale: float, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """One query per row against its context read in place; with `starts` ([n] int32, a
+        sliding window) row i attends its tokens starts[i] .. lengths[i] - 1 only."""
         raise NotImplementedError(f"the {self.name} backend gathers decode context for SDPA")
 
-    def fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> torch.Tensor | None:
-        """Causal attention of a prompt with no cached context, [T, heads, dim]; None: SDPA."""
+    def fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor | None:
+        """Causal attention of a prompt with no cached context, [T, heads, dim], each query
+        over its last `window` positions where given; None: SDPA."""
         return None
 
     def __repr__(self) -> str:
@@ -50,29 +56,30 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     reads_cache_in_place = True
 
-    def decode(self, q, k_cache, v_cache, block_tables, lengths, block_size, scale):
+    def decode(self, q, k_cache, v_cache, block_tables, lengths, block_size, scale, starts=None):
         return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                       lengths, block_size, scale)
+                                                       lengths, block_size, scale, starts)
 
 
 class CppAttention(AttentionBackend):
     name = "cpp"
     reads_cache_in_place = True
     fused_layers = True
+    windowed_decode_stack = True        # spmd_cpu::decode_layers takes `starts`
     dtypes = (torch.float32, torch.bfloat16)
 
     def write_kv(self, k, v, k_cache, v_cache, slots):
         torch.ops.spmd_cpu.write_kv(k, v, k_cache, v_cache, slots)
 
-    def decode(self, q, k_cache, v_cache, block_tables, lengths, block_size, scale):
+    def decode(self, q, k_cache, v_cache, block_tables, lengths, block_size, scale, starts=None):
         return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lengths,
-                                                    block_size, scale)
+                                                    block_size, scale, starts)
 
-    def fresh_prompt(self, q, k, v, scale):
+    def fresh_prompt(self, q, k, v, scale, window=None):
         # MKL's sgemm multiplies its tiles (torch links it; the library finds it at load).
         if not torch.backends.mkl.is_available():
             return None
-        return torch.ops.spmd_cpu.prefill_attention(q, k, v, scale)
+        return torch.ops.spmd_cpu.prefill_attention(q, k, v, scale, window or 0)
 
 
 TORCH, TRITON, CPP = AttentionBackend(), TritonAttention(), CppAttention()

@@ -3,7 +3,12 @@
 // One task per (sequence, KV head): the query heads of that KV head's group score every context
 // token straight from its cache slot (slot = block_table[t / block_size] * block_size +
 // t % block_size), take the softmax, and sum the values from their slots. Nothing is gathered
-// or copied; each context token's K and V rows of that head are read once per step. For the
+// or copied; each context token's K and V rows of that head are read once per step.
+//
+// Sliding windows: with `starts`, sequence i attends its tokens starts[i] .. lengths[i] - 1
+// only. The walk begins at the block holding starts[i]: earlier tokens are never read, and the
+// table entries of earlier blocks never looked at (the scheduler may have freed those blocks),
+// so a window costs its own tokens whatever the context length. For the
 // usual head sizes (64, 128) and group sizes (1-8) the group's queries and value sums are
 // fixed-size arrays the compiler keeps in vector registers; other shapes take a generic loop.
 //
@@ -81,34 +86,43 @@ inline void prefetch_rows(const Layout& L, const scalar_t* first, int64_t n) {
     for (int64_t d = 0; d < L.head_dim; d += kLine) __builtin_prefetch(first + i * L.slot_stride + d);
 }
 
-// Calls visit(t, row) for each context token t of a sequence with its cache row for one KV head,
-// walking the block table block by block. Blocks lie anywhere in the cache, which the hardware
-// prefetcher cannot follow: the next block's rows (and, with `also`, this block's rows of a
-// second cache, read in the next pass) are prefetched while this block is visited.
+// The context tokens a task attends: first .. length - 1 of its sequence.
+struct Span {
+  int64_t first, length;
+  int64_t count() const { return length - first; }
+};
+
+// Calls visit(i, row) for the i-th token of a span with its cache row for one KV head, walking
+// the block table from the block holding span.first. Blocks lie anywhere in the cache, which
+// the hardware prefetcher cannot follow: the next block's rows (and, with `also`, this block's
+// rows of a second cache, read in the next pass) are prefetched while this block is visited.
 template <typename index_t, typename scalar_t, typename Visit>
-inline void for_each_row(const Layout& L, const scalar_t* cache, const index_t* table,
-                         int64_t length, Visit visit, const scalar_t* also = nullptr) {
-  const int64_t block_elems = L.block_size * L.slot_stride;
-  for (int64_t t0 = 0, b = 0; t0 < length; t0 += L.block_size, ++b) {
+inline void for_each_row(const Layout& L, const scalar_t* cache, const index_t* table, Span span,
+                         Visit visit, const scalar_t* also = nullptr) {
+  const int64_t block_elems = L.block_size * L.slot_stride, length = span.length;
+  for (int64_t b = span.first / L.block_size, t0 = b * L.block_size; t0 < length;
+       t0 += L.block_size, ++b) {
     const int64_t offset = static_cast<int64_t>(table[b]) * block_elems;
     const scalar_t* block = cache + offset;
     const int64_t n = std::min(L.block_size, length - t0);
+    const int64_t lo = std::max<int64_t>(span.first - t0, 0);   // > 0 in the first block only
     if (t0 + L.block_size < length)
       prefetch_rows(L, cache + static_cast<int64_t>(table[b + 1]) * block_elems,
                     std::min(L.block_size, length - t0 - L.block_size));
-    if (also != nullptr) prefetch_rows(L, also + offset, n);
-    for (int64_t i = 0; i < n; ++i) visit(t0 + i, block + i * L.slot_stride);
+    if (also != nullptr) prefetch_rows(L, also + offset + lo * L.slot_stride, n - lo);
+    for (int64_t i = lo; i < n; ++i) visit(t0 + i - span.first, block + i * L.slot_stride);
   }
 }
 
 // One KV head of one sequence with G query heads of D dimensions, sizes known at compile time.
 template <int G, int D, typename index_t, typename scalar_t>
 void attend_head_fixed(const Layout& L, const scalar_t* q, const scalar_t* k_cache,
-                       const scalar_t* v_cache, const index_t* table, int64_t length,
+                       const scalar_t* v_cache, const index_t* table, Span span,
                        scalar_t* out, float* scores) {
+  const int64_t length = span.count();
   float query[G][D], row[D];
   widen_queries(L, q, G, D, &query[0][0]);
-  for_each_row(L, k_cache, table, length, [&](int64_t t, const scalar_t* k_row) {
+  for_each_row(L, k_cache, table, span, [&](int64_t t, const scalar_t* k_row) {
     const float* k = float_row(k_row, row, D);
     for (int g = 0; g < G; ++g) {
       float sum = 0.f;
@@ -120,7 +134,7 @@ void attend_head_fixed(const Layout& L, const scalar_t* q, const scalar_t* k_cac
   float inv_sum[G];
   for (int g = 0; g < G; ++g) inv_sum[g] = softmax_weights(scores + g * length, length);
   float acc[G][D] = {};
-  for_each_row(L, v_cache, table, length, [&](int64_t t, const scalar_t* v_row) {
+  for_each_row(L, v_cache, table, span, [&](int64_t t, const scalar_t* v_row) {
     const float* v = float_row(v_row, row, D);
     for (int g = 0; g < G; ++g) {
       const float w = scores[g * length + t];
@@ -142,13 +156,13 @@ struct GenericScratch {
 // The same for any group and head size (queries and sums in scratch buffers).
 template <typename index_t, typename scalar_t>
 void attend_head_generic(const Layout& L, const scalar_t* q, const scalar_t* k_cache,
-                         const scalar_t* v_cache, const index_t* table, int64_t length,
+                         const scalar_t* v_cache, const index_t* table, Span span,
                          scalar_t* out, float* scores, GenericScratch& s) {
-  const int64_t G = L.group, D = L.head_dim;
+  const int64_t G = L.group, D = L.head_dim, length = span.count();
   s.query.resize(G * D);
   s.row.resize(D);
   widen_queries(L, q, G, D, s.query.data());
-  for_each_row(L, k_cache, table, length, [&](int64_t t, const scalar_t* k_row) {
+  for_each_row(L, k_cache, table, span, [&](int64_t t, const scalar_t* k_row) {
     const float* k = float_row(k_row, s.row.data(), D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = s.query.data() + g * D;
@@ -161,7 +175,7 @@ void attend_head_generic(const Layout& L, const scalar_t* q, const scalar_t* k_c
   s.inv_sum.resize(G);
   for (int64_t g = 0; g < G; ++g) s.inv_sum[g] = softmax_weights(scores + g * length, length);
   s.acc.assign(G * D, 0.f);
-  for_each_row(L, v_cache, table, length, [&](int64_t t, const scalar_t* v_row) {
+  for_each_row(L, v_cache, table, span, [&](int64_t t, const scalar_t* v_row) {
     const float* v = float_row(v_row, s.row.data(), D);
     for (int64_t g = 0; g < G; ++g) {
       const float w = scores[g * length + t];
@@ -177,7 +191,7 @@ void attend_head_generic(const Layout& L, const scalar_t* q, const scalar_t* k_c
 
 template <typename index_t, typename scalar_t>
 using HeadFn = void (*)(const Layout&, const scalar_t*, const scalar_t*, const scalar_t*,
-                        const index_t*, int64_t, scalar_t*, float*);
+                        const index_t*, Span, scalar_t*, float*);
 
 template <int D, typename index_t, typename scalar_t>
 HeadFn<index_t, scalar_t> fixed_for_group(int64_t group) {
@@ -209,7 +223,7 @@ const scalar_t* data_of(const at::Tensor& t) {
 template <typename index_t, typename scalar_t>
 void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lengths,
-            at::Tensor& out) {
+            const int32_t* starts, at::Tensor& out) {
   const scalar_t* q_ptr = data_of<scalar_t>(q);
   const scalar_t* k_ptr = data_of<scalar_t>(k_cache);
   const scalar_t* v_ptr = data_of<scalar_t>(v_cache);
@@ -218,27 +232,32 @@ void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
   scalar_t* out_ptr = static_cast<scalar_t*>(out.mutable_data_ptr());
   const int64_t D = L.head_dim, G = L.group, heads = L.kv_heads * G;
   const HeadFn<index_t, scalar_t> fixed = fixed_head_fn<index_t, scalar_t>(L);
+  const auto span_of = [&](int64_t seq) {
+    return Span{starts != nullptr ? starts[seq] : 0, length_ptr[seq]};
+  };
   at::parallel_for(0, q.size(0) * L.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     GenericScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / L.kv_heads, kv = task % L.kv_heads;
-      const int64_t length = length_ptr[seq];
-      scores.resize(G * length);
+      const Span span = span_of(seq);
+      scores.resize(G * span.count());
       const scalar_t* q_group = q_ptr + seq * L.q_seq_stride + kv * G * L.q_head_stride;
       const index_t* table = table_ptr + seq * L.table_stride;
       scalar_t* o = out_ptr + (seq * heads + kv * G) * D;
-      if (task + 1 < end) {     // the next task's first block, while this one runs
+      if (task + 1 < end) {     // the next task's first rows, while this one runs
         const int64_t next_seq = (task + 1) / L.kv_heads, next_kv = (task + 1) % L.kv_heads;
-        const index_t first = table_ptr[next_seq * L.table_stride];
-        prefetch_rows(L, k_ptr + next_kv * D + static_cast<int64_t>(first) * L.block_size * L.slot_stride,
-                      std::min<int64_t>(L.block_size, length_ptr[next_seq]));
+        const Span next = span_of(next_seq);
+        const int64_t block = next.first / L.block_size, within = next.first % L.block_size;
+        const int64_t entry = table_ptr[next_seq * L.table_stride + block];
+        prefetch_rows(L, k_ptr + next_kv * D + (entry * L.block_size + within) * L.slot_stride,
+                      std::min(L.block_size - within, next.count()));
       }
       if (fixed != nullptr) {
-        fixed(L, q_group, k_ptr + kv * D, v_ptr + kv * D, table, length, o, scores.data());
+        fixed(L, q_group, k_ptr + kv * D, v_ptr + kv * D, table, span, o, scores.data());
       } else {
         attend_head_generic<index_t, scalar_t>(L, q_group, k_ptr + kv * D, v_ptr + kv * D,
-                                               table, length, o, scores.data(), scratch);
+                                               table, span, o, scores.data(), scratch);
       }
     }
   });
@@ -287,12 +306,14 @@ void check_decode_shapes(const at::Tensor& q, const at::Tensor& k_cache,
               block_size, " must be >= 1 and divide k_cache's ", k_cache.size(0), " slots");
 }
 
-// Every length within [1, table width * block_size], and every table entry a length reaches
-// within the cache. Entries past a sequence's length are padding the kernel never reads, so
-// they may hold anything. One pass over the lengths and the entries in use.
+// Every length within [1, table width * block_size], every start (if any) within [0, length),
+// and every table entry the span from start to length reaches within the cache. Entries past a
+// sequence's length are padding, and those of blocks wholly before its start may hold freed
+// blocks: the kernel never reads either, so they may hold anything. One pass over the lengths
+// and the entries in use.
 template <typename index_t>
-void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size,
-                  int64_t num_blocks) {
+void check_tables(const at::Tensor& tables, const at::Tensor& lengths, const int32_t* starts,
+                  int64_t block_size, int64_t num_blocks) {
   const index_t* table = data_of<index_t>(tables);
   const int32_t* length = data_of<int32_t>(lengths);
   const int64_t width = tables.size(1), stride = tables.stride(0);
@@ -300,7 +321,9 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t b
     TORCH_CHECK(length[s] >= 1, kDecode, ": lengths[", s, "] = ", length[s], " must be >= 1");
     TORCH_CHECK(length[s] <= width * block_size, kDecode, ": lengths[", s, "] = ", length[s],
                 " is past block_tables' ", width, " blocks of ", block_size, " tokens");
-    for (int64_t b = 0; b < (length[s] + block_size - 1) / block_size; ++b) {
+    if (starts != nullptr) spmd_cpu::check_start(kDecode, s, starts[s], length[s]);
+    const int64_t first_block = starts != nullptr ? starts[s] / block_size : 0;
+    for (int64_t b = first_block; b < (length[s] + block_size - 1) / block_size; ++b) {
       const int64_t entry = table[s * stride + b];
       TORCH_CHECK(entry >= 0 && entry < num_blocks, kDecode, ": block_tables[", s, "][", b,
                   "] = ", entry, " is outside the cache's ", num_blocks, " blocks");
@@ -311,35 +334,40 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t b
 template <typename index_t, typename scalar_t>
 void check_and_attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& tables,
-                      const at::Tensor& lengths, at::Tensor& out) {
-  check_tables<index_t>(tables, lengths, L.block_size, k_cache.size(0) / L.block_size);
-  attend<index_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, out);
+                      const at::Tensor& lengths, const int32_t* starts, at::Tensor& out) {
+  check_tables<index_t>(tables, lengths, starts, L.block_size, k_cache.size(0) / L.block_size);
+  attend<index_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, starts, out);
 }
 
 template <typename scalar_t>
 void attend_any_index(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& tables,
-                      const at::Tensor& lengths, at::Tensor& out) {
+                      const at::Tensor& lengths, const int32_t* starts, at::Tensor& out) {
   if (tables.scalar_type() == at::kInt)
-    check_and_attend<int32_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, out);
+    check_and_attend<int32_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, starts, out);
   else
-    check_and_attend<int64_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, out);
+    check_and_attend<int64_t, scalar_t>(L, q, k_cache, v_cache, tables, lengths, starts, out);
 }
 
+// starts: none, or each sequence's first attended context token (a sliding window's start).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& lengths, int64_t block_size, double scale) {
+                                  const at::Tensor& lengths, int64_t block_size, double scale,
+                                  const std::optional<at::Tensor>& starts) {
   check_decode_tensors(q, k_cache, v_cache, block_tables, lengths);
   check_decode_shapes(q, k_cache, v_cache, block_tables, lengths, block_size);
+  if (starts.has_value()) spmd_cpu::check_starts(kDecode, *starts, lengths);
+  const int32_t* start_ptr = starts.has_value() ? data_of<int32_t>(*starts) : nullptr;
   const int64_t heads = q.size(1), kv_heads = k_cache.size(1);
   Layout layout{kv_heads,       heads / kv_heads,    q.size(2),
                 block_size,     kv_heads * q.size(2), q.stride(0),
                 q.stride(1),    block_tables.stride(0), static_cast<float>(scale)};
   at::Tensor out = at::empty({q.size(0), heads, q.size(2)}, q.options());
   if (q.scalar_type() == at::kBFloat16)
-    attend_any_index<bf16_bits>(layout, q, k_cache, v_cache, block_tables, lengths, out);
+    attend_any_index<bf16_bits>(layout, q, k_cache, v_cache, block_tables, lengths, start_ptr,
+                                out);
   else
-    attend_any_index<float>(layout, q, k_cache, v_cache, block_tables, lengths, out);
+    attend_any_index<float>(layout, q, k_cache, v_cache, block_tables, lengths, start_ptr, out);
   return out;
 }
 
@@ -405,7 +433,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 
 TORCH_LIBRARY(spmd_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor lengths, int block_size, float scale) -> Tensor");
+        "Tensor lengths, int block_size, float scale, Tensor? starts=None) -> Tensor");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 

@@ -49,9 +49,10 @@ struct Ops {
       write_kv = op<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)>(
           "spmd_cpu::write_kv");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, int64_t, double)>
+                                  const Tensor&, int64_t, double, const std::optional<Tensor>&)>
       attention = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                            const Tensor&, int64_t, double)>("spmd_cpu::paged_decode_attention");
+                            const Tensor&, int64_t, double, const std::optional<Tensor>&)>(
+          "spmd_cpu::paged_decode_attention");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul =
       op<Tensor(const Tensor&)>("spmd_cpu::silu_mul");
 };
@@ -90,6 +91,19 @@ void check_scalars(int64_t block_size, int64_t num_heads, int64_t num_kv_heads, 
               " is not a multiple of num_kv_heads ", num_kv_heads, " (query heads share KV heads)");
   TORCH_CHECK(head_dim % 2 == 0, "decode_layers: head_dim is ", head_dim,
               ", an even number expected (rotary rotates its two halves)");
+}
+
+// A sliding window's starts, read against the lengths before any cache is written (the
+// attention would only find a bad one after layer 0's KV write).
+void check_window(const Tensor& lengths, const std::optional<Tensor>& starts) {
+  if (!starts.has_value()) return;
+  spmd_cpu::check_starts("decode_layers", *starts, lengths);
+  TORCH_CHECK(lengths.scalar_type() == at::kInt && lengths.is_contiguous(),
+              "decode_layers: lengths must be contiguous int32, got ", lengths.scalar_type());
+  const int32_t* start = starts->const_data_ptr<int32_t>();
+  const int32_t* length = lengths.const_data_ptr<int32_t>();
+  for (int64_t s = 0; s < lengths.size(0); ++s)
+    spmd_cpu::check_start("decode_layers", s, start[s], length[s]);
 }
 
 // The per-token inputs: one row per row of x.
@@ -178,15 +192,17 @@ void check_caches(at::TensorList caches, const char* name, int64_t kv_heads, int
 // positions; k_caches and v_caches: one [slots, kv_heads, head_dim] pair per layer. What this
 // operator interprets itself (counts, scalars, rows, every layer's weights) is checked before
 // the first layer runs, so no cache is half written for a malformed layer list; the KV write and
-// the attention check their own arguments.
+// the attention check their own arguments. starts: none, or each sequence's first attended
+// context token, the same for every layer (a model whose layers share one sliding window).
 Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList k_caches,
                      at::TensorList v_caches, const Tensor& cos, const Tensor& sin,
                      const Tensor& slots, const Tensor& block_tables, const Tensor& lengths,
                      int64_t block_size, double scale, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, double eps) {
+                     int64_t head_dim, double eps, const std::optional<Tensor>& starts) {
   check_counts(weights, k_caches, v_caches);
   check_scalars(block_size, num_heads, num_kv_heads, head_dim);
   check_tokens(x_in, cos, sin, slots, block_tables, lengths);
+  check_window(lengths, starts);
   check_caches(k_caches, "k_caches", num_kv_heads, head_dim);
   check_caches(v_caches, "v_caches", num_kv_heads, head_dim);
   const int64_t n = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -211,7 +227,7 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
     Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     f.write_kv.call(k, v, k_cache, v_cache, slots);
     const Tensor attended = f.attention.call(q, k_cache, v_cache, block_tables, lengths,
-                                             block_size, scale);
+                                             block_size, scale, starts);
     const Tensor attention_output = project(attended.view({n, q_size}), w + 3);
     auto [residual, normed] = f.add_rms_norm.call(x, attention_output, w[5], eps);
     const Tensor activation = f.silu_mul.call(project(normed, w + 6));
@@ -226,7 +242,7 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor[] weights, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor lengths, "
         "int block_size, float scale, int num_heads, int num_kv_heads, int head_dim, "
-        "float eps) -> Tensor");
+        "float eps, Tensor? starts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

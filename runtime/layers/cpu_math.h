@@ -123,4 +123,20 @@ inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
               ": both must be float32 or both bfloat16");
 }
 
+// A windowed decode's first context token per sequence (sequence i attends its tokens
+// starts[i] .. lengths[i] - 1): contiguous int32, one per entry of `lengths`.
+inline void check_starts(const char* op, const at::Tensor& starts, const at::Tensor& lengths) {
+  check_tensor(op, "starts", starts, 1);
+  TORCH_CHECK(starts.scalar_type() == at::kInt && starts.is_contiguous(), op,
+              ": starts must be contiguous int32, got ", starts.scalar_type());
+  TORCH_CHECK(starts.size(0) == lengths.size(0), op, ": starts has ", starts.size(0),
+              " entries but lengths has ", lengths.size(0), " (one per sequence)");
+}
+
+// Sequence s's start within its context (lengths[s] >= 1 checked before).
+inline void check_start(const char* op, int64_t s, int64_t start, int64_t length) {
+  TORCH_CHECK(start >= 0 && start < length, op, ": starts[", s, "] = ", start,
+              " is outside [0, lengths[", s, "] = ", length, ")");
+}
+
 }  // namespace spmd_cpu

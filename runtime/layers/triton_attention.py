@@ -8,7 +8,9 @@ One program per (sequence, KV head) holds that head's query group (the query hea
 KV head, padded to 16 rows for tl.dot) and walks the sequence's context TILE tokens at a time:
 each token's slot comes from the block table (slot = block * block_size + offset), scores are
 masked past the context length, and an online softmax (running max and sum, rescaled as the
-max grows) accumulates the output in fp32. The grid's shape depends only on the batch size and
+max grows) accumulates the output in fp32. With `starts` (a sliding window) the walk begins at
+the tile holding each sequence's first attended token and masks the tokens before it, so earlier
+context is never read. The grid's shape depends only on the batch size and
 the head count, so the launch is captured in a decode bucket's CUDA graph like any other.
 
 Triton is optional (it comes with CUDA builds of torch); `available()` says whether the kernel
@@ -41,10 +43,12 @@ def available() -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, starts: torch.Tensor | None = None) -> torch.Tensor:
     """q: [n, heads, dim], one query per sequence; caches: [slots, kv_heads, dim];
     block_tables: [n, blocks] (int32 or int64); lengths: [n] context tokens, each >= 1.
-    Returns [n, heads, dim]."""
+    starts: None, or [n] int32, each in [0, lengths[i]): sequence i attends its tokens
+    starts[i] .. lengths[i] - 1 only, table entries of blocks before starts[i] unread (unchecked:
+    a kernel launch cannot raise). Returns [n, heads, dim]."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
@@ -54,10 +58,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     import triton
     from spmd_runtime.runtime.layers.paged_decode_kernel import paged_decode_kernel
     paged_decode_kernel[(num_seqs, kv_heads)](
-        q, k_cache, v_cache, block_tables, lengths, out, scale,
+        q, k_cache, v_cache, block_tables, lengths, lengths if starts is None else starts, out,
+        scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE=TILE,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=interpreting())
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=interpreting(),
+        HAS_STARTS=starts is not None)
     return out

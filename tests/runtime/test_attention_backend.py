@@ -74,3 +74,29 @@ def test_a_cuda_worker_keeps_sdpa_off_cudnn_whose_plans_are_built_per_shape(requ
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+@needs_cpu_ops
+def test_the_cpp_backend_passes_sliding_windows_to_its_kernels() -> None:
+    """decode's `starts` and fresh_prompt's `window` reach the C++ kernels; only the cpp
+    backend says its one-call decode stack takes a window, and its schema does."""
+    schema = torch.ops.spmd_cpu.decode_layers.default._schema
+    assert CPP.windowed_decode_stack == ("starts" in [a.name for a in schema.arguments])
+    assert CPP.windowed_decode_stack and not TORCH.windowed_decode_stack
+    assert not TRITON.windowed_decode_stack
+    torch.manual_seed(0)
+    q, k_cache, v_cache = torch.randn(2, 4, 16), torch.randn(32, 2, 16), torch.randn(32, 2, 16)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    lengths = torch.tensor([9, 16], dtype=torch.int32)
+    starts = torch.tensor([6, 1], dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, lengths, 4, 0.25)
+    windowed = CPP.decode(*args, starts=starts)
+    assert torch.equal(windowed, torch.ops.spmd_cpu.paged_decode_attention(*args, starts))
+    assert not torch.equal(windowed, CPP.decode(*args))
+    prompt, k, v = torch.randn(10, 4, 16), k_cache[:10], v_cache[:10]
+    if torch.backends.mkl.is_available():
+        prefill = torch.ops.spmd_cpu.prefill_attention
+        assert torch.equal(CPP.fresh_prompt(prompt, k, v, 0.25), prefill(prompt, k, v, 0.25))
+        assert torch.equal(CPP.fresh_prompt(prompt, k, v, 0.25, window=3),
+                           prefill(prompt, k, v, 0.25, 3))
+    assert TORCH.fresh_prompt(prompt, k, v, 0.25, window=3) is None

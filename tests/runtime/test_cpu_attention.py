@@ -12,15 +12,23 @@ from cpu_library import needs_cpu_ops as needs_kernel
 from spmd_runtime.runtime.layers import cpu_attention
 
 
-def reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
+def reference(q, k_cache, v_cache, tables, lengths, block_size, scale, window=None):
+    """SDPA over each sequence's whole gathered context; with `window`, under an explicit band
+    mask: the query at position p = length - 1 sees the keys p - window < j <= p."""
     out = torch.empty_like(q)
     for i, length in enumerate(lengths.tolist()):
         slots = torch.tensor([int(tables[i, t // block_size]) * block_size + t % block_size
                               for t in range(length)])
+        band = None if window is None else torch.arange(length) > length - 1 - window
         out[i] = F.scaled_dot_product_attention(
             q[i][:, None], k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1),
-            scale=scale, enable_gqa=True)[:, 0]
+            attn_mask=band, scale=scale, enable_gqa=True)[:, 0]
     return out
+
+
+def window_starts(lengths, window):
+    """The first token a window of `window` positions leaves each sequence: [n] int32."""
+    return (lengths - window).clamp(min=0).to(torch.int32)
 
 
 # (block_size, heads, kv_heads, dim): fixed-size paths (dims 64 and 128, groups 1-8) and the
@@ -74,6 +82,82 @@ def test_bf16_kernel_equals_float32_attention_of_the_widened_values(block_size, 
                          block_size, dim ** -0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-5)
+
+
+# 1 token; 3: within a block; 7: a whole context (lengths[1]); 16: a block of the 16-slot shapes
+# (and lengths[2]); 33: across blocks, unaligned; 1000: past every context (no window).
+WINDOWS = [1, 3, 7, 16, 33, 1000]
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,heads,kv_heads,dim", DECODE_SHAPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_kernel_equals_sdpa_under_a_band_mask(block_size, heads, kv_heads, dim, window,
+                                                       dtype) -> None:
+    """starts = max(length - window, 0): the kernel's output is SDPA's over the whole gathered
+    context under the band mask (float32 to float32 rounding; bfloat16 against the float32
+    attention of the widened values, as above)."""
+    q, k_cache, v_cache, tables, lengths = decode_case(block_size, heads, kv_heads, dim,
+                                                       torch.int32, dtype)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, block_size,
+                                               dim ** -0.5, window_starts(lengths, window))
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), tables, lengths,
+                         block_size, dim ** -0.5, window)
+    assert out.dtype == dtype
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else \
+        {"rtol": 2 ** -8, "atol": 1e-5}
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_starts_of_zero_are_no_window(dtype) -> None:
+    """A window as long as every context (starts all 0) gives the unwindowed output exactly."""
+    q, k_cache, v_cache, tables, lengths = decode_case(16, 9, 3, 64, torch.int32, dtype)
+    args = (q, k_cache, v_cache, tables, lengths, 16, 0.125)
+    assert torch.equal(cpu_attention.paged_decode_attention(*args, window_starts(lengths, 130)),
+                       cpu_attention.paged_decode_attention(*args))
+
+
+def disjoint_case(block_size, index_dtype, dtype):
+    """decode_case's shapes with no block shared between sequences, so that a sequence's
+    tokens before its start can be spoiled without touching another's window."""
+    q, _, _, _, lengths = decode_case(block_size, 4, 2, 16, index_dtype, dtype)
+    width = -(-int(lengths.max()) // block_size)
+    num_blocks = len(lengths) * width
+    k_cache = torch.randn(num_blocks * block_size, 2, 16).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, 2, 16).to(dtype)
+    tables = torch.randperm(num_blocks).view(len(lengths), width).to(index_dtype)
+    return q, k_cache, v_cache, tables, lengths
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("window", [3, 5, 33])
+def test_windowed_kernel_neither_checks_nor_reads_what_lies_before_the_start(dtype, index_dtype,
+                                                                             window) -> None:
+    """Table entries of blocks wholly before a sequence's start (here -1 or far outside the
+    cache, as freed blocks may leave them) pass unchecked, and the cache rows of its tokens
+    before the start (here NaN) are not read: the output equals that of the intact table and
+    cache, exactly."""
+    block_size = 4
+    q, k_cache, v_cache, tables, lengths = disjoint_case(block_size, index_dtype, dtype)
+    starts = window_starts(lengths, window)
+    huge = torch.iinfo(index_dtype).max
+    stale, spoiled_k, spoiled_v = tables.clone(), k_cache.clone(), v_cache.clone()
+    for i, start in enumerate(starts.tolist()):
+        stale[i, :start // block_size] = -1 if i % 2 else huge
+        for t in range(start):
+            slot = int(tables[i, t // block_size]) * block_size + t % block_size
+            spoiled_k[slot], spoiled_v[slot] = float("nan"), float("nan")
+    assert (stale != tables).any()
+    expected = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths,
+                                                    block_size, 0.25, starts)
+    got = cpu_attention.paged_decode_attention(q, spoiled_k, spoiled_v, stale, lengths,
+                                               block_size, 0.25, starts)
+    assert torch.equal(got, expected)
 
 
 @needs_kernel
@@ -162,6 +246,46 @@ def test_prefill_attention_equals_causal_sdpa(tokens, heads, kv_heads, dim) -> N
     torch.testing.assert_close(got, causal_sdpa(q, k, v, dim ** -0.5), rtol=1e-4, atol=1e-4)
 
 
+def band_sdpa(q, k, v, scale, window):
+    """SDPA under an explicit boolean band mask: query i sees keys i - window < j <= i."""
+    i, j = torch.arange(q.shape[0])[:, None], torch.arange(q.shape[0])[None, :]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=(j <= i) & (j > i - window), scale=scale,
+        enable_gqa=True).squeeze(0).transpose(0, 1)
+
+
+# 1: each query alone; 7: within a 32-query block; 32: a block; 45: across blocks, unaligned;
+# 1000: past every prompt (plain causal).
+PREFILL_WINDOWS = [1, 7, 32, 45, 1000]
+
+
+@needs_mkl_kernel
+@pytest.mark.parametrize("tokens", [1, 33, 100, 300])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), PREFILL_SHAPES)
+@pytest.mark.parametrize("window", PREFILL_WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_prefill_attention_equals_sdpa_under_a_band_mask(tokens, heads, kv_heads, dim,
+                                                                  window, dtype) -> None:
+    """float32 to the causal test's tolerance; bfloat16 against the float32 attention of the
+    widened values, rounded once (as the bfloat16 test above)."""
+    q, k, v = fused_qkv(tokens, heads, kv_heads, dim, dtype)
+    got = torch.ops.spmd_cpu.prefill_attention(q, k, v, dim ** -0.5, window)
+    assert got.dtype == dtype and got.shape == (tokens, heads, dim)
+    expected = band_sdpa(q.float(), k.float(), v.float(), dim ** -0.5, window)
+    rtol = 1e-4 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), expected, rtol=rtol, atol=1e-4)
+
+
+@needs_mkl_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_window_of_zero_or_the_whole_prompt_is_plain_causal(dtype) -> None:
+    q, k, v = fused_qkv(100, 9, 3, 64, dtype)
+    causal = torch.ops.spmd_cpu.prefill_attention(q, k, v, 0.125)
+    for window in (0, 100, 5000):
+        assert torch.equal(torch.ops.spmd_cpu.prefill_attention(q, k, v, 0.125, window), causal)
+
+
 @needs_mkl_kernel
 @pytest.mark.parametrize("tokens", PREFILL_TOKENS)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), PREFILL_SHAPES)
@@ -208,6 +332,11 @@ def decode_args():
             "block_tables": torch.tensor([[3, 1, 9], [2, 0, 5], [7, 4, 4]], dtype=torch.int32),
             "lengths": torch.tensor([5, 12, 1], dtype=torch.int32), "block_size": 4,
             "scale": 0.25}
+
+
+def with_starts(values, dtype=torch.int32):
+    """A change: a window's starts added."""
+    return lambda args: {**args, "starts": torch.tensor(values, dtype=dtype)}
 
 
 def in_bf16(change):
@@ -260,6 +389,22 @@ DECODE_REFUSALS = [
                  "block_tables must be int32 or int64", id="table-dtype"),
     pytest.param(replace("k_cache", make=strided), "k_cache and v_cache must be contiguous",
                  id="strided-cache"),
+    pytest.param(with_starts([0, 4, 0], torch.int64), "starts must be contiguous int32",
+                 id="starts-dtype"),
+    pytest.param(with_starts([0, 4]), "starts has 2 entries but lengths has 3",
+                 id="starts-length"),
+    pytest.param(with_starts([[0, 4, 0]]), "starts must be 1-D", id="starts-rank"),
+    pytest.param(lambda args: {**args, "starts": torch.zeros(6, dtype=torch.int32)[::2]},
+                 "starts must be contiguous int32", id="starts-strided"),
+    pytest.param(with_starts([5, 4, 0]), r"starts\[0\] = 5 is outside \[0, lengths\[0\] = 5\)",
+                 id="start-at-length"),
+    pytest.param(with_starts([0, 13, 0]), r"starts\[1\] = 13 is outside", id="start-past-length"),
+    pytest.param(with_starts([0, 4, -1]), r"starts\[2\] = -1 is outside", id="negative-start"),
+    pytest.param(in_bf16(with_starts([0, 4, 1])), r"starts\[2\] = 1 is outside",
+                 id="start-past-length-bf16"),
+    # Entries from the start's block on are still checked.
+    pytest.param(lambda args: with_starts([0, 4, 0])(set_item("block_tables", (1, 1), 10)(args)),
+                 r"block_tables\[1\]\[1\] = 10 is outside", id="entry-in-window"),
 ]
 
 
@@ -343,6 +488,8 @@ PREFILL_REFUSALS = [
                  "q must be float32 or bfloat16", id="float64"),
     pytest.param(replace("q", make=lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
                  "q's heads of each position must lie side by side", id="heads-apart"),
+    pytest.param(lambda args: {**args, "window": -1}, "window -1 must be >= 0",
+                 id="negative-window"),
 ]
 
 

@@ -354,6 +354,14 @@ BAD_DECODE_ARGS = {
                          r"decode_layers: weights\[7\] \(layer 0 gate/up stand-in\)"),
     "down stand-in width": (_with_weight(9, lambda a: torch.zeros(1, 1).expand(128, 95)),
                             r"decode_layers: weights\[9\] \(layer 0 down stand-in\)"),
+    "starts dtype": (_set("starts", lambda a: a["lengths"].long() - 1),
+                     "decode_layers: starts must be contiguous int32"),
+    "starts rows": (_set("starts", lambda a: a["lengths"][:2] - 1),
+                    "decode_layers: starts has 2 entries but lengths has 3"),
+    "start at the length": (_set("starts", lambda a: a["lengths"].clone()),
+                            r"decode_layers: starts\[0\] = \d+ is outside \[0, lengths\[0\]"),
+    "negative start": (_set("starts", lambda a: torch.tensor([0, -2, 0], dtype=torch.int32)),
+                       r"decode_layers: starts\[1\] = -2 is outside"),
 }
 
 
@@ -450,25 +458,90 @@ def test_float32_layer_ops_refuse_bf16_partners() -> None:
         torch.ops.spmd_cpu.add_rms_norm(x.bfloat16(), x.bfloat16(), torch.ones(16), 1e-5)
 
 
-def _decode_layer_loop(a: dict) -> torch.Tensor:
+def _kernel_attention(q, k_cache, v_cache, a: dict) -> torch.Tensor:
+    return torch.ops.spmd_cpu.paged_decode_attention(q, k_cache, v_cache, a["block_tables"],
+                                                     a["lengths"], a["block_size"], a["scale"],
+                                                     a.get("starts"))
+
+
+def _decode_layer_loop(a: dict, attention=_kernel_attention) -> torch.Tensor:
     """decode_layers' operators called one by one from Python, in its order, on its arguments
-    (a dict as _decode_args makes); torch's linear for the (plain bf16) projections."""
-    ops, linear = torch.ops.spmd_cpu, torch.nn.functional.linear
+    (a dict as _decode_args makes); torch's linear for plain bf16 projections, MKL's packed one
+    for float32 (the calls decode_layers makes), and `attention` for the decode attention."""
+    ops, plain = torch.ops.spmd_cpu, a["x"].dtype != torch.float32
     n, heads, kv_heads, head_dim = a["x"].shape[0], a["num_heads"], a["num_kv_heads"], a["head_dim"]
+
+    def linear(rows, w, index):
+        return torch.nn.functional.linear(rows, w[index]) if plain else \
+            torch.ops.mkl._mkl_linear(rows, w[index], w[index + 1], None, n)
+
     x = a["x"]
     for layer, (k_cache, v_cache) in enumerate(zip(a["k_caches"], a["v_caches"], strict=True)):
         w = a["weights"][10 * layer:10 * layer + 10]
-        qkv = linear(ops.rms_norm(x, w[0], a["eps"]), w[1])
+        qkv = linear(ops.rms_norm(x, w[0], a["eps"]), w, 1)
         ops.rotary_(qkv, heads + kv_heads, head_dim, a["cos"], a["sin"])
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         ops.write_kv(k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim), k_cache,
                      v_cache, a["slots"])
-        attended = ops.paged_decode_attention(q.view(n, heads, head_dim), k_cache, v_cache,
-                                              a["block_tables"], a["lengths"], a["block_size"],
-                                              a["scale"])
-        x, normed = ops.add_rms_norm(x, linear(attended.view(n, -1), w[3]), w[5], a["eps"])
-        x = x + linear(ops.silu_mul(linear(normed, w[6])), w[8])
+        attended = attention(q.view(n, heads, head_dim), k_cache, v_cache, a)
+        x, normed = ops.add_rms_norm(x, linear(attended.reshape(n, -1), w, 3), w[5], a["eps"])
+        x = x + linear(ops.silu_mul(linear(normed, w, 6)), w, 8)
     return x
+
+
+def _band_masked_sdpa(window: int):
+    """Decode attention as SDPA over each row's whole gathered context (float32 arithmetic on
+    the widened cache) under an explicit band mask: the query at position p = length - 1 sees
+    the keys p - window < j <= p."""
+    def attention(q, k_cache, v_cache, a):
+        out, bs = torch.empty_like(q), a["block_size"]
+        for i, length in enumerate(a["lengths"].tolist()):
+            slots = torch.tensor([int(a["block_tables"][i, t // bs]) * bs + t % bs
+                                  for t in range(length)])
+            band = torch.arange(length) > length - 1 - window
+            out[i] = torch.nn.functional.scaled_dot_product_attention(
+                q[i].float()[:, None], k_cache[slots].float().transpose(0, 1),
+                v_cache[slots].float().transpose(0, 1), attn_mask=band, scale=a["scale"],
+                enable_gqa=True)[:, 0]
+        return out
+    return attention
+
+
+def _with_cache_copies(a: dict) -> dict:
+    return {**a, "k_caches": [k.clone() for k in a["k_caches"]],
+            "v_caches": [v.clone() for v in a["v_caches"]]}
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 16, 23, 1000])
+def test_windowed_decode_layers_equal_the_layer_loop_and_band_masked_sdpa(dtype, window) -> None:
+    """starts = max(length - window, 0) for every layer (contexts of 1-59 tokens in blocks of
+    16: windows of one token, within a block, a block, unaligned, past every context): the
+    hidden states equal those of the layer loop with the windowed kernel, exactly, and those of
+    the loop with SDPA under a band mask to float32 rounding (bfloat16: to the bf16 rounding of
+    each layer's attention, carried through two layers)."""
+    args = _decode_args(layers=2, sequences=7, dtype=dtype)
+    args["starts"] = (args["lengths"] - window).clamp(min=0).to(torch.int32)
+    loop_args, sdpa_args = _with_cache_copies(args), _with_cache_copies(args)
+    with torch.no_grad():
+        fused = torch.ops.spmd_cpu.decode_layers(*args.values())
+        assert torch.equal(fused, _decode_layer_loop(loop_args))
+        expected = _decode_layer_loop(sdpa_args, _band_masked_sdpa(window))
+    tolerance = 1e-4 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(fused.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    for name in ("k_caches", "v_caches"):
+        assert all(torch.equal(c, loop) for c, loop in zip(args[name], loop_args[name], strict=True))
+
+
+@needs_ops
+def test_decode_layers_with_starts_of_zero_are_unwindowed() -> None:
+    args = _decode_args(layers=2, sequences=7)
+    plain = _with_cache_copies(args)
+    args["starts"] = torch.zeros(7, dtype=torch.int32)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.spmd_cpu.decode_layers(*args.values()),
+                           torch.ops.spmd_cpu.decode_layers(*plain.values()))
 
 
 @needs_ops

@@ -38,7 +38,7 @@ def patch_without_index(tensor, scope):
     scope.set_attr(tensor, "__index__", refuse)
 
 interpreter._patch_lang_tensor = patch_without_index
-sys.argv = [sys.argv[1], "kernel"]
+sys.argv = sys.argv[1:3]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -49,7 +49,7 @@ def run_interpreted(*args: str) -> subprocess.CompletedProcess:
 
 
 @needs_triton
-@pytest.mark.parametrize("check", ["kernel", "runner"])
+@pytest.mark.parametrize("check", ["kernel", "window", "runner"])
 def test_interpreted(check: str) -> None:
     result = run_interpreted(str(SCRIPT), check)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -57,9 +57,11 @@ def test_interpreted(check: str) -> None:
 
 
 @needs_triton
-def test_the_interpreted_kernel_turns_no_tensor_into_a_python_int() -> None:
-    result = run_interpreted("-c", NO_TENSOR_INDEX, str(SCRIPT))
+@pytest.mark.parametrize("check", ["kernel", "window"])
+def test_the_interpreted_kernel_turns_no_tensor_into_a_python_int(check: str) -> None:
+    """Also with a window, whose first tile the kernel computes from a loaded start."""
+    result = run_interpreted("-c", NO_TENSOR_INDEX, str(SCRIPT), check)
     if "no interpreter hook" in result.stdout:
         pytest.skip("this Triton's interpreter has no _patch_lang_tensor to hook")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "kernel ok" in result.stdout
+    assert f"{check} ok" in result.stdout
