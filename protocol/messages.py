@@ -10,15 +10,17 @@ from spmd_runtime.protocol.buckets import PhaseBuckets
 from spmd_runtime.protocol.config_fields import VictimPolicy as VictimPolicy  # re-exported
 from spmd_runtime.protocol.engine_stats import EngineStats
 from spmd_runtime.protocol.engine_stats import ThermalEvent as ThermalEvent  # re-exported
+from spmd_runtime.protocol.job_messages import (  # re-exported: the launchers' messages
+    EndJob as EndJob,
+)
+from spmd_runtime.protocol.job_messages import NodeHeartbeat as NodeHeartbeat
+from spmd_runtime.protocol.job_messages import StartWorkers as StartWorkers
+from spmd_runtime.protocol.job_messages import WorkerAlive as WorkerAlive
+from spmd_runtime.protocol.job_messages import WorkersLost as WorkersLost
+from spmd_runtime.protocol.job_messages import _Wire
 from spmd_runtime.protocol.logprobs import StepLogprobs, TokenLogprobs
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.step_shape import Phase, StepShape
-
-
-class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True,
-            forbid_unknown_fields=True):
-    """Base of every tagged message: compact positional encoding, no GC tracking."""
-
 
 # ---------------------------------------------------------------- client -> scheduler
 
@@ -224,6 +226,14 @@ class WorkerReady(_Wire, tag="ready"):
     num_cpu_kv_blocks: int = 0     # the swap space, in blocks
     thermal_sensor: str = "none"   # the sensor kind this rank reads: nvml, psutil, file, none
     generation: int = 0            # which start of the worker group (0, then 1 after a restart...)
+    # The sliding window of a model whose every layer has one (0: none): the scheduler frees the
+    # blocks that leave it.
+    sliding_window: int = 0
+
+
+# A block-table entry whose block left the sliding window and went back to the pool (in
+# NewRequestData.block_ids: attention never reads it).
+FREED_BLOCK = -1
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -321,48 +331,6 @@ class Shutdown(_Wire, tag="shutdown"):
 class Heartbeat(_Wire, tag="heartbeat"):
     """The scheduler is alive (sent every second when no plan went out): workers that hear
     nothing for --heartbeat-timeout-s exit."""
-
-
-class WorkersLost(_Wire, tag="workers_lost"):
-    """From a launcher: one of its workers died. Single node: unless final, it has killed the
-    rest of its worker group and started generation `generation`, which will report ready.
-    Multi-node: `generation` is the one that lost a worker on node `node_rank`; the scheduler
-    decides whether every node restarts (StartWorkers)."""
-
-    generation: int
-    reason: str
-    final: bool = False
-    node_rank: int = 0
-
-
-class NodeHeartbeat(_Wire, tag="node_heartbeat"):
-    """From each launcher of a multi-node job, every second: the node lives, and runs this
-    generation of workers (-1: none yet, as a node that just (re)joined)."""
-
-    node_rank: int
-    generation: int
-
-
-class WorkerAlive(_Wire, tag="worker_alive"):
-    """From a worker of a multi-node job, every second, from a thread of its own: a frozen
-    worker (stopped, or stuck with the interpreter held) goes silent."""
-
-    rank: int
-    generation: int
-
-
-class StartWorkers(_Wire, tag="start_workers"):
-    """To a launcher: replace this node's workers by generation `generation`, meeting at the
-    master's `master_port`."""
-
-    generation: int
-    master_port: int
-
-
-class EndJob(_Wire, tag="end_job"):
-    """To every launcher: the job has failed and ends; stop everything and exit."""
-
-    reason: str
 
 
 SchedulerToWorker = StepPlan | WarmupPlan | Shutdown | Heartbeat

@@ -43,15 +43,21 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    # Gemma 3: the rope base of its sliding-window layers (None: rope_theta on every layer), and
-    # which layers those are; rope_scaling applies to the others only.
+    # Gemma 3: the rope base of its sliding-window layers (None: rope_theta on every layer);
+    # rope_scaling applies to the others only.
     sliding_rope_theta: float | None = None
+    # Sliding-window attention: these layers attend only to the last `sliding_window` tokens
+    # (the query's own included), the others to the whole context.
     sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (e.g. after a JSON round trip of dataclasses.asdict) so equality holds.
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        if self.sliding_layers and not (self.sliding_window or 0) > 0:
+            raise ValueError(f"sliding_layers {self.sliding_layers} need a sliding_window >= 1, "
+                             f"got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -85,8 +91,8 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", _HF_DEFAULT_RMS_NORM_EPS)),
             rope_theta=rope_theta,
-            max_position_embeddings=_full_attention_positions(
-                d, int(d.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS))),
+            max_position_embeddings=int(d.get("max_position_embeddings",
+                                              _HF_DEFAULT_MAX_POSITIONS)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=merge_token_ids(d.get("eos_token_id"), gen.get("eos_token_id")),
@@ -98,8 +104,17 @@ class ModelConfig:
             attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
             final_logit_softcapping=_optional_float(d.get("final_logit_softcapping")),
             sliding_rope_theta=sliding_rope_theta,
-            sliding_layers=_sliding_layers(d) if sliding_rope_theta is not None else (),
+            **_sliding_window(d),
         )
+
+    def window_of(self, layer: int) -> int | None:
+        """The tokens layer `layer` attends to (None: the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """Every layer has the window: blocks that leave it can be freed for the whole model."""
+        return len(self.sliding_layers) == self.num_hidden_layers
 
     def to_hf_dict(self) -> dict:
         """A config.json dict (transformers 4 layout, which 5 reads too); inverse of from_hf_dict."""
@@ -127,10 +142,9 @@ class ModelConfig:
                 ("attn_logit_softcapping", self.attn_logit_softcapping),
                 ("final_logit_softcapping", self.final_logit_softcapping),
                 ("rope_local_base_freq", self.sliding_rope_theta)) if value is not None},
-            # The window is the (already capped) context: reading this back caps nothing more.
             **({"layer_types": ["sliding_attention" if i in self.sliding_layers
                                 else "full_attention" for i in range(self.num_hidden_layers)],
-                "sliding_window": self.max_position_embeddings} if self.sliding_layers else {}),
+                "sliding_window": self.sliding_window} if self.sliding_layers else {}),
         }
 
 
@@ -175,13 +189,34 @@ def _rope(d: dict) -> tuple[float, dict | None, float | None]:
     return float(rope_theta), dict(rope_scaling) if rope_scaling else None, _optional_float(local)
 
 
-def _sliding_layers(d: dict) -> tuple[int, ...]:
-    """The layers a config.json's layer_types name sliding_attention; without layer_types,
-    Gemma 3's sliding_window_pattern (every layer but each pattern-th, 6 by default)."""
+def _sliding_window(d: dict) -> dict[str, Any]:
+    """ModelConfig's sliding_window and sliding_layers of a config.json: the layers its
+    layer_types name sliding_attention; without layer_types, Qwen2/Qwen3's use_sliding_window
+    (the layers from max_window_layers on), Gemma 2's every other layer (the even ones),
+    Gemma 3's sliding_window_pattern (every layer but each pattern-th, 6 by default), and any
+    other family's every layer (Mistral, Phi-3)."""
+    window, layers = d.get("sliding_window"), int(d["num_hidden_layers"])
+    architecture = hf_architecture(d)
     if d.get("layer_types"):
-        return tuple(i for i, kind in enumerate(d["layer_types"]) if kind == "sliding_attention")
-    pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6)))
-    return tuple(i for i in range(int(d["num_hidden_layers"])) if (i + 1) % pattern)
+        sliding = tuple(i for i, kind in enumerate(d["layer_types"]) if kind == "sliding_attention")
+    elif "use_sliding_window" in d:
+        sliding = tuple(range(int(d.get("max_window_layers") or 0), layers)) \
+            if d["use_sliding_window"] else ()
+    elif architecture == "gemma2":
+        sliding = tuple(range(0, layers, 2))
+    elif architecture == "gemma3_text":
+        pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6)))
+        sliding = tuple(i for i in range(layers) if (i + 1) % pattern)
+    else:
+        sliding = tuple(range(layers))
+    if not sliding:
+        return {}
+    if not window:
+        if d.get("layer_types"):
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is "
+                             "not set")
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": sliding}
 
 
 def hf_architecture(d: dict) -> str:
@@ -191,27 +226,6 @@ def hf_architecture(d: dict) -> str:
         return str(d["model_type"])
     classes = d.get("architectures") or ["LlamaForCausalLM"]
     return str(classes[0]).removesuffix("ForCausalLM").lower()
-
-
-def _full_attention_positions(d: dict, max_positions: int) -> int:
-    """max_positions, capped at the sliding window where the config sets one on every layer
-    (Phi-3) or on the layers its layer_types name sliding_attention (Gemma 2's every other
-    layer): up to the window's length, sliding-window attention is full causal attention, so
-    every layer is exact full attention within the cap. A window Qwen2/Qwen3's
-    use_sliding_window puts on some layers is refused."""
-    window = d.get("sliding_window")
-    if d.get("use_sliding_window") and window and int(d.get("max_window_layers", 0)) < int(
-            d["num_hidden_layers"]):
-        raise ValueError("sliding-window attention on some layers (use_sliding_window) is not "
-                         "supported: set use_sliding_window to false")
-    if "sliding_attention" in (d.get("layer_types") or []):
-        if not window:
-            raise ValueError("layer_types names sliding_attention layers but sliding_window is "
-                             "not set")
-        return min(max_positions, int(window))
-    if window and "use_sliding_window" not in d:
-        return min(max_positions, int(window))
-    return max_positions
 
 
 def merge_token_ids(*values: Any) -> tuple[int, ...]:

@@ -34,7 +34,10 @@ def preempt(scheduler: SchedulerState, request: Request) -> None:
     num_computed_blocks = -(-request.num_computed_tokens // scheduler.kv.block_size)
     cpu_blocks = scheduler.cpu_pool.allocate(num_computed_blocks) if num_computed_blocks else None
     if cpu_blocks is not None:
-        scheduler.plans.swap_out.extend(zip(request.block_ids, cpu_blocks, strict=False))
+        # Blocks that left a sliding window are nobody's KV any more: their CPU copies stay
+        # unwritten, and the request attends past them when it is back.
+        scheduler.plans.swap_out.extend(pair for pair in zip(request.block_ids, cpu_blocks,
+                                                             strict=False) if pair[0] >= 0)
         request.cpu_block_ids = cpu_blocks
         request.status = RequestStatus.SWAPPED
         scheduler.swapped.append(request)
@@ -64,7 +67,8 @@ def allocate_or_preempt(scheduler: SchedulerState, request: Request, num_new: in
 def restore_swapped(scheduler: SchedulerState, request: Request, draft: StepDraft) -> None:
     """A swapped request got fresh device blocks: its computed blocks are copied back into the
     first ones before the forward pass, and its CPU blocks are free again."""
-    draft.swap_in.extend(zip(request.block_ids, request.cpu_block_ids, strict=False))
+    draft.swap_in.extend(pair for pair in zip(request.block_ids, request.cpu_block_ids,
+                                              strict=False) if pair[0] >= 0)
     scheduler.cpu_pool.free(request.cpu_block_ids)
     request.cpu_block_ids = []
     scheduler.counters.num_swaps_in += 1

@@ -29,7 +29,8 @@ class Request:
                  "status", "finish_reason", "num_computed_tokens", "block_ids",
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
                  "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority", "arrival_time",
-                 "queue_time_s", "output_logprobs", "prompt_logprobs", "draft_length")
+                 "queue_time_s", "output_logprobs", "prompt_logprobs", "draft_length",
+                 "num_blocks_slid")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -45,6 +46,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # Under a sliding window on every layer: how many of block_ids, from the first, left the
+        # window and went back to the pool (their entries are then FREED_BLOCK).
+        self.num_blocks_slid = 0
         # How many of block_ids the workers already hold; the rest travel in the next plan.
         self.num_blocks_sent = 0
         self.known_to_workers = False

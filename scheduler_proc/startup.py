@@ -27,7 +27,8 @@ def kv_cache_manager(config: EngineConfig,
     """The device block pool and the number of CPU swap blocks: the smallest rank's."""
     num_blocks = min(r.num_kv_blocks for r in ready.values())
     num_cpu_blocks = min(r.num_cpu_kv_blocks for r in ready.values())
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                        sliding_window=ready[0].sliding_window or None)
     return kv, num_cpu_blocks
 
 
@@ -37,7 +38,10 @@ def build_scheduler(config: EngineConfig, ready: dict[int, WorkerReady],
     """The scheduler over the group's KV cache, and the model info clients are given."""
     first = ready[0]
     kv, num_cpu_blocks = kv_cache_manager(config, ready)
-    max_model_len = min(first.max_model_len, kv.num_blocks * config.block_size)
+    # A request holds at most the blocks of its context, or under a window on every layer, those
+    # of the window and of a chunk.
+    max_model_len = first.max_model_len if kv.sliding_window else min(
+        first.max_model_len, kv.num_blocks * config.block_size)
     if config.max_model_len:
         max_model_len = min(max_model_len, config.max_model_len)
     scheduler = Scheduler(

@@ -33,6 +33,10 @@ class BlockTables:
     def append(self, request_id: int, block_ids: list[int]) -> None:
         if not block_ids:
             return
+        if block_ids[0] < 0:
+            # A request that comes back with blocks freed from a sliding window (FREED_BLOCK,
+            # always the first ones): its attention never reads them.
+            block_ids = [self.filler if block < 0 else block for block in block_ids]
         ids = self.ids[request_id]
         start = len(ids)
         end = start + len(block_ids)

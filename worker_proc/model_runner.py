@@ -67,7 +67,9 @@ class ModelRunner:
         # Its components: input building (with the attention backend chosen once for the
         # worker, runtime/layers/attention_backend.py), and compilation, warmup and graphs.
         self.inputs = StepInputs(self.requests, self.block_tables, block_size,
-                                 self.scratch_block, device, attention)
+                                 self.scratch_block, device, attention,
+                                 model.config.sliding_window if model.config.sliding_layers
+                                 else None)
         self.graph_runner = GraphRunner(model, kv_caches, self.inputs)
         # --speculative draft: the draft model that proposes (worker_proc.drafting).
         self.drafter: Drafter | None = None

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import torch
 from spmd_runtime.protocol.step_shape import Phase, StepShape
-from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from spmd_runtime.runtime.layers.attention import (
+    AttentionBatch,
+    DecodeGroup,
+    PrefillChunk,
+    causal_mask,
+)
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
 from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.graphs import StaticInputs
@@ -22,7 +27,7 @@ class StepInputs:
 
     def __init__(self, requests: dict[int, RequestState], block_tables: BlockTables,
                  block_size: int, scratch_block: int, device: torch.device,
-                 attention: AttentionBackend) -> None:
+                 attention: AttentionBackend, window: int | None = None) -> None:
         self.requests = requests
         self.block_tables = block_tables
         self.block_size = block_size
@@ -30,6 +35,9 @@ class StepInputs:
         self.device = device
         # The worker's attention backend: decode groups read the cache in place or gather it.
         self.attention = attention
+        # The sliding window of the model's windowed layers (None: it has none): every batch
+        # then carries their `sliding` batch too.
+        self.window = window
 
     def sort_for_attention(self, scheduled: list[tuple[int, int]]) -> None:
         """The order build() needs: single-token queries first (the decode groups are the first
@@ -83,58 +91,81 @@ class StepInputs:
                 decode_lengths.extend([1] * num_padding)
 
         device = device or self.device
-        batch = AttentionBatch(
-            block_size=block_size, slot_mapping=torch.tensor(slots, device=device),
-            decodes=self.decode_groups(decode_rows, decode_lengths, bucket, device),
-            prefills=self.prefill_chunks(prefill_specs, device), pad_start=pad_start,
-            backend=self.attention)
+
+        def attention_batch(slot_mapping: torch.Tensor, window: int | None) -> AttentionBatch:
+            return AttentionBatch(
+                block_size=block_size, slot_mapping=slot_mapping,
+                decodes=self.decode_groups(decode_rows, decode_lengths, bucket, device, window),
+                prefills=self.prefill_chunks(prefill_specs, device, window), pad_start=pad_start,
+                backend=self.attention, window=window)
+
+        batch = attention_batch(torch.tensor(slots, device=device), None)
+        if self.window is not None:
+            batch.sliding = attention_batch(batch.slot_mapping, self.window)
         return (torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                 batch, sample_rows, sample_ids)
 
     def decode_group(self, first: int, rows: list[int], lengths: list[int],
-                      num_blocks: int, device: torch.device) -> DecodeGroup:
+                      num_blocks: int, device: torch.device,
+                      window: int | None = None) -> DecodeGroup:
         """Single-token queries `first`..`first + len(rows)` over `num_blocks` context blocks
         each, from those block-table rows; tables are padded with the scratch block, which the
-        mask (or for the kernel, the context lengths) hides."""
+        mask (or for the kernel, the context lengths) hides. Under a window, the mask (or the
+        kernel's starts) hides the context before each query's last `window` tokens too: those
+        blocks may be freed and given to other requests already."""
+        starts = [max(0, length - window) for length in lengths] if window else None
         if self.attention.reads_cache_in_place:
             tables = self.block_tables.gather(rows, num_blocks, torch.int32)
             return DecodeGroup(first, len(rows), tables.view(-1).to(device), None,
-                               torch.tensor(lengths, dtype=torch.int32, device=device))
+                               torch.tensor(lengths, dtype=torch.int32, device=device),
+                               None if starts is None else
+                               torch.tensor(starts, dtype=torch.int32, device=device))
         blocks = self.block_tables.gather(rows, num_blocks, torch.int64).view(-1)
         context = torch.arange(num_blocks * self.block_size)
-        mask = (context < torch.tensor(lengths)[:, None]).view(len(rows), 1, 1, -1)
-        return DecodeGroup(first, len(rows), blocks.to(device), mask.to(device))
+        mask = context < torch.tensor(lengths)[:, None]
+        if starts is not None:
+            mask &= context >= torch.tensor(starts)[:, None]
+        return DecodeGroup(first, len(rows), blocks.to(device),
+                           mask.view(len(rows), 1, 1, -1).to(device))
 
     def decode_groups(self, rows: list[int], lengths: list[int],
-                       bucket: StepShape | None, device: torch.device
-                       ) -> list[DecodeGroup]:
+                       bucket: StepShape | None, device: torch.device,
+                       window: int | None = None) -> list[DecodeGroup]:
         """The decode path: single-token queries grouped for attention."""
         block_size = self.block_size
         if bucket is not None and bucket.phase is Phase.DECODE:
             # One group of the bucket's shape: its batch size in rows over its context length.
-            return [self.decode_group(0, rows, lengths, bucket.length // block_size, device)]
+            return [self.decode_group(0, rows, lengths, bucket.length // block_size, device,
+                                      window)]
         if self.attention.reads_cache_in_place and rows:
             # The kernel reads each sequence's own context length: one group, no grouping.
-            return [self.decode_group(0, rows, lengths, -(-max(lengths) // block_size), device)]
+            return [self.decode_group(0, rows, lengths, -(-max(lengths) // block_size), device,
+                                      window)]
         return [self.decode_group(
             first, rows[first:first + DECODE_GROUP_SIZE], lengths[first:first + DECODE_GROUP_SIZE],
-            -(-max(lengths[first:first + DECODE_GROUP_SIZE]) // block_size), device)
+            -(-max(lengths[first:first + DECODE_GROUP_SIZE]) // block_size), device, window)
             for first in range(0, len(rows), DECODE_GROUP_SIZE)]
 
     def prefill_chunks(self, specs: list[tuple[int, int, int, list[int]]],
-                        device: torch.device) -> list[PrefillChunk]:
-        """The prefill path: a chunk per prompt; one with cached context attends to it too."""
+                        device: torch.device, window: int | None = None) -> list[PrefillChunk]:
+        """The prefill path: a chunk per prompt; one with cached context attends to it too.
+        Under a window, a chunk gathers only the blocks its queries' windows reach."""
         block_size = self.block_size
         prefills = []
         for offset, length, start, table in specs:
             if start == 0:
-                prefills.append(PrefillChunk(offset, length, None, None))
+                mask = causal_mask(length, window) if window and window < length else None
+                prefills.append(PrefillChunk(offset, length, None, _to(mask, device)))
                 continue
             num_blocks = -(-(start + length) // block_size)
-            context = torch.arange(num_blocks * block_size)
-            mask = context[None, :] <= torch.arange(start, start + length)[:, None]
+            first_block = max(0, start - window + 1) // block_size if window else 0
+            context = torch.arange(first_block * block_size, num_blocks * block_size)
+            queries = torch.arange(start, start + length)[:, None]
+            mask = context[None, :] <= queries
+            if window:
+                mask &= context[None, :] > queries - window
             prefills.append(PrefillChunk(offset, length,
-                                         torch.tensor(table[:num_blocks], device=device),
+                                         torch.tensor(table[first_block:num_blocks], device=device),
                                          mask.to(device)))
         return prefills
 
@@ -161,7 +192,15 @@ class StepInputs:
         batch = AttentionBatch(block_size=block_size,
                                slot_mapping=torch.tensor(slots, device=device), decodes=[],
                                prefills=[], prompt_rows=row_length)
+        if self.window is not None:
+            batch.sliding = AttentionBatch(block_size=block_size, slot_mapping=batch.slot_mapping,
+                                           decodes=[], prefills=[], prompt_rows=row_length,
+                                           window=self.window)
         inputs = StaticInputs(torch.tensor(input_ids, device=device),
                               torch.tensor(positions, device=device), batch)
         return inputs, sample_rows, sample_ids
 
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)

@@ -114,7 +114,9 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     ready = WorkerReady(rank=ctx.rank, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                         vocab_size=model_config.vocab_size,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
-                        num_cpu_kv_blocks=num_cpu_blocks, generation=generation)
+                        num_cpu_kv_blocks=num_cpu_blocks, generation=generation,
+                        sliding_window=(model_config.sliding_window or 0)
+                        if model_config.all_layers_slide else 0)
     return runner, ready
 
 

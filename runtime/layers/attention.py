@@ -22,7 +22,9 @@ class PrefillChunk:
     start: int                      # first token of the chunk in the flattened batch
     length: int
     context_blocks: torch.Tensor | None  # [num_blocks] blocks holding its context; None: fresh prompt
-    mask: torch.Tensor | None       # [length, num_blocks * block_size] True where a query may attend
+    # [length, num_blocks * block_size] True where a query may attend; for a fresh prompt, None
+    # (causal) or, under a sliding window shorter than it, [length, length]
+    mask: torch.Tensor | None
 
     def to(self, device: torch.device) -> PrefillChunk:
         return replace(self, context_blocks=_to(self.context_blocks, device),
@@ -36,10 +38,13 @@ class DecodeGroup:
     blocks: torch.Tensor            # [count * num_blocks] block tables, flattened, padded
     mask: torch.Tensor | None       # [count, 1, 1, num_blocks * block_size]; None: in place
     lengths: torch.Tensor | None = None   # [count] int32 context tokens (for the kernel)
+    # Under a sliding window, [count] int32 first context token each query attends to (for the
+    # kernel, which reads nothing before it)
+    starts: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> DecodeGroup:
         return replace(self, blocks=_to(self.blocks, device), mask=_to(self.mask, device),
-                       lengths=_to(self.lengths, device))
+                       lengths=_to(self.lengths, device), starts=_to(self.starts, device))
 
 
 @dataclass
@@ -60,21 +65,41 @@ class AttentionBatch:
     # The worker's attention backend (runtime/layers/attention_backend.py): how the KV write,
     # decode groups and fresh prompts attend.
     backend: AttentionBackend = TORCH
+    # Sliding-window attention: each query attends to the last `window` tokens only (its own
+    # included). A model with windowed layers gets the batch of its full-attention layers with
+    # `sliding` set to the one of its windowed layers: the same tokens and slots, its masks
+    # (and the kernel's context starts) cut to the window.
+    window: int | None = None
+    sliding: AttentionBatch | None = None
+
+    def for_window(self, window: int | None) -> AttentionBatch:
+        """The batch a layer with that window (None: full attention) attends with."""
+        if window is None:
+            return self
+        if self.sliding is None or self.sliding.window != window:
+            raise ValueError(f"this step's batch has no sliding-window batch of {window} tokens")
+        return self.sliding
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the batch, in a fixed order (what a captured graph reads)."""
         found = [self.slot_mapping]
         for group in self.decodes:
-            found += [t for t in (group.blocks, group.mask, group.lengths) if t is not None]
+            found += [t for t in (group.blocks, group.mask, group.lengths, group.starts)
+                      if t is not None]
         for chunk in self.prefills:
             found += [t for t in (chunk.context_blocks, chunk.mask) if t is not None]
+        if self.sliding is not None:
+            found += self.sliding.tensors()[1:]         # the slot mapping is the same tensor
         return found
 
     def to(self, device: torch.device) -> AttentionBatch:
         """The same batch on `device`, copied without blocking the host (see _to)."""
-        return replace(self, slot_mapping=_to(self.slot_mapping, device),
+        slot_mapping = _to(self.slot_mapping, device)
+        sliding = None if self.sliding is None else replace(self.sliding.to(device),
+                                                            slot_mapping=slot_mapping)
+        return replace(self, slot_mapping=slot_mapping,
                        decodes=[group.to(device) for group in self.decodes],
-                       prefills=[chunk.to(device) for chunk in self.prefills])
+                       prefills=[chunk.to(device) for chunk in self.prefills], sliding=sliding)
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -103,7 +128,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if softcap is not None:
         return _capped_paged_attention(q, k, v, k_cache, v_cache, batch, scale, softcap)
     if batch.prompt_rows:
-        return _attend_rows(q, k, v, batch.prompt_rows, scale)
+        return _attend_rows(q, k, v, batch.prompt_rows, scale, batch.window)
     out = torch.empty_like(q)
     if batch.pad_start is not None:
         out[batch.pad_start:].zero_()
@@ -114,7 +139,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         rows = slice(group.start, group.start + n)
         if backend.reads_cache_in_place:
             out[rows] = backend.decode(q[rows], k_cache, v_cache, group.blocks.view(n, -1),
-                                       group.lengths, bs, scale)
+                                       group.lengths, bs, scale, group.starts)
             continue
         keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
         values = _gather_blocks(v_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
@@ -125,7 +150,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         query = q[rows].transpose(0, 1).unsqueeze(0)            # [1, heads, len, d]
-        fresh = (backend.fresh_prompt(q[rows], k[rows], v[rows], scale)
+        fresh = (backend.fresh_prompt(q[rows], k[rows], v[rows], scale, batch.window)
                  if chunk.context_blocks is None else None)
         if fresh is not None:
             out[rows] = fresh
@@ -133,8 +158,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if chunk.context_blocks is None:
             keys = k[rows].transpose(0, 1).unsqueeze(0)
             values = v[rows].transpose(0, 1).unsqueeze(0)
-            attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
-                                                      scale=scale, enable_gqa=True)
+            attended = F.scaled_dot_product_attention(
+                query, keys, values, is_causal=chunk.mask is None, attn_mask=chunk.mask,
+                scale=scale, enable_gqa=True)
         else:
             keys = _gather_blocks(k_cache, chunk.context_blocks, bs).transpose(0, 1).unsqueeze(0)
             values = _gather_blocks(v_cache, chunk.context_blocks, bs).transpose(0, 1).unsqueeze(0)
@@ -145,18 +171,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_length: int,
-                 scale: float) -> torch.Tensor:
-    """Causal attention within each row of `row_length` tokens (fresh prompts, one per row)."""
+                 scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention within each row of `row_length` tokens (fresh prompts, one per row),
+    within the last `window` tokens where given."""
     def by_row(x: torch.Tensor) -> torch.Tensor:             # [rows, heads, row_length, dim]
         return x.view(-1, row_length, x.shape[1], x.shape[2]).transpose(1, 2)
 
-    attended = F.scaled_dot_product_attention(by_row(q), by_row(k), by_row(v), is_causal=True,
+    mask = causal_mask(row_length, window, q.device) if window and window < row_length else None
+    attended = F.scaled_dot_product_attention(by_row(q), by_row(k), by_row(v),
+                                              is_causal=mask is None, attn_mask=mask,
                                               scale=scale, enable_gqa=True)
     return attended.transpose(1, 2).reshape(q.shape)
 
 
-def _causal(length: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+def causal_mask(length: int, window: int | None = None,
+                device: torch.device | None = None) -> torch.Tensor:
+    """[length, length] True where query i may attend key j: j <= i, and i - j < window."""
+    mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return mask.triu(1 - window) if window else mask
 
 
 def _capped_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -170,8 +202,8 @@ def _capped_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         def by_row(x: torch.Tensor) -> torch.Tensor:             # [rows, heads, rows, dim]
             return x.view(-1, rows, x.shape[1], x.shape[2]).transpose(1, 2)
 
-        attended = capped_attention(by_row(q), by_row(k), by_row(v), _causal(rows, q.device),
-                                    scale, cap)
+        attended = capped_attention(by_row(q), by_row(k), by_row(v),
+                                    causal_mask(rows, batch.window, q.device), scale, cap)
         return attended.transpose(1, 2).reshape(q.shape)
     out = torch.zeros_like(q)
     bs, kv_heads, dim = batch.block_size, k.shape[1], k.shape[2]
@@ -180,8 +212,11 @@ def _capped_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
         values = _gather_blocks(v_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
         mask = group.mask
-        if mask is None:        # built for a decode kernel: the context lengths tell
-            mask = torch.arange(keys.shape[1], device=q.device) < group.lengths.view(n, 1, 1, 1)
+        if mask is None:        # built for a decode kernel: the context lengths (starts) tell
+            context = torch.arange(keys.shape[1], device=q.device)
+            mask = context < group.lengths.view(n, 1, 1, 1)
+            if group.starts is not None:
+                mask &= context >= group.starts.view(n, 1, 1, 1)
         rows = slice(group.start, group.start + n)
         out[rows] = capped_attention(q[rows].unsqueeze(2), keys.transpose(1, 2),
                                      values.transpose(1, 2), mask, scale, cap).squeeze(2)
@@ -189,7 +224,7 @@ def _capped_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = slice(chunk.start, chunk.start + chunk.length)
         keys, values, mask = k[rows], v[rows], chunk.mask
         if chunk.context_blocks is None:
-            mask = _causal(chunk.length, q.device)
+            mask = causal_mask(chunk.length, None, q.device) if mask is None else mask
         else:
             keys = _gather_blocks(k_cache, chunk.context_blocks, bs)
             values = _gather_blocks(v_cache, chunk.context_blocks, bs)

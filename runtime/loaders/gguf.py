@@ -115,7 +115,7 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=_full_attention_positions(int(key("context_length")), window),
+        max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=merge_token_ids(
@@ -126,7 +126,8 @@ def config_from_reader(reader: GGUFFile, path: str) -> ModelConfig:
         # Hugging Face's attention_bias: biases on the output projection too (Qwen2 has q/k/v only).
         attention_bias="blk.0.attn_output.bias" in tensor_names,
         hidden_activation=GATE_ACTIVATIONS.get(family, "silu"),
-        **(_gemma_fields(arch, key, head_dim, window, path) if arch in ("gemma2", "gemma3") else {}),
+        **(_gemma_fields(arch, key, head_dim, window, path) if arch in ("gemma2", "gemma3")
+           else _every_layer_window(window, int(key("block_count")))),
     )
 
 
@@ -137,7 +138,8 @@ def _gemma_fields(arch: str, key, head_dim: int, window: int, path: str) -> dict
     (hidden / heads) ** -0.5 for the 27B models (as gemma_pytorch), told by their layer count.
     Gemma 3 with a window: every layer but each pattern-th slides (a pattern key, 6 by default,
     or a per-layer list of flags), at rope base rope.freq_base_swa (10000 by default), unscaled.
-    Gemma 2's sliding layers take rope.freq_base, as its every layer here."""
+    Gemma 2's even layers slide (its window: the file's, else 4096), at rope.freq_base, as its
+    every layer here."""
     layers, hidden = int(key("block_count")), int(key("embedding_length"))
     is_27b = layers == {"gemma2": 46, "gemma3": 62}[arch]
     fields: dict[str, Any] = {
@@ -150,7 +152,8 @@ def _gemma_fields(arch: str, key, head_dim: int, window: int, path: str) -> dict
         swa_theta = key("rope.freq_base_swa")
         if swa_theta is not None and float(swa_theta) != float(key("rope.freq_base", 10000.0)):
             raise ValueError(f"{path}: a Gemma 2 rope base of its own on sliding layers is not supported")
-        return {**fields, "attn_logit_softcapping": _cap(key("attn_logit_softcapping", 50.0))}
+        return {**fields, "attn_logit_softcapping": _cap(key("attn_logit_softcapping", 50.0)),
+                "sliding_window": window, "sliding_layers": tuple(range(0, layers, 2))}
     if window <= 0:
         return fields
     pattern = key("attention.sliding_window_pattern", 6)
@@ -160,17 +163,17 @@ def _gemma_fields(arch: str, key, head_dim: int, window: int, path: str) -> dict
         n = int(pattern)
         sliding = tuple(i for i in range(layers) if n == 0 or i % n < n - 1)
     return {**fields, "sliding_rope_theta": float(key("rope.freq_base_swa", 10000.0)),
-            "sliding_layers": sliding}
+            "sliding_layers": sliding, "sliding_window": window}
 
 
 def _cap(value: Any) -> float | None:
     return float(value) if value else None
 
 
-def _full_attention_positions(context_length: int, sliding_window: int) -> int:
-    """The context, capped at a sliding window (llama.cpp writes one for Phi-3, on every
-    layer): up to the window's length, sliding-window attention is full causal attention."""
-    return min(context_length, sliding_window) if sliding_window > 0 else context_length
+def _every_layer_window(window: int, layers: int) -> dict[str, Any]:
+    """A window the file gives a family other than Gemma's (llama.cpp writes one for Phi-3;
+    a Mistral converted with it): on every layer."""
+    return {"sliding_window": window, "sliding_layers": tuple(range(layers))} if window > 0 else {}
 
 
 def _vocab_size(reader: GGUFFile, declared: Any) -> int:

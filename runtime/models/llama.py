@@ -5,7 +5,12 @@ from collections.abc import Callable
 
 import torch
 from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
-from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk, paged_attention
+from spmd_runtime.runtime.layers.attention import (
+    AttentionBatch,
+    PrefillChunk,
+    causal_mask,
+    paged_attention,
+)
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
 from spmd_runtime.runtime.layers.group_quant import assign_weight, stack_rows
 from spmd_runtime.runtime.layers.linear import decode_layers_slots, linear
@@ -131,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling, dtype)
+        # Each layer's sliding window (None: full attention).
+        self.layer_windows = [config.window_of(i) for i in range(config.num_hidden_layers)]
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
@@ -182,8 +189,9 @@ class LlamaForCausalLM(nn.Module):
         weights = self.fused_decode_weights(batch, x.shape[0]) if pieces is FUSED_CPU else None
         if weights is not None:
             return self.norm(self._fused_decode(x, ropes[0], kv_caches, batch, weights))
-        for layer, kv_cache, rope in zip(self.layers, kv_caches, ropes, strict=True):
-            x = layer(x, rope, kv_cache, batch, pieces)
+        for layer, kv_cache, rope, window in zip(self.layers, kv_caches, ropes,
+                                                 self.layer_windows, strict=True):
+            x = layer(x, rope, kv_cache, batch.for_window(window), pieces)
         return self.norm(x)
 
     def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -195,7 +203,12 @@ class LlamaForCausalLM(nn.Module):
         """The tensors spmd_cpu::decode_layers takes, where it can run this step: a batch of
         decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
         for MKL (float32) or a plain bfloat16 weight (its slot pair holds it twice), without bias
-        or query/key norm; None otherwise (the layer loop runs)."""
+        or query/key norm, and one window on every layer or none (the kernel's starts apply to
+        all); None otherwise (the layer loop runs)."""
+        windows = set(self.layer_windows)
+        if windows != {None} and (len(windows) != 1
+                                  or not getattr(batch.backend, "windowed_decode_stack", False)):
+            return None
         if (DECODE_STACK not in fused_cpu_paths_of(type(self)) or self.tp.size != 1
                 or not batch.backend.fused_layers or batch.prefills
                 or batch.prompt_rows or batch.pad_start is not None or len(batch.decodes) != 1
@@ -222,11 +235,12 @@ class LlamaForCausalLM(nn.Module):
         FUSED_CPU path in the same order (the same hidden states), without its host time."""
         group, attn = batch.decodes[0], self.layers[0].self_attn
         cos, sin = (table.view(table.shape[0], -1) for table in rope)
+        starts = batch.for_window(self.layer_windows[0]).decodes[0].starts
         return torch.ops.spmd_cpu.decode_layers(
             x, weights, [cache[0] for cache in kv_caches], [cache[1] for cache in kv_caches],
             cos, sin, batch.slot_mapping, group.blocks.view(group.count, -1), group.lengths,
             batch.block_size, attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.layers[0].input_layernorm.eps)
+            self.layers[0].input_layernorm.eps, *([] if starts is None else [starts]))
 
     @torch.no_grad()
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:
@@ -239,6 +253,11 @@ class LlamaForCausalLM(nn.Module):
                   for _ in range(config.num_hidden_layers)]
         batch = AttentionBatch(block_size=n, slot_mapping=torch.arange(n), decodes=[],
                                prefills=[PrefillChunk(0, n, None, None)])
+        window = config.sliding_window if config.sliding_layers else None
+        if window is not None:
+            batch.sliding = AttentionBatch(
+                block_size=n, slot_mapping=batch.slot_mapping, decodes=[], window=window,
+                prefills=[PrefillChunk(0, n, None, causal_mask(n, window) if window < n else None)])
         return self.compute_logits(self(torch.tensor(ids), torch.arange(n), caches, batch))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

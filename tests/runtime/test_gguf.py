@@ -154,7 +154,8 @@ def test_gguf_config_is_the_checkpoints(checkpoint) -> None:
     expected = read_hf_config(directory)
     if family == "mistral":
         # llama.cpp converts Mistral as llama and writes no sliding window for it.
-        expected = dataclasses.replace(expected, architecture="llama", max_position_embeddings=256)
+        expected = dataclasses.replace(expected, architecture="llama", sliding_window=None,
+                                       sliding_layers=())
     config = read_gguf_config(path)
     assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)    # a float32 in GGUF
     assert dataclasses.replace(config, rms_norm_eps=expected.rms_norm_eps) == expected
@@ -278,14 +279,15 @@ def released_gemma_metadata(path: str, arch: str, layers: int, hidden: int, head
 
 def test_gemma_gguf_defaults_are_llama_cpps(tmp_path) -> None:
     """What llama.cpp assumes where the file is silent: Gemma 3's every sixth layer full and a
-    sliding rope base of 10000, Gemma 2's caps of 50 and 30 and window of 4096; queries scaled
-    by head_dim, but by hidden / heads for the 27B models (told by their layer count)."""
+    sliding rope base of 10000, Gemma 2's caps of 50 and 30 and window of 4096 on its even
+    layers; queries scaled by head_dim, but by hidden / heads for the 27B models (told by their
+    layer count). The windows leave the full context."""
     gemma3 = read_gguf_config(released_gemma_metadata(str(tmp_path / "g3.gguf"), "gemma3",
                                                       26, 1152, 4, window=512))
     assert gemma3.architecture == "gemma3_text" and gemma3.tie_word_embeddings
     assert gemma3.sliding_layers == tuple(i for i in range(26) if i not in (5, 11, 17, 23))
-    assert (gemma3.sliding_rope_theta, gemma3.rope_theta, gemma3.max_position_embeddings) == (
-        1e4, 1e6, 512)
+    assert (gemma3.sliding_rope_theta, gemma3.rope_theta, gemma3.max_position_embeddings,
+            gemma3.sliding_window) == (1e4, 1e6, 8192, 512)
     assert (gemma3.query_pre_attn_scalar, gemma3.attn_logit_softcapping,
             gemma3.final_logit_softcapping) == (256, None, None)
     no_window = read_gguf_config(released_gemma_metadata(str(tmp_path / "g3full.gguf"),
@@ -295,5 +297,7 @@ def test_gemma_gguf_defaults_are_llama_cpps(tmp_path) -> None:
     gemma2 = read_gguf_config(released_gemma_metadata(str(tmp_path / "g2.gguf"), "gemma2",
                                                       46, 4608, 32, window=None))
     assert (gemma2.query_pre_attn_scalar, gemma2.attn_logit_softcapping,
-            gemma2.final_logit_softcapping, gemma2.max_position_embeddings) == (144, 50, 30, 4096)
-    assert gemma2.hidden_activation == "gelu_pytorch_tanh" and gemma2.sliding_layers == ()
+            gemma2.final_logit_softcapping, gemma2.max_position_embeddings,
+            gemma2.sliding_window) == (144, 50, 30, 8192, 4096)
+    assert gemma2.hidden_activation == "gelu_pytorch_tanh"
+    assert gemma2.sliding_layers == tuple(range(0, 46, 2))

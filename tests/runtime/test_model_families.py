@@ -34,17 +34,18 @@ def hf_checkpoint(family: str):
         return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
             **SHAPE, head_dim=16, attention_bias=True)
     if family == "phi3":
-        # A sliding window on every layer, longer than any sequence here: it caps the context.
+        # A sliding window on every layer, longer than any sequence here (test_sliding_window
+        # runs short ones).
         return transformers.Phi3ForCausalLM, transformers.Phi3Config(
             **SHAPE, sliding_window=100, pad_token_id=0)
     if family == "mistral":
-        # A Llama with a sliding window (capping the context, as Phi-3's) and a head_dim that is
-        # not hidden_size / heads.
+        # A Llama with a sliding window (on every layer, as Phi-3's) and a head_dim that is not
+        # hidden_size / heads.
         return transformers.MistralForCausalLM, transformers.MistralConfig(
             **SHAPE, head_dim=24, sliding_window=100)
     if family == "gemma2":
         # head_dim * heads != hidden_size, a query scale other than head_dim's, soft-caps low
-        # enough to change the logits, and a window on every other layer, capping the context.
+        # enough to change the logits, and a window on every other layer.
         # Eager attention named: transformers versions whose default is SDPA drop the soft-cap
         # (on a GPU host's transformers the reference differed by 2.5 in the logits).
         return transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
@@ -76,7 +77,8 @@ def checkpoint(request, tmp_path_factory):
 
 def test_gemma2_config_of_the_released_models() -> None:
     """google/gemma-2-2b's config.json (transformers 4 layout: no layer_types, both activation
-    keys): its caps and query scale are read, and its window caps the context."""
+    keys): its caps and query scale are read, and its window slides its even layers, leaving
+    the full context."""
     config = ModelConfig.from_hf_dict({
         "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "bos_token_id": 2,
@@ -87,14 +89,15 @@ def test_gemma2_config_of_the_released_models() -> None:
         "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
         "sliding_window": 4096, "vocab_size": 256000})
     assert (config.max_position_embeddings, config.attn_logit_softcapping,
-            config.final_logit_softcapping, config.query_pre_attn_scalar) == (4096, 50.0, 30.0, 256)
+            config.final_logit_softcapping, config.query_pre_attn_scalar) == (8192, 50.0, 30.0, 256)
+    assert (config.sliding_window, config.sliding_layers) == (4096, tuple(range(0, 26, 2)))
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
 def test_gemma3_config_of_the_released_models() -> None:
     """google/gemma-3-1b-it's config.json (transformers 4 layout: rope_local_base_freq and
     sliding_window_pattern, no layer_types): five layers in six slide, with their own rope
-    base, and the window of 512 caps the context."""
+    base and a window of 512, leaving the full context."""
     config = ModelConfig.from_hf_dict({
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
         "attn_logit_softcapping": None, "final_logit_softcapping": None, "bos_token_id": 2,
@@ -104,8 +107,8 @@ def test_gemma3_config_of_the_released_models() -> None:
         "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
         "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
         "sliding_window_pattern": 6, "vocab_size": 262144})
-    assert (config.max_position_embeddings, config.rope_theta, config.sliding_rope_theta) == (
-        512, 1e6, 1e4)
+    assert (config.max_position_embeddings, config.rope_theta, config.sliding_rope_theta,
+            config.sliding_window) == (32768, 1e6, 1e4, 512)
     assert config.sliding_layers == tuple(i for i in range(26) if i not in (5, 11, 17, 23))
     assert config.to_hf_dict()["architectures"] == ["Gemma3ForCausalLM"]
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
@@ -114,7 +117,8 @@ def test_gemma3_config_of_the_released_models() -> None:
 def test_logits_equal_transformers(checkpoint) -> None:
     directory, hf = checkpoint
     config = read_hf_config(directory)
-    assert config.max_position_embeddings == (hf.config.sliding_window or 256)
+    assert config.max_position_embeddings == 256
+    assert config.sliding_window == getattr(hf.config, "sliding_window", None)
     model = build_model(config, torch.float32)
     model.load_hf_state_dict(load_hf_weights(directory, config, torch.float32))
     ids = family_prompts()[2]

@@ -10,10 +10,12 @@ holds. Like the real worker, it copies swapped blocks out before clearing the bl
 fresh and copies swapped blocks back in after that, so a swap-in restores exactly the slots
 the request computed. It samples a token that depends only on the request and its position --
 so a request's output must not depend on batching, preemption, swapping or cache hits.
+With a sliding window, a request attends to (and holds) only the blocks its window reaches:
+the entries before it may name blocks given to others since (FREED_BLOCK in a new request).
 """
 from __future__ import annotations
 
-from spmd_runtime.protocol.messages import StepPlan, StepResult, ThermalReading
+from spmd_runtime.protocol.messages import FREED_BLOCK, StepPlan, StepResult, ThermalReading
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.request import Request
@@ -31,7 +33,9 @@ def token_at(request_id: int, position: int) -> int:
 class FakeWorker:
     """Applies plans exactly like worker_proc.model_runner.ModelRunner and checks them."""
 
-    def __init__(self, block_size: int, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, block_size: int, num_blocks: int, num_cpu_blocks: int = 0,
+                 window: int | None = None) -> None:
+        self.window = window
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -58,7 +62,8 @@ class FakeWorker:
                                           "blocks": list(new.block_ids),
                                           "computed": new.num_computed_tokens}
             scheduled.append((new.request_id, new.num_scheduled_tokens))
-            fresh.extend(new.block_ids[new.num_computed_tokens // self.block_size:])
+            fresh.extend(block for block in new.block_ids[new.num_computed_tokens // self.block_size:]
+                         if block != FREED_BLOCK)
         assert (len(plan.cached_request_ids) == len(plan.cached_num_scheduled_tokens)
                 == len(plan.cached_new_block_ids))
         for rid, n, blocks in zip(plan.cached_request_ids, plan.cached_num_scheduled_tokens,
@@ -73,8 +78,9 @@ class FakeWorker:
         self._copy_blocks(plan.swap_in, to_cpu=False)
         holders: dict[int, set[int]] = {}
         for rid, st in self.state.items():
-            assert len(set(st["blocks"])) == len(st["blocks"]), f"request {rid} repeats a block"
-            for block in st["blocks"]:
+            live = st["blocks"][self.first_live_block(st["computed"]):]
+            assert len(set(live)) == len(live), f"request {rid} repeats a block"
+            for block in live:
                 assert 0 <= block < self.num_blocks
                 holders.setdefault(block, set()).add(rid)
         if plan.step_id < 0:
@@ -86,7 +92,7 @@ class FakeWorker:
             start, end = st["computed"], st["computed"] + n
             assert n >= 1 and end <= len(st["tokens"]), (rid, n, start, len(st["tokens"]))
             assert len(st["blocks"]) * self.block_size >= end, "not enough blocks for the tokens"
-            for p in range(start):
+            for p in range(self.first_attended(start), start):
                 held = self.slots.get(self.slot(st["blocks"], p))
                 assert held == tuple(st["tokens"][:p + 1]), (
                     f"request {rid} attends to slot of position {p} holding another prefix")
@@ -105,6 +111,14 @@ class FakeWorker:
                 tokens.append(token)
         return StepResult(step_id=plan.step_id, request_ids=ids, sampled_token_ids=tokens,
                           forward_ms=0.0, prepare_ms=0.0)
+
+    def first_attended(self, position: int) -> int:
+        """The first position the query at `position` attends to."""
+        return max(0, position - self.window + 1) if self.window else 0
+
+    def first_live_block(self, position: int) -> int:
+        """The first block a request whose next query is at `position` still needs."""
+        return self.first_attended(position) // self.block_size
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         for device_block, cpu_block in pairs:
@@ -217,13 +231,15 @@ class EngineLoop:
 
 
 def make(num_blocks=64, block_size=16, budget=64, max_num_seqs=16, max_model_len=4096,
-         eos=(EOS,), caching=False, policy="fifo", num_cpu_blocks=0, watermark=0.0, thermal=None):
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+         eos=(EOS,), caching=False, policy="fifo", num_cpu_blocks=0, watermark=0.0, thermal=None,
+         window=None):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, sliding_window=window)
     scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, eos_token_ids=list(eos), policy=policy,
                           num_cpu_blocks=num_cpu_blocks, admission_watermark=watermark,
                           thermal=thermal)
-    return scheduler, EngineLoop(scheduler, FakeWorker(block_size, num_blocks, num_cpu_blocks))
+    return scheduler, EngineLoop(scheduler, FakeWorker(block_size, num_blocks, num_cpu_blocks,
+                                                       window))
 
 
 def add(scheduler: Scheduler, rid: int, prompt_len: int, prompt=None, **params) -> Request:
