@@ -78,6 +78,12 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     spec_decode_num_draft_tokens: int = 0      # tokens proposed
     spec_decode_num_accepted_tokens: int = 0   # of those, accepted
     spec_decode_num_accepted_tokens_per_pos: list[int] = []   # accepted at draft position 0, 1 ...
+    # Sliding-window attention (0: none): the window, and the blocks of the windowed layers'
+    # pool (the whole cache where every layer has the window), in use now and at most.
+    sliding_window: int = 0
+    kv_window_blocks_total: int = 0
+    kv_window_blocks_in_use: int = 0
+    kv_window_blocks_peak: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -116,6 +122,9 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
                          f"{self.kv_blocks_free} free, {self.kv_blocks_cached} cached; " + (
                              f"swap space {self.cpu_kv_blocks_free} of {self.cpu_kv_blocks_total} "
                              "blocks free" if self.cpu_kv_blocks_total else "no swap space")),
+            *([("window KV", f"{self.kv_window_blocks_in_use} of {self.kv_window_blocks_total} "
+                             f"blocks in use (at most {self.kv_window_blocks_peak}), window "
+                             f"{self.sliding_window} tokens")] if self.sliding_window else []),
             ("prefix cache", _prefix_cache(self)),
             ("preemptions", f"{self.num_preemptions} ({self.num_swaps_out} swaps out, "
                             f"{self.num_swaps_in} swaps in, {self.num_soft_resets} soft resets)"),

@@ -226,9 +226,11 @@ class WorkerReady(_Wire, tag="ready"):
     num_cpu_kv_blocks: int = 0     # the swap space, in blocks
     thermal_sensor: str = "none"   # the sensor kind this rank reads: nvml, psutil, file, none
     generation: int = 0            # which start of the worker group (0, then 1 after a restart...)
-    # The sliding window of a model whose every layer has one (0: none): the scheduler frees the
-    # blocks that leave it.
+    # The sliding window of a model whose every layer has one, or of the windowed layers of one
+    # that mixes them (0: none): the scheduler frees the blocks that leave it.
     sliding_window: int = 0
+    # A model mixing them: the blocks of its windowed layers' cache (0: one pool for all).
+    num_sliding_kv_blocks: int = 0
 
 
 # A block-table entry whose block left the sliding window and went back to the pool (in
@@ -252,6 +254,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     params: SamplingParams
     # How many of token_ids are the prompt (the rest were generated); -1: all of them.
     num_prompt_tokens: int = -1
+    # A model mixing full and sliding-window layers: the block table of its windowed layers.
+    sliding_block_ids: list[int] = []
 
 
 class StepPlan(_Wire, tag="plan"):
@@ -281,6 +285,9 @@ class StepPlan(_Wire, tag="plan"):
     # Speculative decoding with a draft model: (request id, tokens to propose) of each request
     # whose proposals the workers' draft model makes this step; scheduled as above.
     draft_lengths: list[tuple[int, int]] = []
+    # A model mixing full and sliding-window layers: (request id, blocks appended since last
+    # step) of the running requests whose windowed layers' table grew.
+    cached_new_sliding_block_ids: list[tuple[int, list[int]]] = []
 
 
 class ThermalReading(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

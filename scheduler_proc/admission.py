@@ -13,7 +13,14 @@ def refusal(message: AddRequest, prompt: list[int], info: ModelInfo,
     if not prompt:
         return "prompt is empty: send at least one token"
     cache_tokens = scheduler.num_kv_blocks * info.block_size
-    if len(prompt) >= cache_tokens:
+    needed = -(-(len(prompt) + 1) // info.block_size)     # the prompt's and one more token's
+    window = scheduler.kv.sliding_window
+    if window:
+        # A window on every layer: a step holds the blocks from its first query's window
+        # through the last token of its chunk (the token budget at most), whatever the prompt.
+        needed = min(needed, -(-(window - 1 + scheduler.max_num_batched_tokens)
+                               // info.block_size) + 1)
+    if needed > scheduler.num_kv_blocks:
         return (f"prompt has {len(prompt)} tokens but the whole KV cache holds only "
                 f"{cache_tokens} tokens ({scheduler.num_kv_blocks} blocks of "
                 f"{info.block_size}), so it could never run; shorten the prompt or give the "

@@ -29,6 +29,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        # Most blocks in use at once (counted where allocation takes the general path: always
+        # under a window).
+        self.peak_blocks_in_use = 0
         self.pool = BlockPool(num_blocks, enable_caching)
         self.counters = PrefixCacheCounters()
 
@@ -115,6 +118,13 @@ class KVCacheManager:
         if needed > 0:
             ids.extend(block.block_id for block in self.pool.allocate(needed))
         self.slide_window(request, first)
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use,
+                                      self.num_blocks - self.pool.num_free_blocks)
+
+    @property
+    def window_pool(self) -> KVCacheManager | None:
+        """The pool of the model's sliding-window layers: this one if every layer has it."""
+        return self if self.sliding_window else None
 
     def _blocks_before_window(self, first_position: int) -> int:
         """Blocks wholly before the window of the query at `first_position`."""

@@ -31,6 +31,9 @@ class StepDraft:
     cached_ids: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     cached_blocks: list[list[int]] = field(default_factory=list)
+    # A model mixing full and sliding-window layers: (request id, new blocks) of the windowed
+    # layers' tables that grew.
+    cached_sliding_blocks: list[tuple[int, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
     phase: Phase | None = None      # with buckets: the phase of every request in the step
@@ -67,6 +70,11 @@ class PlanBuilder:
             request.num_blocks_sent = num_blocks
         else:
             draft.cached_blocks.append([])
+        table = request.sliding
+        if table is not None and len(table.block_ids) > table.num_blocks_sent:
+            draft.cached_sliding_blocks.append((request.request_id,
+                                                table.block_ids[table.num_blocks_sent:]))
+            table.num_blocks_sent = len(table.block_ids)
 
     def add_new(self, request: Request, num_new: int, draft: StepDraft) -> None:
         """A request joining the batch: the workers get all they need to know about it."""
@@ -75,8 +83,11 @@ class PlanBuilder:
             request_id=request.request_id, token_ids=request.all_token_ids,
             block_ids=list(request.block_ids), num_computed_tokens=request.num_computed_tokens,
             num_scheduled_tokens=num_new, params=request.params,
-            num_prompt_tokens=len(request.prompt_token_ids)))
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sliding_block_ids=[] if request.sliding is None else list(request.sliding.block_ids)))
         request.num_blocks_sent = len(request.block_ids)
+        if request.sliding is not None:
+            request.sliding.num_blocks_sent = len(request.sliding.block_ids)
         request.known_to_workers = True
 
     def forget(self, request: Request) -> None:
@@ -85,6 +96,8 @@ class PlanBuilder:
             self.dropped.append(request.request_id)
             request.known_to_workers = False
         request.num_blocks_sent = 0
+        if request.sliding is not None:
+            request.sliding.num_blocks_sent = 0
 
     def finalize(self, draft: StepDraft) -> ScheduledStep:
         """The plan of this step. A step that computes nothing is never sent: the workers' work
@@ -97,7 +110,8 @@ class PlanBuilder:
                         cached_new_block_ids=draft.cached_blocks,
                         dropped_request_ids=self.dropped, swap_out=self.swap_out,
                         swap_in=draft.swap_in, bucket=self._bucket(draft),
-                        spec_token_ids=draft.spec, draft_lengths=draft.draft_lengths)
+                        spec_token_ids=draft.spec, draft_lengths=draft.draft_lengths,
+                        cached_new_sliding_block_ids=draft.cached_sliding_blocks)
         self.dropped = []
         self.swap_out = []
         self.next_step_id += 1

@@ -30,7 +30,7 @@ class Request:
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
                  "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority", "arrival_time",
                  "queue_time_s", "output_logprobs", "prompt_logprobs", "draft_length",
-                 "num_blocks_slid")
+                 "num_blocks_slid", "sliding")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -49,6 +49,9 @@ class Request:
         # Under a sliding window on every layer: how many of block_ids, from the first, left the
         # window and went back to the pool (their entries are then FREED_BLOCK).
         self.num_blocks_slid = 0
+        # A model mixing full and sliding-window layers: its windowed layers' block table
+        # (scheduler_proc.kv_groups.SlidingTable), made at its first allocation.
+        self.sliding = None
         # How many of block_ids the workers already hold; the rest travel in the next plan.
         self.num_blocks_sent = 0
         self.known_to_workers = False

@@ -355,10 +355,10 @@ class Scheduler(SchedulerState):
         for request in in_flight:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
-            request.block_ids = []
-            request.cpu_block_ids = []
-            request.num_cached_blocks = 0
+            request.block_ids, request.cpu_block_ids = [], []
+            request.num_cached_blocks = request.num_blocks_slid = 0
             self.plans.forget(request)
+            request.sliding = None
         self.running.clear()
         self.swapped.clear()
         self.waiting.extendleft(reversed(in_flight))

@@ -6,6 +6,7 @@ from spmd_runtime.protocol.buckets import bucketing_enabled, engine_buckets
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.messages import ModelInfo, WarmupPlan, WorkerLoaded, WorkerReady
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.kv_groups import HybridKVCacheManager
 from spmd_runtime.scheduler_proc.scheduler import Scheduler
 from spmd_runtime.scheduler_proc.speculation import Speculator
 from spmd_runtime.scheduler_proc.thermal import ThermalControl
@@ -23,12 +24,20 @@ def derive_warmup_plan(config: EngineConfig, loaded: WorkerLoaded) -> WarmupPlan
 
 
 def kv_cache_manager(config: EngineConfig,
-                     ready: dict[int, WorkerReady]) -> tuple[KVCacheManager, int]:
-    """The device block pool and the number of CPU swap blocks: the smallest rank's."""
+                     ready: dict[int, WorkerReady]
+                     ) -> tuple[KVCacheManager | HybridKVCacheManager, int]:
+    """The device block pool (two, for a model mixing full and sliding-window layers) and the
+    number of CPU swap blocks: the smallest rank's."""
     num_blocks = min(r.num_kv_blocks for r in ready.values())
     num_cpu_blocks = min(r.num_cpu_kv_blocks for r in ready.values())
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                        sliding_window=ready[0].sliding_window or None)
+    window, num_sliding = ready[0].sliding_window or None, ready[0].num_sliding_kv_blocks
+    if num_sliding:
+        kv = HybridKVCacheManager(
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            KVCacheManager(min(r.num_sliding_kv_blocks for r in ready.values()),
+                           config.block_size, config.enable_prefix_caching, window))
+    else:
+        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
     return kv, num_cpu_blocks
 
 

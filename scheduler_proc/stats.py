@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from spmd_runtime.protocol.messages import EngineStats, StepResult
+from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.scheduler import Scheduler
 
 
@@ -90,7 +91,15 @@ def engine_stats(tag: int, scheduler: Scheduler, times: StepTimes, *, thermal_se
         thermal_throttling=thermal.throttling, thermal_target_c=thermal.policy.target_c,
         thermal_evictions=thermal.thermal_evictions, admin_evictions=thermal.admin_evictions,
         thermal_events=list(thermal.events), rejected_frames=rejected_frames,
-        invalid_requests=invalid_requests, **_spec_decode(scheduler))
+        invalid_requests=invalid_requests, **_spec_decode(scheduler), **_window(kv.window_pool))
+
+
+def _window(pool: KVCacheManager | None) -> dict:
+    if pool is None:
+        return {}
+    return dict(sliding_window=pool.sliding_window, kv_window_blocks_total=pool.num_blocks,
+                kv_window_blocks_in_use=pool.num_blocks - pool.num_free_blocks,
+                kv_window_blocks_peak=pool.peak_blocks_in_use)
 
 
 def _spec_decode(scheduler: Scheduler) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -9,12 +10,14 @@ import psutil
 import torch
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.layers.attention import AttentionBatch, PrefillChunk
+from spmd_runtime.runtime.layers.attention import fresh_prompt_batch
 from spmd_runtime.runtime.layers.linear import weight_bytes, weight_parameters
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 # The KV cache a CPU worker takes when not told: a laptop-sized bound (see size_kv_cache).
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
+
+log = logging.getLogger("spmd.worker")
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -133,9 +136,7 @@ def profile_forward_peak(model: LlamaForCausalLM, num_tokens: int, num_logit_row
     kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device, tp_size)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device) % model.config.max_position_embeddings
-    batch = AttentionBatch(block_size=block_size,
-                           slot_mapping=torch.arange(num_tokens, device=device), decodes=[],
-                           prefills=[PrefillChunk(0, num_tokens, None, None)])
+    batch = fresh_prompt_batch(num_tokens, model.layer_windows, device)
 
     def forward() -> None:
         hidden = model(input_ids, positions, kv_caches, batch)
@@ -185,16 +186,73 @@ def _peak_rss_during(work) -> int:
     return max(0, max(peak, process.memory_info().rss) - before)
 
 
+def sliding_pool_blocks(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:
+    """For a model mixing full-attention and sliding-window layers, the blocks of its windowed
+    layers' pool (0 for any other model), where one pool for every layer would have
+    `num_blocks`: each running request holds at most its window's and its chunk's blocks
+    there, so past max_num_seqs of those, more would sit idle; their memory goes to the
+    full-attention layers' pool instead (split_for_windows)."""
+    if not model.sliding_layers or model.all_layers_slide:
+        return 0
+    bs = config.block_size
+    in_use = (config.max_num_seqs * (-(-(model.sliding_window - 1) // bs) + 2)
+              + -(-config.max_num_batched_tokens // bs))
+    return max(1, min(num_blocks, in_use))
+
+
+def split_for_windows(model: ModelConfig, sizing: CacheSizing, num_sliding: int,
+                      max_useful_blocks: int) -> int:
+    """The full-attention layers' blocks once the windowed layers have `num_sliding`: what is
+    left of the memory sized for `sizing.num_blocks` on every layer (--num-kv-blocks, as
+    given: the full layers' pool)."""
+    if sizing.how == "num_kv_blocks":
+        return sizing.num_blocks
+    layers, windowed = model.num_hidden_layers, len(model.sliding_layers)
+    full = (sizing.num_blocks * layers - num_sliding * windowed) // (layers - windowed)
+    return min(full, max(max_useful_blocks, sizing.num_blocks))
+
+
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device, tp_size: int = 1
+                      device: torch.device, tp_size: int = 1, num_sliding_blocks: int = 0
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, (key, value) slot tensors of shape [num_blocks * block_size, kv_heads, head_dim]."""
+    """Per layer, (key, value) slot tensors of shape [num_blocks * block_size, kv_heads, head_dim]
+    (the sliding-window layers' with `num_sliding_blocks`, where given, instead)."""
     kv_heads = max(1, config.num_key_value_heads // tp_size)
-    shape = (num_blocks * block_size, kv_heads, config.head_dim)
+
+    def shape(layer: int) -> tuple[int, int, int]:
+        rows = num_sliding_blocks if num_sliding_blocks and layer in config.sliding_layers \
+            else num_blocks
+        return rows * block_size, kv_heads, config.head_dim
+
     # Zeroed, like vLLM's: attention reads whole blocks and masks the slots not written yet,
     # and a masked slot still multiplies its value by zero, so no slot may ever hold NaN or
     # inf (what uninitialised memory can). Every page is also touched now: the resident memory
     # is the whole pool from the start, rather than creeping up as blocks are first used.
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)]
+    return [(torch.zeros(shape(layer), dtype=dtype, device=device),
+             torch.zeros(shape(layer), dtype=dtype, device=device))
+            for layer in range(config.num_hidden_layers)]
+
+
+def allocate_pools(config: EngineConfig, model: ModelConfig, sizing: CacheSizing,
+                   max_useful_blocks: int, dtype: torch.dtype, device: torch.device,
+                   tp_size: int, rank: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                     int, int, int]:
+    """The KV cache `sizing` allows, with one scratch block more per pool than the scheduler
+    knows of (the last: padding writes to it): (caches, blocks of the full-attention pool,
+    blocks of the sliding-window layers' pool (0: one pool), CPU swap blocks)."""
+    num_blocks = sizing.num_blocks
+    num_sliding = sliding_pool_blocks(config, model, num_blocks)
+    if num_sliding:
+        num_blocks = split_for_windows(model, sizing, num_sliding, max_useful_blocks)
+        log.info("rank %d KV cache split: %d blocks for the %d full-attention layers, %d for "
+                 "the %d sliding-window layers (window %d)", rank, num_blocks,
+                 model.num_hidden_layers - len(model.sliding_layers), num_sliding,
+                 len(model.sliding_layers), model.sliding_window)
+    kv_caches = allocate_kv_cache(model, num_blocks + 1, config.block_size, dtype, device,
+                                  tp_size, num_sliding + 1 if num_sliding else 0)
+    num_cpu_blocks = config.kv_swap_memory // sizing.bytes_per_block
+    if num_sliding and num_cpu_blocks:
+        log.info("rank %d: no swap space for a model mixing full and sliding-window layers "
+                 "(preempted requests are recomputed)", rank)
+        num_cpu_blocks = 0
+    return kv_caches, num_blocks, num_sliding, num_cpu_blocks

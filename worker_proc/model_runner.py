@@ -9,7 +9,6 @@ from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
-from spmd_runtime.worker_proc.block_table import BlockTables
 from spmd_runtime.worker_proc.drafting import Drafter
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
 from spmd_runtime.worker_proc.logprobs import prompt_logprobs, read_logprobs, sampled_logprobs
@@ -17,7 +16,7 @@ from spmd_runtime.worker_proc.penalties import penalize_requests
 from spmd_runtime.worker_proc.runner_graphs import GraphRunner
 from spmd_runtime.worker_proc.sampler import sample_on_device
 from spmd_runtime.worker_proc.speculative import verify_proposals
-from spmd_runtime.worker_proc.step_inputs import StepInputs
+from spmd_runtime.worker_proc.step_inputs import StepInputs, kv_groups
 from spmd_runtime.worker_proc.step_state import (
     UNREAD_TOKEN,
     LaunchedStep,
@@ -62,14 +61,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.requests: dict[int, RequestState] = {}
-        # Their block ids, the worker's only record of them (decode batches gather rows).
-        self.block_tables = BlockTables(self.scratch_block)
+        # Their block ids, the worker's only record of them (decode batches gather rows); a
+        # model mixing full and sliding-window layers keeps its windowed layers' apart.
+        groups = kv_groups(model.config, kv_caches, block_size, self.scratch_block)
+        self.block_tables = groups[0].tables
+        self.sliding_tables = groups[1].tables if len(groups) > 1 else None
         # Its components: input building (with the attention backend chosen once for the
         # worker, runtime/layers/attention_backend.py), and compilation, warmup and graphs.
-        self.inputs = StepInputs(self.requests, self.block_tables, block_size,
-                                 self.scratch_block, device, attention,
-                                 model.config.sliding_window if model.config.sliding_layers
-                                 else None)
+        self.inputs = StepInputs(self.requests, groups, block_size, device, attention)
         self.graph_runner = GraphRunner(model, kv_caches, self.inputs)
         # --speculative draft: the draft model that proposes (worker_proc.drafting).
         self.drafter: Drafter | None = None
@@ -97,14 +96,19 @@ class ModelRunner:
 
     def apply_plan_state(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Update per-request state from the plan; returns (request id, tokens) in plan order."""
+        sliding = self.sliding_tables
         for request_id in plan.dropped_request_ids:
             self.requests.pop(request_id, None)
             self.block_tables.remove(request_id)
+            if sliding is not None:
+                sliding.remove(request_id)
         scheduled = []
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 list(new.token_ids), new.num_computed_tokens, new.params, new.num_prompt_tokens)
             self.block_tables.add(new.request_id, new.block_ids)
+            if sliding is not None:
+                sliding.add(new.request_id, new.sliding_block_ids)
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for request_id, num_tokens, new_blocks in zip(
                 plan.cached_request_ids, plan.cached_num_scheduled_tokens,
@@ -112,6 +116,8 @@ class ModelRunner:
             if new_blocks:
                 self.block_tables.append(request_id, new_blocks)
             scheduled.append((request_id, num_tokens))
+        for request_id, new_blocks in plan.cached_new_sliding_block_ids:
+            sliding.append(request_id, new_blocks)
         # Proposals are inputs after the request's last token until verified (launch).
         for request_id, proposals in plan.spec_token_ids:
             self.requests[request_id].token_ids.extend(proposals)

@@ -31,6 +31,7 @@ from spmd_runtime.protocol.messages import (
     WorkerReady,
     worker_inbound_decoder,
 )
+from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.protocol.process_entry import report_error, report_failure
 from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.protocol.transport import Encoder, make_socket, poll_recv
@@ -38,7 +39,7 @@ from spmd_runtime.runtime.cpu_features import resolve_dtype_name
 from spmd_runtime.runtime.preflight import resolved_quantization
 from spmd_runtime.worker_proc.distributed import DistributedContext, init_distributed, shutdown_distributed
 from spmd_runtime.worker_proc.drafting import Drafter
-from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, size_kv_cache
+from spmd_runtime.worker_proc.kv_cache import allocate_kv_cache, allocate_pools, size_kv_cache
 from spmd_runtime.worker_proc.liveness import start_liveness_beats
 from spmd_runtime.worker_proc.model_loading import load_draft_model, load_worker_model
 from spmd_runtime.worker_proc.model_runner import LaunchedStep, ModelRunner
@@ -90,10 +91,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
             "no memory left for the KV cache: set --kv-cache-memory or --num-kv-blocks, raise "
             "--gpu-memory-utilization (CUDA), lower --max-num-batched-tokens, or use a smaller "
             "model")
-    # One block more than the scheduler knows of: the scratch block padding writes to.
-    kv_caches = allocate_kv_cache(model_config, num_blocks + 1, config.block_size, dtype,
-                                  ctx.device, tp.size)
-    num_cpu_blocks = config.kv_swap_memory // sizing.bytes_per_block
+    kv_caches, num_blocks, num_sliding, num_cpu_blocks = allocate_pools(
+        config, model_config, sizing, max_useful, dtype, ctx.device, tp.size, ctx.rank)
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
                          scratch_block=num_blocks,
@@ -115,8 +114,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                         vocab_size=model_config.vocab_size,
                         eos_token_ids=list(model_config.eos_token_ids), device=str(ctx.device),
                         num_cpu_kv_blocks=num_cpu_blocks, generation=generation,
-                        sliding_window=(model_config.sliding_window or 0)
-                        if model_config.all_layers_slide else 0)
+                        sliding_window=model_config.sliding_window or 0,
+                        num_sliding_kv_blocks=num_sliding)
     return runner, ready
 
 
@@ -125,10 +124,27 @@ def drafter_for(config: EngineConfig, runner: ModelRunner, vocab_size: int, num_
     """The draft model of --speculative draft, with a KV cache of its own in the target's
     block ids (as many blocks: its size is logged)."""
     draft_config, model = load_draft_model(config, device, dtype, vocab_size)
+    check_draft_windows(config, draft_config, runner)
     kv_caches = allocate_kv_cache(draft_config, num_blocks, config.block_size, dtype, device, 1)
     size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
     log.info("draft KV cache: %d blocks, %.2f GiB", num_blocks, size / 2**30)
     return Drafter(model, kv_caches, runner.inputs, runner.requests)
+
+
+def check_draft_windows(config: EngineConfig, draft: ModelConfig, runner: ModelRunner) -> None:
+    """The draft model attends through the target's block table (its KV in the same block
+    ids): its every layer must attend as the target's one group does, with the same window
+    or none. ValueError otherwise."""
+    groups = runner.inputs.groups
+    windows = {draft.window_of(i) for i in range(draft.num_hidden_layers)}
+    if len(groups) > 1 or windows != {groups[0].window}:
+        target = "mixes full and sliding-window layers" if len(groups) > 1 else (
+            f"attends with a window of {groups[0].window} on every layer" if groups[0].window
+            else "has no sliding window")
+        raise ValueError(f"--draft-model {config.draft_model} attends with windows "
+                         f"{sorted(windows, key=str)}, --model {config.model} {target}: the draft "
+                         "model reads the target's block table, so its layers must attend as "
+                         "the target's do; use --speculative ngram")
 
 
 def shared_sampling_seed(ctx: DistributedContext) -> int:

@@ -66,18 +66,18 @@ class AttentionBatch:
     # decode groups and fresh prompts attend.
     backend: AttentionBackend = TORCH
     # Sliding-window attention: each query attends to the last `window` tokens only (its own
-    # included). A model with windowed layers gets the batch of its full-attention layers with
-    # `sliding` set to the one of its windowed layers: the same tokens and slots, its masks
-    # (and the kernel's context starts) cut to the window.
+    # included). A model mixing full-attention and windowed layers keeps their KV in block
+    # tables of their own: the batch of its full-attention layers then carries the windowed
+    # layers' batch as `sliding` (the same tokens; its own slots, tables and masks).
     window: int | None = None
     sliding: AttentionBatch | None = None
 
     def for_window(self, window: int | None) -> AttentionBatch:
         """The batch a layer with that window (None: full attention) attends with."""
-        if window is None:
+        if window == self.window:
             return self
         if self.sliding is None or self.sliding.window != window:
-            raise ValueError(f"this step's batch has no sliding-window batch of {window} tokens")
+            raise ValueError(f"this step's batch has no attention batch for window {window}")
         return self.sliding
 
     def tensors(self) -> list[torch.Tensor]:
@@ -89,17 +89,32 @@ class AttentionBatch:
         for chunk in self.prefills:
             found += [t for t in (chunk.context_blocks, chunk.mask) if t is not None]
         if self.sliding is not None:
-            found += self.sliding.tensors()[1:]         # the slot mapping is the same tensor
+            found += self.sliding.tensors()
         return found
 
     def to(self, device: torch.device) -> AttentionBatch:
         """The same batch on `device`, copied without blocking the host (see _to)."""
-        slot_mapping = _to(self.slot_mapping, device)
-        sliding = None if self.sliding is None else replace(self.sliding.to(device),
-                                                            slot_mapping=slot_mapping)
-        return replace(self, slot_mapping=slot_mapping,
+        return replace(self, slot_mapping=_to(self.slot_mapping, device),
                        decodes=[group.to(device) for group in self.decodes],
-                       prefills=[chunk.to(device) for chunk in self.prefills], sliding=sliding)
+                       prefills=[chunk.to(device) for chunk in self.prefills],
+                       sliding=None if self.sliding is None else self.sliding.to(device))
+
+
+def fresh_prompt_batch(length: int, layer_windows: list[int | None],
+                       device: torch.device | None = None) -> AttentionBatch:
+    """One fresh prompt of `length` tokens written to slots 0..length-1, for layers with these
+    windows: the full-attention layers' batch, with the windowed layers' as its `sliding`
+    (or a window on every layer: that one alone)."""
+    def attention_batch(window: int | None) -> AttentionBatch:
+        mask = causal_mask(length, window, device) if window and window < length else None
+        return AttentionBatch(block_size=length,
+                              slot_mapping=torch.arange(length, device=device), decodes=[],
+                              prefills=[PrefillChunk(0, length, None, mask)], window=window)
+
+    windows = sorted(set(layer_windows), key=lambda window: window is not None)
+    batch = attention_batch(windows[0])
+    batch.sliding = attention_batch(windows[1]) if len(windows) > 1 else None
+    return batch
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

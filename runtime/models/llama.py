@@ -7,8 +7,7 @@ import torch
 from spmd_runtime.protocol.model_config import ModelConfig, optional_bias_shapes, weight_shapes
 from spmd_runtime.runtime.layers.attention import (
     AttentionBatch,
-    PrefillChunk,
-    causal_mask,
+    fresh_prompt_batch,
     paged_attention,
 )
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
@@ -206,8 +205,7 @@ class LlamaForCausalLM(nn.Module):
         or query/key norm, and one window on every layer or none (the kernel's starts apply to
         all); None otherwise (the layer loop runs)."""
         windows = set(self.layer_windows)
-        if windows != {None} and (len(windows) != 1
-                                  or not getattr(batch.backend, "windowed_decode_stack", False)):
+        if windows != {None} and (len(windows) != 1 or not batch.backend.windowed_decode_stack):
             return None
         if (DECODE_STACK not in fused_cpu_paths_of(type(self)) or self.tp.size != 1
                 or not batch.backend.fused_layers or batch.prefills
@@ -235,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         FUSED_CPU path in the same order (the same hidden states), without its host time."""
         group, attn = batch.decodes[0], self.layers[0].self_attn
         cos, sin = (table.view(table.shape[0], -1) for table in rope)
-        starts = batch.for_window(self.layer_windows[0]).decodes[0].starts
+        starts = group.starts           # under a window on every layer
         return torch.ops.spmd_cpu.decode_layers(
             x, weights, [cache[0] for cache in kv_caches], [cache[1] for cache in kv_caches],
             cos, sin, batch.slot_mapping, group.blocks.view(group.count, -1), group.lengths,
@@ -251,13 +249,7 @@ class LlamaForCausalLM(nn.Module):
         caches = [(torch.zeros(n, kv_heads, config.head_dim, dtype=self.embed_tokens.dtype),
                    torch.zeros(n, kv_heads, config.head_dim, dtype=self.embed_tokens.dtype))
                   for _ in range(config.num_hidden_layers)]
-        batch = AttentionBatch(block_size=n, slot_mapping=torch.arange(n), decodes=[],
-                               prefills=[PrefillChunk(0, n, None, None)])
-        window = config.sliding_window if config.sliding_layers else None
-        if window is not None:
-            batch.sliding = AttentionBatch(
-                block_size=n, slot_mapping=batch.slot_mapping, decodes=[], window=window,
-                prefills=[PrefillChunk(0, n, None, causal_mask(n, window) if window < n else None)])
+        batch = fresh_prompt_batch(n, self.layer_windows)
         return self.compute_logits(self(torch.tensor(ids), torch.arange(n), caches, batch))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -215,3 +215,69 @@ def test_engine_greedy_equals_transformers(checkpoint, tp) -> None:
 def test_engine_torch_attention_equals_transformers(checkpoint) -> None:
     """The torch attention backend (its masks) as well as the C++ kernels, CPU's default."""
     engine_greedy_equals_transformers(checkpoint, 1, attention_backend="torch")
+
+
+def window_bound(chunk: int, block_size: int = 16) -> int:
+    """The most blocks a windowed layer's table holds in a step of `chunk` tokens: those
+    spanning the first query's window through the chunk's last token, across a block edge."""
+    return -(-(WINDOW - 1 + chunk) // block_size) + 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpoint", ["mistral", "gemma3"], indirect=True)
+def test_window_blocks_stay_bounded(checkpoint) -> None:
+    """One 250-token sequence (a 200-token prompt, 50 outputs: 16 blocks) holds at most
+    window_bound blocks of its windowed layers' pool at any time. Mistral's window is on every
+    layer: a pool of 4 blocks (64 tokens) serves it, its full 256-token context reported.
+    Gemma 3 mixes windowed and full layers: its full layers' pool holds the whole sequence,
+    its windowed layers' pool a window's worth."""
+    prompt = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    every_layer = checkpoint.case == "mistral"
+    options = {**ENGINE, "num_kv_blocks": 4 if every_layer else 20}
+    with LLM(checkpoint.directory, **options) as llm:
+        (output,) = llm.generate([prompt], GREEDY_50)
+        stats = llm.client.stats()
+        assert llm.client.model_info().max_model_len == SHAPE["max_position_embeddings"]
+    print(stats)
+    assert stats.sliding_window == WINDOW
+    assert 0 < stats.kv_window_blocks_peak <= window_bound(ENGINE["max_num_batched_tokens"])
+    assert stats.kv_window_blocks_total == (4 if every_layer else 20)
+    assert output.token_ids == transformers_greedy(checkpoint.hf, prompt)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpoint", ["mistral", "gemma3"], indirect=True)
+def test_bucketed_steps_equal_transformers(checkpoint) -> None:
+    """Steps padded to buckets: prompts one per row of the bucket's length, decodes in a
+    bucket's batch over its context length, a window on every layer (Mistral) or on some,
+    in block tables of their own (Gemma 3)."""
+    buckets = dict(execution_mode="bucketed", prompt_bs_bucket="1,1,1",
+                   prompt_seq_bucket="16,16,16", decode_bs_bucket="4,4,4",
+                   decode_seq_bucket="256,256,256")
+    with LLM(checkpoint.directory, **{**ENGINE, **buckets}) as llm:
+        outputs = llm.generate(engine_prompts(), GREEDY_50)
+        stats = llm.client.stats()
+    assert stats.bucketing and stats.batches_outside_buckets == 0, stats
+    assert [o.token_ids for o in outputs] == checkpoint.greedy()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+def test_compiled_buckets_equal_transformers(checkpoint) -> None:
+    """Bucket graphs (compiled, replayed from static inputs): prompts laid one per row, both
+    KV groups' slots and tables among the inputs a graph reads."""
+    buckets = dict(execution_mode="compiled", prompt_bs_bucket="1,1,1",
+                   prompt_seq_bucket="16,16,16", decode_bs_bucket="4,4,4",
+                   decode_seq_bucket="256,256,256")
+    with LLM(checkpoint.directory, **{**ENGINE, **buckets}) as llm:
+        outputs = llm.generate(engine_prompts(), GREEDY_50)
+        stats = llm.client.stats()
+    assert stats.bucketing and stats.runtime_graph_compilations == 0, stats
+    assert [o.token_ids for o in outputs] == checkpoint.greedy()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+def test_ngram_speculation_equals_transformers(checkpoint) -> None:
+    """Proposals verified under windows: blocks for each request's proposals in both pools."""
+    engine_greedy_equals_transformers(checkpoint, 1, speculative="ngram")

@@ -11,6 +11,7 @@ from fake_engine import add, assert_pool_full, make, run_to_completion, step, to
 from spmd_runtime.protocol.messages import FREED_BLOCK
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
+from spmd_runtime.scheduler_proc.kv_groups import HybridKVCacheManager
 from spmd_runtime.scheduler_proc.request import Request
 
 
@@ -113,3 +114,66 @@ def test_swapped_requests_resume_under_a_window() -> None:
     for r in requests:
         assert r.output_token_ids == [token_at(r.request_id, 8 + i) for i in range(30)]
     assert_pool_full(scheduler)
+
+
+def hybrid(full_blocks: int, window_blocks: int, window: int) -> HybridKVCacheManager:
+    """A model mixing full and sliding-window layers: a pool for each, blocks of 4 tokens."""
+    return HybridKVCacheManager(KVCacheManager(full_blocks, 4),
+                                KVCacheManager(window_blocks, 4, sliding_window=window))
+
+
+def decode(kv, request: Request, steps: int) -> None:
+    """`steps` decodes of one token each, as the scheduler runs them."""
+    for _ in range(steps):
+        request.output_token_ids.append(7)
+        assert kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+
+
+def test_mixed_layers_hold_the_whole_context_and_a_window() -> None:
+    """The full-attention layers' table covers every position; the windowed layers' table
+    holds at most a window's blocks (6 tokens, 1 per step: 3 blocks of 4), in a pool of 5."""
+    kv = hybrid(32, 5, window=6)
+    request = Request(0, list(range(100, 110)), SamplingParams(max_tokens=200))
+    assert kv.allocate_slots(request, 10)
+    request.num_computed_tokens = 10
+    decode(kv, request, 90)
+    assert len(request.block_ids) == 25 and FREED_BLOCK not in request.block_ids
+    table = request.sliding
+    assert len(table.block_ids) == 25 and len(held(table)) <= window_bound(6, 1, 4)
+    assert kv.sliding.peak_blocks_in_use <= window_bound(6, 10, 4)
+    assert kv.num_free_blocks == 32 - 25 and kv.sliding.num_free_blocks == 5 - len(held(table))
+    kv.free(request)
+    assert kv.full.num_free_blocks == 32 and kv.sliding.num_free_blocks == 5
+    assert kv.window_pool is kv.sliding
+
+
+def test_mixed_layers_fit_both_pools_or_change_nothing() -> None:
+    """A request whose chunk fits the full pool but not the windowed one gets no block in
+    either."""
+    kv = hybrid(32, 3, window=6)
+    first = Request(0, list(range(100, 108)), SamplingParams(max_tokens=8))
+    assert kv.allocate_slots(first, 8)              # 2 blocks in each pool
+    second = Request(1, list(range(200, 208)), SamplingParams(max_tokens=8))
+    assert not kv.allocate_slots(second, 8)
+    assert second.block_ids == [] and second.sliding.block_ids == []
+    assert (kv.full.num_free_blocks, kv.sliding.num_free_blocks) == (30, 1)
+
+
+def test_mixed_layers_hit_only_where_both_pools_hold_the_prefix() -> None:
+    """A finished 41-token prompt leaves its 10 full blocks cached in the full pool, but the
+    windowed pool (6 blocks) gave its first ones to later blocks: no hit from block 0 there,
+    so none at all (the conservative rule: hits start at the first block in both pools)."""
+    kv = hybrid(32, 6, window=6)
+    prompt = list(range(100, 140))
+    first = Request(0, prompt + [1], SamplingParams(max_tokens=4))
+    for chunk in (8, 8, 8, 8, 8, 1):                # chunked prefill, caching as it goes
+        assert kv.allocate_slots(first, chunk)
+        first.num_computed_tokens += chunk
+        kv.cache_full_blocks(first, first.num_computed_tokens)
+    kv.free(first)
+    second = Request(1, prompt + [2], SamplingParams(max_tokens=4))
+    assert len(kv.full.get_computed_blocks(second)) == 10
+    assert kv.get_computed_blocks(second) == []
+    third = Request(2, prompt[:4] + [3], SamplingParams(max_tokens=4))
+    assert kv.get_computed_blocks(third) == []      # the first block left the windowed pool

@@ -11,6 +11,7 @@ same size.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -285,3 +286,54 @@ def test_cpu_swap_space_comes_out_of_the_same_ram_as_the_kv_cache(tiny_model_nam
     assert total <= free, (
         f"KV cache {ready.num_kv_blocks} blocks + swap space {ready.num_cpu_kv_blocks} blocks "
         f"= {total / 2**20:.2f} MiB of RAM, more than the {free / 2**20:.2f} MiB available")
+
+
+def windowed(model, layers: tuple[int, ...] = (0,)):
+    """`model`'s config with a window of 64 tokens on those layers (by default the first only,
+    a mix of full and windowed layers as Gemma's)."""
+    return dataclasses.replace(model.config, sliding_window=64, sliding_layers=layers)
+
+
+def test_windowed_layers_get_a_pool_of_what_running_requests_can_hold(model) -> None:
+    """A model mixing full and windowed layers: the windowed layers' pool holds max_num_seqs
+    windows and a token budget's blocks (64-token window, blocks of 16: 4 + 2 each, and 4 for
+    the budget); the memory it leaves goes to the full layers' pool. A model with a window on
+    every layer, or none, has one pool."""
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
+    mixed = windowed(model)
+    assert kv_cache.sliding_pool_blocks(config, mixed, 1000) == 4 * (4 + 2) + 4
+    assert kv_cache.sliding_pool_blocks(config, mixed, 10) == 10
+    assert kv_cache.sliding_pool_blocks(config, model.config, 1000) == 0
+    assert kv_cache.sliding_pool_blocks(config, windowed(model, (0, 1)), 1000) == 0
+    sizing = CacheSizing("kv_cache_memory", 0, per_block(model), 1000)
+    # 2 layers of 1000 blocks: the windowed layer's 28 leave 1972 to the full layer.
+    assert kv_cache.split_for_windows(mixed, sizing, 28, max_useful_blocks=5000) == 1972
+    assert kv_cache.split_for_windows(mixed, sizing, 28, max_useful_blocks=1500) == 1500
+    given = CacheSizing("num_kv_blocks", 0, per_block(model), 1000)
+    assert kv_cache.split_for_windows(mixed, given, 28, max_useful_blocks=5000) == 1000
+    caches = kv_cache.allocate_kv_cache(mixed, 9, 16, torch.float32, CPU, 1, 3)
+    assert [k.shape[0] for k, _ in caches] == [3 * 16, 9 * 16]
+
+
+def test_a_draft_model_must_attend_as_the_target_does(model) -> None:
+    """--speculative draft: the draft model reads the target's block table, so its layers
+    attend with the target's one window (or none); otherwise an error says what to use."""
+    from types import SimpleNamespace
+
+    from spmd_runtime.worker_proc.step_inputs import KVGroup
+    from spmd_runtime.worker_proc.worker import check_draft_windows
+
+    config = EngineConfig(model="target", draft_model="draft", speculative="draft")
+
+    def runner(*windows):
+        return SimpleNamespace(inputs=SimpleNamespace(
+            groups=[KVGroup(None, 0, window) for window in windows]))
+
+    check_draft_windows(config, model.config, runner(None))
+    check_draft_windows(config, windowed(model, (0, 1)), runner(64))
+    with pytest.raises(ValueError, match="use --speculative ngram"):
+        check_draft_windows(config, model.config, runner(None, 64))
+    with pytest.raises(ValueError, match="window of 64 on every layer"):
+        check_draft_windows(config, model.config, runner(64))
+    with pytest.raises(ValueError, match="has no sliding window"):
+        check_draft_windows(config, windowed(model), runner(None))
