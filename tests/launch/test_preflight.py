@@ -116,10 +116,11 @@ def test_architectures_the_engine_does_not_build(tmp_path) -> None:
         {**shape, "model_type": "llama", "hidden_act": "gelu_pytorch_tanh"}))
     assert "unsupported hidden_act 'gelu_pytorch_tanh': llama models are built with silu MLPs" \
         in _problem(model=str(tmp_path))
+    # Layers named sliding with no window to slide.
     (tmp_path / "config.json").write_text(json.dumps(
-        {**shape, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32,
-         "max_window_layers": 0}))
-    assert "sliding-window attention on some layers" in _problem(model=str(tmp_path))
+        {**shape, "model_type": "qwen2", "layer_types": ["sliding_attention"]}))
+    assert "layer_types names sliding_attention layers but sliding_window is not set" \
+        in _problem(model=str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(
         {**shape, "model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
     assert "rope scaling type 'longrope' is not implemented" in _problem(model=str(tmp_path))
