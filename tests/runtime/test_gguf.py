@@ -29,7 +29,7 @@ from spmd_runtime.runtime.layers.parallel import TensorParallel
 from spmd_runtime.runtime.loaders.gguf import load_gguf_model, read_gguf_config
 from spmd_runtime.runtime.loaders.hf_dir import read_hf_config
 from spmd_runtime.runtime.models import build_model
-from test_model_families import NORM_CENTER, hf_checkpoint
+from test_model_families import NORM_CENTER, WINDOW, hf_checkpoint
 
 # The GGUF architecture llama.cpp writes each family as.
 ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mistral": "llama",
@@ -180,8 +180,10 @@ def test_gguf_logits_equal_transformers(checkpoint) -> None:
         directory, gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32).eval()
     with torch.inference_mode():
         theirs = from_gguf(torch.tensor([ids])).logits[0]
-    # transformers reads the file as llama.cpp's layout too: the same model.
-    assert float((theirs - expected).abs().max()) < 1e-4
+    # transformers reads the file as llama.cpp's layout too: the same model (but for Phi-3's
+    # sliding window, which its GGUF reader drops: compared where the window does not act).
+    positions = WINDOW if family == "phi3" else len(ids)
+    assert float((theirs - expected)[:positions].abs().max()) < 1e-4
 
 
 # The kept types gguf-py can write (not the K-quants: test_group_quant.py decodes those).

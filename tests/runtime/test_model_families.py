@@ -20,6 +20,9 @@ from spmd_runtime.runtime.loaders.hf_dir import load_hf_weights, read_hf_config
 from spmd_runtime.runtime.models import build_model
 
 SHAPE, ENGINE = FAMILY_SHAPE, FAMILY_ENGINE
+# The sliding window of the families that have one (test_sliding_window tests windows
+# closely): shorter than the longer family prompts, so that HF and GGUF checkpoints slide.
+WINDOW = 32
 
 
 def hf_checkpoint(family: str):
@@ -34,13 +37,13 @@ def hf_checkpoint(family: str):
         return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
             **SHAPE, head_dim=16, attention_bias=True)
     if family == "phi3":
-        # A sliding window on every layer, longer than any sequence here (test_sliding_window
-        # runs short ones).
+        # A sliding window on every layer, shorter than the longer sequences here.
         return transformers.Phi3ForCausalLM, transformers.Phi3Config(
-            **SHAPE, sliding_window=100, pad_token_id=0)
+            **SHAPE, sliding_window=WINDOW, pad_token_id=0)
     if family == "mistral":
-        # A Llama with a sliding window (on every layer, as Phi-3's) and a head_dim that is not
-        # hidden_size / heads.
+        # A Llama with a sliding window (on every layer, as Phi-3's; longer than the sequences
+        # here: llama.cpp's GGUF drops it, test_gguf reads these checkpoints too) and a head_dim
+        # that is not hidden_size / heads.
         return transformers.MistralForCausalLM, transformers.MistralConfig(
             **SHAPE, head_dim=24, sliding_window=100)
     if family == "gemma2":
@@ -50,12 +53,12 @@ def hf_checkpoint(family: str):
         # (on a GPU host's transformers the reference differed by 2.5 in the logits).
         return transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
             **SHAPE, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=10.0,
-            final_logit_softcapping=15.0, sliding_window=100, attn_implementation="eager")
+            final_logit_softcapping=15.0, sliding_window=WINDOW, attn_implementation="eager")
     if family == "gemma3":
         # Sliding layers with a rope base of their own, the others with linear rope scaling;
         # no soft-caps (the released models' setting).
         return transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
-            **SHAPE, head_dim=32, query_pre_attn_scalar=24, sliding_window=100,
+            **SHAPE, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"], rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
