@@ -175,19 +175,19 @@ def test_tensor_parallel_speculation_equals_speculation_off(sharp_models, sharp_
 @pytest.mark.timeout(600)
 def test_smollm2_drafting_for_itself_equals_speculation_off(plain, prompts) -> None:
     """float32 greedy, --speculative draft with smollm2 as its own draft model, chunks of 16
-    and prefix caching (the chat prompts share their system prompt's block): the outputs of the
-    engine without speculation, and nearly every proposal accepted. (Preemption with a draft
-    model: the TP=2 test below; here the requests that always propose keep the pool from
-    overflowing.)"""
+    and prefix caching (the chat prompts share their system prompt's block), in a pool of 8
+    blocks that preempts: the outputs of the engine without speculation, and nearly every
+    proposal accepted."""
     # Two chat prompts (a shared system prompt) and a raw one: drafting for itself doubles the
     # compute of every step.
     prompts = prompts[:2] + prompts[3:4]
     expected = tokens_and_reasons(plain, prompts, GREEDY)
-    with LLM("smollm2", **ENGINE, **dict(
+    with LLM("smollm2", **dict(ENGINE, num_kv_blocks=8), **dict(
             SPECULATIVE, speculative="draft", draft_model="smollm2")) as llm:
         assert tokens_and_reasons(llm, prompts, GREEDY) == expected
         stats = wait_idle(llm.client)
-    assert stats.prefix_cache_hits > 0, stats
+    print(stats)
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
     assert stats.spec_decode_acceptance_rate > 0.9, stats
 
 
