@@ -84,6 +84,8 @@ class Supervisor:
         self.children: list[Child] = []
         self.stop_requested = False
         self.stop_signal: int | None = None
+        # Set with stop_requested: wait() returns at once rather than at its next check.
+        self._stopping = threading.Event()
         # Called with a child that exited and its code; True if it dealt with it (restarted).
         self.on_exit: Callable[[Child, int], bool] | None = None
 
@@ -100,6 +102,7 @@ class Supervisor:
         def request_stop(signum, _frame):
             self.stop_requested = True
             self.stop_signal = signum
+            self._stopping.set()
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
 
@@ -164,7 +167,7 @@ class Supervisor:
         """Supervise until `until()` is true or a stop is requested; raise if a child dies."""
         while not self.stop_requested and not (until and until()):
             self.check()
-            time.sleep(interval_s)
+            self._stopping.wait(interval_s)
 
     def remove(self, names: Callable[[str], bool], timeout_s: float = 5.0) -> None:
         """SIGKILL the children whose name matches (they may be stuck in a collective with a

@@ -1,6 +1,7 @@
 """`python -m spmd_runtime.worker_proc [CONFIG_JSON]`: run one worker (rank from the torchrun
 environment), its config in SPMD_ENGINE_CONFIG as spmdrun starts it, or the argument (torchrun)."""
 import logging
+import os
 import sys
 
 from spmd_runtime.protocol.process_entry import config_of_this_process
@@ -10,4 +11,10 @@ if __name__ == "__main__":
     config = config_of_this_process(sys.argv)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(run_worker(config))
+    code = run_worker(config)
+    # The worker has closed its sockets and process group: skip the interpreter's teardown of
+    # torch (0.4 s on a 2-core VM, every engine stop), with the logs flushed first.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
