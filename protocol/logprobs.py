@@ -27,9 +27,11 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
 
 class StepLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one step computed for one request: its sampled token's record, and records of
-    prompt tokens prompt_start, prompt_start + 1, ... (a prefill chunk's positions)."""
+    prompt tokens prompt_start, prompt_start + 1, ... (a prefill chunk's positions); for a
+    request that verified proposals, the record of each token it emitted, in order."""
 
     request_id: int
     sampled: TokenLogprobs | None = None
     prompt_start: int = 0
     prompt: list[TokenLogprobs] = []
+    verified: list[TokenLogprobs] = []

@@ -93,6 +93,7 @@ class Request:
             self.prompt_logprobs[start:start + len(record.prompt)] = record.prompt
         if record.sampled is not None:
             self.output_logprobs.append(record.sampled)
+        self.output_logprobs.extend(record.verified)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "

@@ -325,6 +325,8 @@ class Scheduler(SchedulerState):
             if self.constrained.accept(request.request_id, token) and reason is None:
                 reason = FinishReason.STOP      # its structured output is complete
             if reason is not None:
+                # A verified run's records past the token that ended it go with its tokens.
+                del request.output_logprobs[len(request.output_token_ids):]
                 self.running.remove(request)
                 self._finish(request, reason, free_now=False)
                 update.finished.append(request)

@@ -42,11 +42,10 @@ class SpecDecodeCounters:
 
 
 def speculation_fits(params: SamplingParams) -> bool:
-    """Whether a request's outputs can be verified several at a time, exactly: no penalties
-    (they would change with each accepted token), no logprobs, no grammar."""
-    return (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.logprobs is None
-            and params.prompt_logprobs is None and params.structured_output is None)
+    """Whether a request's outputs can be verified several at a time, exactly: not under a
+    grammar (its masks follow each accepted token). Penalties are applied to each proposal's
+    row with the proposals before it counted, and logprobs are read at each row."""
+    return params.structured_output is None
 
 
 class Speculator:

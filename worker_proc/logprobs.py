@@ -27,6 +27,8 @@ class LogprobRows:
     chosen: torch.Tensor
     top_ids: torch.Tensor | None
     top: torch.Tensor | None
+    # Rows of the tokens verified proposals emitted (StepLogprobs.verified), not one sample.
+    verified: bool = False
 
 
 def _log_softmax_top(logits: torch.Tensor, targets: torch.Tensor, k: int
@@ -52,6 +54,21 @@ def sampled_logprobs(logits: torch.Tensor, states: Sequence, request_ids: Sequen
     chosen, top_ids, top = _log_softmax_top(logits, tokens, max(ks))
     return LogprobRows([request_ids[row] for row in rows], [1] * len(rows), ks, None, tokens,
                        chosen, top_ids, top)
+
+
+def verified_logprobs(logits: torch.Tensor, runs: Sequence[tuple[int, int, int, list[int]]]
+                      ) -> LogprobRows | None:
+    """Records of the tokens verifying requests emitted: runs of (request id, first row of
+    `logits`, k, tokens), each token read at its row (the raw distribution, as sampled ones)."""
+    if not runs:
+        return None
+    rows = [first + j for _, first, _, tokens in runs for j in range(len(tokens))]
+    targets = torch.tensor([t for *_, tokens in runs for t in tokens]).to(logits.device)
+    ks = [k for _, _, k, _ in runs]
+    chosen, top_ids, top = _log_softmax_top(
+        logits.index_select(0, torch.tensor(rows).to(logits.device)), targets, max(ks))
+    return LogprobRows([rid for rid, *_ in runs], [len(tokens) for *_, tokens in runs], ks,
+                       None, targets, chosen, top_ids, top, verified=True)
 
 
 def prompt_logprobs(model, hidden: torch.Tensor, scheduled: Sequence[tuple[int, int]],
@@ -107,7 +124,9 @@ def read_logprobs(groups: Sequence[LogprobRows | None]) -> list[StepLogprobs]:
                        for r in range(row, row + count)]
             row += count
             record = records.setdefault(request_id, StepLogprobs(request_id))
-            if group.prompt_starts is None:
+            if group.verified:
+                record.verified = entries
+            elif group.prompt_starts is None:
                 record.sampled = entries[0]
             else:
                 record.prompt_start, record.prompt = group.prompt_starts[i], entries

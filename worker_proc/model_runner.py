@@ -11,8 +11,14 @@ from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBacken
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.worker_proc.drafting import Drafter
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
-from spmd_runtime.worker_proc.logprobs import prompt_logprobs, read_logprobs, sampled_logprobs
-from spmd_runtime.worker_proc.penalties import penalize_requests
+from spmd_runtime.worker_proc.logprobs import (
+    LogprobRows,
+    prompt_logprobs,
+    read_logprobs,
+    sampled_logprobs,
+    verified_logprobs,
+)
+from spmd_runtime.worker_proc.penalties import penalize, penalize_requests
 from spmd_runtime.worker_proc.runner_graphs import GraphRunner
 from spmd_runtime.worker_proc.sampler import sample_on_device
 from spmd_runtime.worker_proc.speculative import verify_proposals
@@ -211,7 +217,7 @@ class ModelRunner:
                       and step.bucket.phase is Phase.PROMPT else None)
         prompt = prompt_logprobs(self.model, hidden, step.scheduled, self.requests, row_length)
         tokens, host_tokens, token_slots, sampled = self._sample(step, hidden, cuda, in_flight)
-        verified = self._verify(step.spec, hidden) if step.spec else []
+        verified, verified_records = self._verify(step.spec, hidden) if step.spec else ([], None)
         for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished_at = time.perf_counter()
@@ -229,7 +235,8 @@ class ModelRunner:
                                 finished_at=finished_at, idle_ms=idle_ms,
                                 previous=previous if cuda else None,
                                 overlapped=in_flight is not None,
-                                logprobs=[sampled, prompt], spec_token_ids=verified)
+                                logprobs=[sampled, prompt, verified_records],
+                                spec_token_ids=verified)
         self._last_launched = launched
         return launched
 
@@ -257,26 +264,35 @@ class ModelRunner:
             state.token_ids.append(UNREAD_TOKEN)
         return tokens, host_tokens, token_slots, logprobs
 
-    def _verify(self, spec: list[tuple[int, int, list[int]]],
-                hidden: torch.Tensor) -> list[tuple[int, list[int]]]:
+    def _verify(self, spec: list[tuple[int, int, list[int]]], hidden: torch.Tensor
+                ) -> tuple[list[tuple[int, list[int]]], LogprobRows | None]:
         """Verify each request's proposals against the model's logits at its rows; its tokens
         become the accepted proposals and the model's next token (sampled, so on the host
-        now), and only its last token and the accepted proposals stay computed."""
+        now), and only its last token and the accepted proposals stay computed. Row i of a
+        penalized request counts the proposals before it as outputs; the records of the
+        emitted tokens of those asking for logprobs come back too."""
         rows = torch.tensor([r for _, last, proposals in spec
                              for r in range(last - len(proposals), last + 1)], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        outputs, first = [], 0
+        outputs, runs, first = [], [], 0
         for request_id, _, proposals in spec:
             state, k = self.requests[request_id], len(proposals)
             del state.token_ids[-k:]
-            tokens = verify_proposals(logits[first:first + k + 1], proposals, state.params,
-                                      len(state.token_ids), self.generator)
+            block = logits[first:first + k + 1]
+            if state.params.penalized:
+                block = penalize(block, [state.params] * (k + 1),
+                                 [state.token_ids + proposals[:i] for i in range(k + 1)],
+                                 [state.num_prompt_tokens] * (k + 1))
+            tokens = verify_proposals(block, proposals, state.params, len(state.token_ids),
+                                      self.generator)
+            if state.params.logprobs is not None:
+                runs.append((request_id, first, state.params.logprobs, tokens))
             first += k + 1
             state.token_ids.extend(tokens)
             # launch() adds the scheduled 1 + k: the rejected proposals are not computed.
             state.num_computed_tokens -= k + 1 - len(tokens)
             outputs.append((request_id, tokens))
-        return outputs
+        return outputs, verified_logprobs(logits, runs)
 
     def _fill_unread(self, input_ids: torch.Tensor, step: PreparedStep,
                      in_flight: LaunchedStep | None) -> None:

@@ -1,7 +1,7 @@
 """Speculative decoding end to end (n-gram prompt lookup, and a draft model): greedy outputs
 token for token those of the same engine without it, through chunked prefill (a budget of 16
 tokens), prefix caching and preemption (a pool too small for the batch), with stop strings,
-max_tokens and requests that decode as usual (penalties, logprobs); smollm2 drafting for itself;
+max_tokens, penalties and logprobs; smollm2 drafting for itself;
 under TP=2 on a sharp tiny Llama (prompt lookup, and a tiny random draft model); stats()
 counting the proposals. Everything here is float32.
 
@@ -103,23 +103,29 @@ def test_stop_strings_and_max_tokens_end_where_token_by_token_decoding_ends(
 
 
 @pytest.mark.timeout(300)
-def test_requests_with_penalties_or_logprobs_decode_as_usual(plain, speculating, prompts) -> None:
-    """float32 greedy: a repetition penalty or logprobs keep a request out of speculation (no
-    proposal is counted for them) and give the engine without speculation's tokens (and
-    log-probabilities within 1e-4)."""
-    repeating = prompts[-2:]
+def test_requests_with_penalties_or_logprobs_speculate(plain, speculating, prompts) -> None:
+    """float32 greedy: requests with penalties (each proposal's row counting the proposals
+    before it) and with logprobs (a record per emitted token, read at its row) speculate, and
+    give the engine without speculation's tokens and log-probabilities (within 1e-4), one record
+    per token where max_tokens cuts a verified run."""
+    repeating = prompts[-2:] * 2
     params = [SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3),
-              SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)]
+              SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=0.5,
+                             frequency_penalty=0.3, logprobs=1),
+              SamplingParams(max_tokens=15, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=17, temperature=0.0, logprobs=0)]
     before = wait_idle(speculating.client).spec_decode_num_drafts
     got = speculating.generate(repeating, params)
     want = plain.generate(repeating, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    # Prefix-cache hits left by earlier tests differ between the engines: the same values up
-    # to float32 summation order.
-    torch.testing.assert_close([[r.logprobs for r in o.logprobs] for o in got[1:]],
-                               [[r.logprobs for r in o.logprobs] for o in want[1:]],
-                               rtol=0, atol=1e-4)
-    assert wait_idle(speculating.client).spec_decode_num_drafts == before
+    for mine, theirs in zip(got[1:], want[1:], strict=True):
+        assert len(mine.logprobs) == len(mine.token_ids)
+        assert [r.token_ids for r in mine.logprobs] == [r.token_ids for r in theirs.logprobs]
+        # Prefix-cache hits left by earlier tests differ between the engines: the same values
+        # up to float32 summation order.
+        torch.testing.assert_close([r.logprobs for r in mine.logprobs],
+                                   [r.logprobs for r in theirs.logprobs], rtol=0, atol=1e-4)
+    assert wait_idle(speculating.client).spec_decode_num_drafts > before
 
 
 @pytest.mark.timeout(300)
