@@ -277,7 +277,8 @@ class StepPlan(_Wire, tag="plan"):
     # length) every rank pads this step to; None runs it unpadded.
     bucket: StepShape | None = None
     # Structured outputs: (request id, bitmask) of each constrained request sampling this step,
-    # bit t of little-endian 32-bit word t // 32 set where token t is allowed.
+    # bit t of little-endian 32-bit word t // 32 set where token t is allowed; for one verifying
+    # proposals, a bitmask per row of them, concatenated.
     token_masks: list[tuple[int, bytes]] = []
     # Speculative decoding: (request id, proposed tokens) of each request that verifies
     # proposals in this step. Its scheduled tokens are its last known token and these.

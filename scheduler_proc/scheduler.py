@@ -162,11 +162,14 @@ class Scheduler(SchedulerState):
         return self._with_masks(self.plans.finalize(draft))
 
     def _with_masks(self, step: ScheduledStep) -> ScheduledStep:
-        """The token masks of the constrained requests that sample at the end of `step`."""
+        """The token masks of the constrained requests that sample at the end of `step`, and of
+        those verifying proposals (a mask per row)."""
         if self.constrained:
             sampling = (rid for rid, n in step.num_scheduled.items()
                         if self.requests[rid].samples_after(n))
-            step.plan.token_masks = self.constrained.masks(sampling)
+            step.plan.token_masks = self.constrained.masks(sampling) + [
+                (rid, masks) for rid, proposals in step.plan.spec_token_ids
+                if (masks := self.constrained.run_masks(rid, proposals)) is not None]
         return step
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep | None:

@@ -41,11 +41,12 @@ class SpecDecodeCounters:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def speculation_fits(params: SamplingParams) -> bool:
-    """Whether a request's outputs can be verified several at a time, exactly: not under a
-    grammar (its masks follow each accepted token). Penalties are applied to each proposal's
-    row with the proposals before it counted, and logprobs are read at each row."""
-    return params.structured_output is None
+def speculation_fits(params: SamplingParams, method: str) -> bool:
+    """Whether a request's outputs can be verified several at a time, exactly. Penalties are
+    applied to each proposal's row with the proposals before it counted, logprobs are read at
+    each row, and a grammar's mask is computed here for each row of n-gram proposals (a draft
+    model's are not known here: a constrained request decodes as usual with it)."""
+    return params.structured_output is None or method == "ngram"
 
 
 class Speculator:
@@ -79,7 +80,7 @@ class Speculator:
         """How many tokens a decoding request may propose after its last one: none where its
         sampling does not allow it, or where its outputs, its context or the step's `budget`
         (tokens left, its own last token included) leave no room; at most its draft length."""
-        if not speculation_fits(request.params):
+        if not speculation_fits(request.params, self.method):
             return 0
         return max(0, min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1,
                           max_model_len - request.num_tokens - 1,
@@ -95,6 +96,9 @@ class Speculator:
             return False
         proposals = None if self.proposer is None else self.proposer.propose(
             request.all_token_ids, room)
+        if proposals and request.params.structured_output is not None:
+            # What its grammar allows, up to the first token it refuses.
+            proposals = scheduler.constrained.allowed_prefix(request.request_id, proposals)
         num_proposed = room if proposals is None else len(proposals)
         if not num_proposed or not scheduler.kv.allocate_slots(
                 request, 1 + num_proposed, reserve=len(scheduler.running)):

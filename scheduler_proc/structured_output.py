@@ -165,6 +165,27 @@ class ConstrainedRequests:
         return [(rid, self.matchers[rid].compute_bitmask()) for rid in request_ids
                 if rid in self.matchers]
 
+    def allowed_prefix(self, request_id: int, proposals: list[int]) -> list[int]:
+        """The proposals up to the first one the request's grammar refuses after the others."""
+        matcher = self.matchers.get(request_id)
+        return proposals if matcher is None else proposals[:matcher.validate_tokens(proposals)]
+
+    def run_masks(self, request_id: int, proposals: list[int]) -> bytes | None:
+        """The bitmasks of a verified run's rows, concatenated: before each proposal and after
+        the last (the grammar having taken the ones before); the matcher is left as it was.
+        None for an unconstrained request."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return None
+        masks = [matcher.compute_bitmask()]
+        for token in proposals:
+            if not matcher.consume_token(token):
+                raise ValueError(f"request {request_id}: proposal {token} refused by its "
+                                 f"grammar: {matcher.get_error()}")
+            masks.append(matcher.compute_bitmask())
+        matcher.rollback(len(proposals))
+        return b"".join(masks)
+
     def forget(self, request_id: int) -> None:
         self.matchers.pop(request_id, None)
 

@@ -31,7 +31,7 @@ from spmd_runtime.worker_proc.step_state import (
     StepOutput,
 )
 from spmd_runtime.worker_proc.swap_space import SwapSpace
-from spmd_runtime.worker_proc.token_masks import apply_token_masks
+from spmd_runtime.worker_proc.token_masks import apply_token_masks, expand_masks, split_masks
 
 log = logging.getLogger("spmd.worker")
 
@@ -217,7 +217,8 @@ class ModelRunner:
                       and step.bucket.phase is Phase.PROMPT else None)
         prompt = prompt_logprobs(self.model, hidden, step.scheduled, self.requests, row_length)
         tokens, host_tokens, token_slots, sampled = self._sample(step, hidden, cuda, in_flight)
-        verified, verified_records = self._verify(step.spec, hidden) if step.spec else ([], None)
+        verified, verified_records = (self._verify(step.spec, hidden, step.token_masks)
+                                      if step.spec else ([], None))
         for request_id, num_tokens in step.scheduled:
             self.requests[request_id].num_computed_tokens += num_tokens
         finished_at = time.perf_counter()
@@ -264,13 +265,14 @@ class ModelRunner:
             state.token_ids.append(UNREAD_TOKEN)
         return tokens, host_tokens, token_slots, logprobs
 
-    def _verify(self, spec: list[tuple[int, int, list[int]]], hidden: torch.Tensor
-                ) -> tuple[list[tuple[int, list[int]]], LogprobRows | None]:
+    def _verify(self, spec: list[tuple[int, int, list[int]]], hidden: torch.Tensor,
+                masks: dict[int, bytes]) -> tuple[list[tuple[int, list[int]]], LogprobRows | None]:
         """Verify each request's proposals against the model's logits at its rows; its tokens
         become the accepted proposals and the model's next token (sampled, so on the host
         now), and only its last token and the accepted proposals stay computed. Row i of a
-        penalized request counts the proposals before it as outputs; the records of the
-        emitted tokens of those asking for logprobs come back too."""
+        penalized request counts the proposals before it as outputs, and a constrained one's
+        refuses what its grammar does after them; the records of the emitted tokens of those
+        asking for logprobs come back too."""
         rows = torch.tensor([r for _, last, proposals in spec
                              for r in range(last - len(proposals), last + 1)], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
@@ -283,6 +285,10 @@ class ModelRunner:
                 block = penalize(block, [state.params] * (k + 1),
                                  [state.token_ids + proposals[:i] for i in range(k + 1)],
                                  [state.num_prompt_tokens] * (k + 1))
+            if request_id in masks:
+                allowed = expand_masks(split_masks(masks[request_id], k + 1), block.shape[1],
+                                       block.device)
+                block = block.masked_fill(~allowed, float("-inf"))
             tokens = verify_proposals(block, proposals, state.params, len(state.token_ids),
                                       self.generator)
             if state.params.logprobs is not None:

@@ -21,6 +21,14 @@ def expand_masks(masks: list[bytes], vocab_size: int, device: torch.device) -> t
     return torch.cat([allowed, pad], dim=1)
 
 
+def split_masks(packed: bytes, count: int) -> list[bytes]:
+    """A verified run's `count` row masks, sent concatenated (equal lengths)."""
+    size = len(packed) // count
+    if size * count != len(packed):
+        raise ValueError(f"{len(packed)} mask bytes do not split into {count} rows")
+    return [packed[i * size:(i + 1) * size] for i in range(count)]
+
+
 def apply_token_masks(logits: torch.Tensor, sample_ids: list[int],
                       masks: dict[int, bytes]) -> torch.Tensor:
     """logits [rows, vocab], one row per id of sample_ids: the rows of constrained requests

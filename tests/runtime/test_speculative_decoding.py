@@ -129,6 +129,31 @@ def test_requests_with_penalties_or_logprobs_speculate(plain, speculating, promp
 
 
 @pytest.mark.timeout(300)
+def test_constrained_requests_speculate_within_their_grammar(plain, speculating, prompts) -> None:
+    """float32 greedy under a grammar: n-gram proposals cut at the first token the grammar
+    refuses, a mask per row of the rest, and the engine without speculation's outputs. The
+    passage's own words pass the first regex (proposals accepted); the second refuses the
+    comma the passage goes on with (proposals cut there), and a choice ends the third early."""
+    from spmd_runtime.protocol.sampling import StructuredOutput
+
+    repeating = prompts[-2:] + prompts[-2:-1]
+    params = [SamplingParams(max_tokens=24, temperature=0.0,
+                             structured_output=StructuredOutput(regex=r"[A-Za-z ,.\n]+")),
+              SamplingParams(max_tokens=24, temperature=0.0,
+                             structured_output=StructuredOutput(regex=r"[A-Za-z .]+")),
+              SamplingParams(max_tokens=24, temperature=0.0,
+                             structured_output=StructuredOutput(choice=("The committee met",
+                                                                        "No")))]
+    before = wait_idle(speculating.client).spec_decode_num_drafts
+    got = speculating.generate(repeating, params)
+    want = plain.generate(repeating, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in want]
+    assert got[2].text in ("The committee met", "No")
+    assert wait_idle(speculating.client).spec_decode_num_drafts > before
+
+
+@pytest.mark.timeout(300)
 def test_seeded_sampling_with_speculation_is_reproducible(speculating, prompts) -> None:
     """float32, temperature 0.8 with a seed: the same outputs twice, max_tokens long."""
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)

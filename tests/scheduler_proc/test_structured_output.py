@@ -49,6 +49,26 @@ def test_a_choice_is_followed_token_by_token_to_its_end(constrained, tokenizer) 
     assert not constrained
 
 
+def test_proposals_are_cut_where_the_grammar_refuses_and_masked_row_by_row(constrained,
+                                                                          tokenizer) -> None:
+    """Speculation (n-gram proposals): the proposals up to the first the grammar refuses, and a
+    mask per row of a verified run (before each proposal and after the last), the matcher left
+    where it was."""
+    constrained.add(1, constrained.check(StructuredOutput(regex="ab+c")))
+    a, b, c = (tokenizer.convert_tokens_to_ids(t) for t in "abc")
+    assert constrained.allowed_prefix(1, [a, b, b, c, a]) == [a, b, b, c]
+    assert constrained.allowed_prefix(1, [c, a]) == []
+    before = constrained.masks([1])[0][1]
+    run = constrained.run_masks(1, [a, b])
+    rows = [run[i * len(before):(i + 1) * len(before)] for i in range(3)]
+    assert len(run) == 3 * len(before) and rows[0] == before
+    assert a in allowed(rows[0]) and b not in allowed(rows[0])
+    assert b in allowed(rows[1]) and c not in allowed(rows[1])
+    assert {b, c} <= set(allowed(rows[2]))
+    assert constrained.masks([1])[0][1] == before          # rolled back
+    assert constrained.run_masks(2, [a]) is None           # not constrained
+
+
 def test_each_constraint_compiles_once_and_every_request_gets_its_own_matcher(constrained) -> None:
     spec = StructuredOutput(regex=r"[0-9]{3}")
     first, second = constrained.check(spec), constrained.check(StructuredOutput(regex=r"[0-9]{3}"))

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from spmd_runtime.worker_proc.token_masks import apply_token_masks, expand_masks
+from spmd_runtime.worker_proc.token_masks import apply_token_masks, expand_masks, split_masks
 
 CPU = torch.device("cpu")
 
@@ -36,3 +37,11 @@ def test_only_the_constrained_rows_are_masked_and_the_input_is_kept() -> None:
     # Greedy picks the best allowed token, however much likelier a refused one is.
     assert masked.argmax(-1)[0].item() == 3
     assert apply_token_masks(logits, [7, 8, 9], {}) is logits
+
+
+def test_a_verified_runs_masks_split_into_its_rows() -> None:
+    """A request verifying k proposals gets k + 1 masks sent as one: each row its own."""
+    rows = [bytes([i]) * 8 for i in range(3)]
+    assert split_masks(b"".join(rows), 3) == rows
+    with pytest.raises(ValueError, match="do not split into 3 rows"):
+        split_masks(b"x" * 10, 3)
