@@ -245,34 +245,22 @@ def test_window_blocks_stay_bounded(checkpoint) -> None:
     assert output.token_ids == transformers_greedy(checkpoint.hf, prompt)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("checkpoint", ["mistral", "gemma3"], indirect=True)
-def test_bucketed_steps_equal_transformers(checkpoint) -> None:
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("checkpoint", "mode"), [("mistral", "bucketed"), ("gemma3", "bucketed"),
+                                                  ("gemma3", "compiled")],
+                         indirect=["checkpoint"])
+def test_bucketed_steps_equal_transformers(checkpoint, mode) -> None:
     """Steps padded to buckets: prompts one per row of the bucket's length, decodes in a
     bucket's batch over its context length, a window on every layer (Mistral) or on some,
-    in block tables of their own (Gemma 3)."""
-    buckets = dict(execution_mode="bucketed", prompt_bs_bucket="1,1,1",
-                   prompt_seq_bucket="16,16,16", decode_bs_bucket="4,4,4",
-                   decode_seq_bucket="256,256,256")
+    in block tables of their own (Gemma 3); compiled, from the static inputs a bucket graph
+    reads (both KV groups' slots and tables among them)."""
+    buckets = dict(execution_mode=mode, prompt_bs_bucket="1,1,1", prompt_seq_bucket="16,16,16",
+                   decode_bs_bucket="4,4,4", decode_seq_bucket="256,256,256")
     with LLM(checkpoint.directory, **{**ENGINE, **buckets}) as llm:
         outputs = llm.generate(engine_prompts(), GREEDY_50)
         stats = llm.client.stats()
     assert stats.bucketing and stats.batches_outside_buckets == 0, stats
-    assert [o.token_ids for o in outputs] == checkpoint.greedy()
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
-def test_compiled_buckets_equal_transformers(checkpoint) -> None:
-    """Bucket graphs (compiled, replayed from static inputs): prompts laid one per row, both
-    KV groups' slots and tables among the inputs a graph reads."""
-    buckets = dict(execution_mode="compiled", prompt_bs_bucket="1,1,1",
-                   prompt_seq_bucket="16,16,16", decode_bs_bucket="4,4,4",
-                   decode_seq_bucket="256,256,256")
-    with LLM(checkpoint.directory, **{**ENGINE, **buckets}) as llm:
-        outputs = llm.generate(engine_prompts(), GREEDY_50)
-        stats = llm.client.stats()
-    assert stats.bucketing and stats.runtime_graph_compilations == 0, stats
+    assert stats.runtime_graph_compilations == 0, stats
     assert [o.token_ids for o in outputs] == checkpoint.greedy()
 
 
