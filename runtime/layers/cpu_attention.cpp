@@ -19,7 +19,8 @@
 // Every entry point checks what it will dereference (shapes, dtypes, each block-table entry a
 // length reaches, each slot) before reading anything, and names the bad argument: a wrong
 // table or slot would otherwise read or write outside the cache.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -5,7 +5,8 @@
 // tensors, so the hidden states are identical to the bit. What goes is the host time between
 // them: per layer about a dozen Python-level operator calls and twenty views (~7 ms of a 64-row
 // step on a 2-core VM) become C++ calls through the dispatcher.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

@@ -9,7 +9,9 @@
 // scales are applied once per block to the integer sums, its zero points and minimums through
 // each row's sums of codes. Many rows (prefill): 64 output features at a time are dequantized
 // to float32 and multiplied by MKL's GEMM.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

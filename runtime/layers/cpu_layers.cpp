@@ -9,7 +9,8 @@
 // nearest even, cpu_bf16.h), so a bf16 model gets float32's intermediate precision without a
 // float32 copy of its activations. Each kernel is one template over the storage type, and the
 // float32 instantiation is the arithmetic these operators always did, bit for bit.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -20,7 +20,8 @@
 // bfloat16 q, k and v go through the same float32 GEMMs: each task widens the query, key and
 // value rows it reads into float32 scratch, and its output rows are rounded to bfloat16 as they
 // are divided by their sums. float32 inputs are read and written in place, as before.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,8 @@
 // back to float. In torch each is a chain of 6-8 operators, a few dozen per layer per step.
 // Both compute exactly what the torch chain computes (same operations in the same order, round
 // half to even), so either path gives the same bits.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
