@@ -39,16 +39,20 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+    def get_computed_blocks(self, request: Request) -> list[KVBlock | None]:
         """Cached blocks holding a prefix of the request's tokens (changes nothing).
 
         Stops at the first miss, and never covers the last token: its logits must be computed.
         None for a request with prompt_logprobs, which needs the logits of every prompt position.
+        Under a sliding window, the longest prefix whose blocks within the window of its next
+        token are cached: the blocks before that window are None (no query attends to them).
         """
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
         tokens = request.all_token_ids
         extend_block_hashes(request.block_hashes, tokens, self.block_size, request.params.cache_salt)
+        if self.sliding_window:
+            return self.hits_in_window(request, (len(tokens) - 1) // self.block_size)
         hits = []
         for block_hash in request.block_hashes[:(len(tokens) - 1) // self.block_size]:
             block = self.pool.lookup(block_hash)
@@ -56,6 +60,21 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def hits_in_window(self, request: Request, most: int) -> list[KVBlock | None]:
+        """Under a sliding window: the hits of the longest prefix of at most `most` blocks
+        (hashed already) whose blocks within the window of the token after it are cached,
+        None before that window."""
+        present = [self.pool.lookup(block_hash) for block_hash in request.block_hashes[:most]]
+        missing = -1                        # the last block not cached, before `length`
+        longest = 0
+        for length in range(1, most + 1):
+            if present[length - 1] is None:
+                missing = length - 1
+            if missing < self._blocks_before_window(length * self.block_size):
+                longest = length
+        first = self._blocks_before_window(longest * self.block_size)
+        return [None] * first + present[first:longest]
 
     def blocks_needed(self, request: Request, num_new_tokens: int,
                       computed_blocks: list[KVBlock] = ()) -> int:
@@ -97,7 +116,7 @@ class KVCacheManager:
         have = len(request.block_ids) + len(computed_blocks)
         if self.sliding_window and not computed_blocks:
             have = max(have, self._blocks_before_window(first))
-        reviving = sum(1 for block in computed_blocks if block.ref_count == 0)
+        reviving = sum(1 for block in computed_blocks if block is not None and block.ref_count == 0)
         return -(-(first + num_new_tokens) // self.block_size) - have + reviving
 
     def take(self, request: Request, num_new_tokens: int,
@@ -107,9 +126,12 @@ class KVCacheManager:
         ids = request.block_ids
         if computed_blocks:
             # Hits first: they leave the free queue before new blocks are popped from it.
-            self.pool.touch(computed_blocks)
-            ids.extend(block.block_id for block in computed_blocks)
+            # Under a window, those before it are None: no block at all.
+            self.pool.touch(block for block in computed_blocks if block is not None)
+            ids.extend(FREED_BLOCK if block is None else block.block_id
+                       for block in computed_blocks)
             request.num_cached_blocks = len(computed_blocks)
+            request.num_blocks_slid = sum(1 for block in computed_blocks if block is None)
         elif self.sliding_window and len(ids) < self._blocks_before_window(first):
             # Back from the swap space: positions before the window get no block.
             ids.extend([FREED_BLOCK] * (self._blocks_before_window(first) - len(ids)))

@@ -5,7 +5,8 @@ The windowed table frees the blocks its window leaves, so that pool holds at mos
 a chunk per request, while the full-attention pool holds every request's whole context.
 
 HybridKVCacheManager keeps KVCacheManager's API: a request fits when it fits both pools, and a
-prefix hit counts where both pools still hold its blocks.
+prefix hit counts where the full pool holds its blocks and the windowed pool those its window
+still reaches.
 """
 from __future__ import annotations
 
@@ -60,10 +61,10 @@ class HybridKVCacheManager:
         return self.full.num_free_blocks
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
-        """Full-attention hits as far as the windowed pool holds the same blocks too (from the
-        first: a conservative rule, as a window only needs the last ones)."""
+        """Full-attention hits as far as the windowed pool holds the blocks within the window
+        of the token after them."""
         hits = self.full.get_computed_blocks(request)
-        return hits[:len(self.sliding.get_computed_blocks(sliding_table(request)))] if hits else hits
+        return hits[:len(self.sliding.hits_in_window(sliding_table(request), len(hits)))]
 
     def blocks_needed(self, request: Request, num_new_tokens: int,
                       computed_blocks: list[KVBlock] = ()) -> int:
@@ -73,8 +74,7 @@ class HybridKVCacheManager:
                        computed_blocks: list[KVBlock] = (), reserve: int = 0) -> bool:
         """Room in both pools, or (but for the windowed blocks that left the window) no change."""
         table = sliding_table(request)
-        sliding_hits = self.sliding.get_computed_blocks(table)[:len(computed_blocks)] \
-            if computed_blocks else []
+        sliding_hits = self.sliding.hits_in_window(table, len(computed_blocks))
         if len(sliding_hits) != len(computed_blocks):
             return False        # not a get_computed_blocks answer
         self.sliding.slide_window(table, request.num_computed_tokens)

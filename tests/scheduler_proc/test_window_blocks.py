@@ -59,7 +59,7 @@ def test_a_request_back_from_the_swap_space_gets_blocks_for_its_window_only() ->
 def test_long_requests_in_a_small_pool_match_and_stay_in_their_windows() -> None:
     """Prompts and outputs far longer than the pool holds (12 blocks of 4 = 48 tokens; a
     window of 9, chunks of 8): every request finishes with the tokens of its positions, holding
-    at most window_bound blocks at every step."""
+    at most window_bound blocks at every step, with swaps and prefix hits."""
     window, budget, block_size = 9, 8, 4
     scheduler, loop = make(num_blocks=12, block_size=block_size, budget=budget, max_num_seqs=4,
                            num_cpu_blocks=6, caching=True, window=window)
@@ -77,7 +77,10 @@ def test_long_requests_in_a_small_pool_match_and_stay_in_their_windows() -> None
         n = len(request.prompt_token_ids)
         assert request.output_token_ids == [token_at(request.request_id, n + i)
                                             for i in range(request.params.max_tokens)]
+    # Prefix hits on the shared prompt need only the blocks its window reaches: the first
+    # ones left the pool long ago (the fake worker checks the slots attended to).
     assert scheduler.counters.num_preemptions > 0, scheduler.counters
+    assert scheduler.kv.counters.hits > 0, scheduler.kv.counters
     run_to_completion(scheduler, loop)
     assert_pool_full(scheduler)
 
@@ -160,10 +163,12 @@ def test_mixed_layers_fit_both_pools_or_change_nothing() -> None:
     assert (kv.full.num_free_blocks, kv.sliding.num_free_blocks) == (30, 1)
 
 
-def test_mixed_layers_hit_only_where_both_pools_hold_the_prefix() -> None:
-    """A finished 41-token prompt leaves its 10 full blocks cached in the full pool, but the
-    windowed pool (6 blocks) gave its first ones to later blocks: no hit from block 0 there,
-    so none at all (the conservative rule: hits start at the first block in both pools)."""
+def test_mixed_layers_hit_where_the_windowed_pool_holds_the_window() -> None:
+    """A finished 41-token prompt leaves its 10 full blocks cached in the full pool; the
+    windowed pool (6 blocks) gave its first ones to later blocks but holds the last ones, all a
+    next token's window (6 tokens) reaches: a prompt sharing the 40 tokens hits all 10 blocks,
+    its windowed table none before the window. A prompt sharing only the first block misses:
+    that block left the windowed pool."""
     kv = hybrid(32, 6, window=6)
     prompt = list(range(100, 140))
     first = Request(0, prompt + [1], SamplingParams(max_tokens=4))
@@ -173,7 +178,12 @@ def test_mixed_layers_hit_only_where_both_pools_hold_the_prefix() -> None:
         kv.cache_full_blocks(first, first.num_computed_tokens)
     kv.free(first)
     second = Request(1, prompt + [2], SamplingParams(max_tokens=4))
-    assert len(kv.full.get_computed_blocks(second)) == 10
-    assert kv.get_computed_blocks(second) == []
+    hits = kv.get_computed_blocks(second)
+    assert len(hits) == 10
+    assert kv.allocate_slots(second, 1, hits)
+    # The window of position 40 (35..40): blocks 8 and 9 hit, block 10 is new.
+    assert second.sliding.block_ids[:8] == [FREED_BLOCK] * 8
+    assert len(held(second.sliding)) == 3 and second.sliding.num_blocks_slid == 8
     third = Request(2, prompt[:4] + [3], SamplingParams(max_tokens=4))
-    assert kv.get_computed_blocks(third) == []      # the first block left the windowed pool
+    assert len(kv.full.get_computed_blocks(third)) == 1
+    assert kv.get_computed_blocks(third) == []
