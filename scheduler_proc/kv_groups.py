@@ -66,10 +66,6 @@ class HybridKVCacheManager:
         hits = self.full.get_computed_blocks(request)
         return hits[:len(self.sliding.hits_in_window(sliding_table(request), len(hits)))]
 
-    def blocks_needed(self, request: Request, num_new_tokens: int,
-                      computed_blocks: list[KVBlock] = ()) -> int:
-        return self.full.blocks_needed(request, num_new_tokens, computed_blocks)
-
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = (), reserve: int = 0) -> bool:
         """Room in both pools, or (but for the windowed blocks that left the window) no change."""

@@ -13,7 +13,7 @@ from spmd_runtime.runtime.layers.attention import (
     AttentionBatch,
     DecodeGroup,
     PrefillChunk,
-    causal_mask,
+    band_mask,
 )
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
 from spmd_runtime.worker_proc.block_table import BlockTables
@@ -184,8 +184,8 @@ class StepInputs:
         prefills = []
         for offset, length, start, table in specs:
             if start == 0:
-                mask = causal_mask(length, window) if window and window < length else None
-                prefills.append(PrefillChunk(offset, length, None, _to(mask, device)))
+                prefills.append(PrefillChunk(offset, length, None,
+                                             band_mask(length, window, device)))
                 continue
             num_blocks = -(-(start + length) // block_size)
             first_block = max(0, start - window + 1) // block_size if window else 0
@@ -236,7 +236,3 @@ class StepInputs:
             slots[base:base + num_tokens] = [table[p // block_size] * block_size + p % block_size
                                              for p in range(num_tokens)]
         return torch.tensor(slots, device=device)
-
-
-def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)

@@ -106,7 +106,7 @@ def fresh_prompt_batch(length: int, layer_windows: list[int | None],
     windows: the full-attention layers' batch, with the windowed layers' as its `sliding`
     (or a window on every layer: that one alone)."""
     def attention_batch(window: int | None) -> AttentionBatch:
-        mask = causal_mask(length, window, device) if window and window < length else None
+        mask = band_mask(length, window, device)
         return AttentionBatch(block_size=length,
                               slot_mapping=torch.arange(length, device=device), decodes=[],
                               prefills=[PrefillChunk(0, length, None, mask)], window=window)
@@ -192,7 +192,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_length: 
     def by_row(x: torch.Tensor) -> torch.Tensor:             # [rows, heads, row_length, dim]
         return x.view(-1, row_length, x.shape[1], x.shape[2]).transpose(1, 2)
 
-    mask = causal_mask(row_length, window, q.device) if window and window < row_length else None
+    mask = band_mask(row_length, window, q.device)
     attended = F.scaled_dot_product_attention(by_row(q), by_row(k), by_row(v),
                                               is_causal=mask is None, attn_mask=mask,
                                               scale=scale, enable_gqa=True)
@@ -204,6 +204,13 @@ def causal_mask(length: int, window: int | None = None,
     """[length, length] True where query i may attend key j: j <= i, and i - j < window."""
     mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     return mask.triu(1 - window) if window else mask
+
+
+def band_mask(length: int, window: int | None,
+              device: torch.device | None = None) -> torch.Tensor | None:
+    """A fresh prompt's mask under a window shorter than it; None where plain causal
+    attention is the same (no window, or one the prompt does not exceed)."""
+    return causal_mask(length, window, device) if window and window < length else None
 
 
 def _capped_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
