@@ -1,9 +1,12 @@
 """Speculative decoding end to end (n-gram prompt lookup, and a draft model): greedy outputs
 token for token those of the same engine without it, through chunked prefill (a budget of 16
 tokens), prefix caching and preemption (a pool too small for the batch), with stop strings,
-max_tokens, penalties and logprobs; smollm2 drafting for itself;
-under TP=2 on a sharp tiny Llama (prompt lookup, and a tiny random draft model); stats()
-counting the proposals. Everything here is float32.
+max_tokens, penalties and logprobs; smollm2 drafting for itself; over ten prompts (the parity
+prompts of test_llm_correctness and two whose answers repeat them), at one rank, and at three
+(smollm2's heads do not split over two) by prompt lookup and by drafting for itself; under
+TP=2, a tiny random draft for a tiny random target of smollm2's vocabulary on the same prompts,
+and prompt lookup on a tiny Llama whose outputs repeat; stats() counting the proposals.
+Everything here is float32.
 
 Two smollm2 engines, the same but for --speculative, are shared by the module's tests; the
 distribution kept by sampled verification is tested without an engine, in
@@ -14,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_idle import wait_idle
-from sharp_llama import FAMILY_ENGINE, sharp_llama
+from sharp_llama import FAMILY_ENGINE, SMOLLM2_VOCAB, sharp_chat_llama, sharp_llama
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.runtime import LLM, SamplingParams
 from test_llm_correctness import CHAT_QUESTIONS, RAW_PROMPTS
@@ -64,14 +67,20 @@ def tokens_and_reasons(llm: LLM, prompts, params) -> list[tuple[list[int], str |
     return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
 
 
+@pytest.fixture(scope="module")
+def expected(plain, prompts) -> list[tuple[list[int], str | None]]:
+    """The engine without speculation's greedy outputs of the ten prompts (which equal
+    transformers', test_llm_correctness)."""
+    return tokens_and_reasons(plain, prompts, GREEDY)
+
+
 @pytest.mark.timeout(600)
-def test_greedy_outputs_equal_speculation_off(plain, speculating, prompts) -> None:
+def test_greedy_outputs_equal_speculation_off(expected, speculating, prompts) -> None:
     """float32 greedy over ten prompts (the chat ones share their system prompt's block in the
     prefix cache), with chunks of 16 tokens and preemption: token for token the engine without
     speculation's;
     stats() counts proposals and accepted tokens (the repeating prompts accept most)."""
     before = speculating.client.stats()
-    expected = tokens_and_reasons(plain, prompts, GREEDY)
     assert tokens_and_reasons(speculating, prompts, GREEDY) == expected
     stats = wait_idle(speculating.client)
     assert stats.speculative == "ngram"
@@ -163,61 +172,103 @@ def test_seeded_sampling_with_speculation_is_reproducible(speculating, prompts) 
     assert all(len(o.token_ids) == 24 for o in first)
 
 
-SHARP_PATTERN = [5, 17, 42, 99, 7, 63]
-SHARP_PROMPTS = [SHARP_PATTERN * 4, [3] + SHARP_PATTERN * 6 + [8, 9], SHARP_PATTERN[:4] * 5]
-SHARP_PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-# Two CPU ranks, chunks of 16, prefix caching and a pool that preempts (FAMILY_ENGINE).
-SHARP_TP2 = dict(FAMILY_ENGINE, nproc_per_node=2, device="cpu")
+# Two CPU ranks, with ENGINE's chunks of 16, prefix caching and a pool that preempts.
+TP2 = dict(ENGINE, nproc_per_node=2, device="cpu")
+# Prompts that repeat themselves: where prompt lookup finds something to propose to a random
+# model (whose answers to the chat prompts repeat nothing).
+PATTERN = [5, 17, 42, 99, 7, 63]
+PATTERN_PROMPTS = [PATTERN * 4, [3] + PATTERN * 6 + [8, 9]]
 
 
 @pytest.fixture(scope="module")
-def sharp_models(tmp_path_factory) -> tuple[str, str]:
-    """A sharp tiny Llama, and another of the same vocabulary but other heads (other weights)
-    to draft for it."""
-    target, _ = sharp_llama(tmp_path_factory.mktemp("sharp-target"), heads=4, kv_heads=2)
-    draft, _ = sharp_llama(tmp_path_factory.mktemp("sharp-draft"), heads=2, kv_heads=1)
+def tiny_models(tmp_path_factory, smollm2_gguf) -> tuple[str, str]:
+    """A sharp tiny random Llama with smollm2's vocabulary (and tokenizer, so the parity prompts
+    are its text too), and another of that vocabulary but other heads (other weights) to draft
+    for it."""
+    target = sharp_chat_llama(tmp_path_factory.mktemp("tiny-target"), smollm2_gguf)
+    draft, _ = sharp_llama(tmp_path_factory.mktemp("tiny-draft"), heads=2, kv_heads=1,
+                           vocab=SMOLLM2_VOCAB)
     return target, draft
 
 
 @pytest.fixture(scope="module")
-def sharp_expected(sharp_models) -> list[list[int]]:
-    """The target's greedy outputs under TP=2 without speculation."""
-    with LLM(sharp_models[0], **SHARP_TP2) as llm:
-        return [o.token_ids for o in llm.generate(SHARP_PROMPTS, SHARP_PARAMS)]
+def tiny_expected(tiny_models, prompts) -> list[tuple[list[int], str | None]]:
+    """The tiny target's greedy outputs of the ten prompts and the two repeating patterns,
+    under TP=2 without speculation."""
+    with LLM(tiny_models[0], **TP2) as llm:
+        return tokens_and_reasons(llm, prompts + PATTERN_PROMPTS, GREEDY)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_tensor_parallel_speculation_equals_speculation_off(sharp_models, sharp_expected,
-                                                            method) -> None:
-    """float32 greedy on a sharp tiny Llama split over two CPU ranks, with chunks of 16,
-    prefix caching and preemption: speculating (prompt lookup on prompts that repeat
-    themselves; or a tiny random draft model of the same vocabulary, whole on each rank) gives
-    the outputs of not speculating."""
-    target, draft = sharp_models
-    options = dict(SPECULATIVE, speculative=method, draft_model=draft if method == "draft" else "")
-    with LLM(target, **SHARP_TP2, **options) as llm:
-        assert [o.token_ids for o in llm.generate(SHARP_PROMPTS, SHARP_PARAMS)] == sharp_expected
-        stats = llm.client.stats()
+def test_a_tiny_draft_over_two_ranks_equals_speculation_off(tiny_models, tiny_expected,
+                                                           prompts) -> None:
+    """float32 greedy over the ten prompts (and two repeating patterns) on a sharp tiny random
+    Llama split over two CPU ranks, with chunks of 16, prefix caching and preemption: a tiny
+    random draft model of the same vocabulary (whole on each rank) proposing gives the outputs
+    of not speculating."""
+    target, draft = tiny_models
+    with LLM(target, **TP2, **dict(SPECULATIVE, speculative="draft", draft_model=draft)) as llm:
+        assert tokens_and_reasons(llm, prompts + PATTERN_PROMPTS, GREEDY) == tiny_expected
+        stats = wait_idle(llm.client)
     assert stats.spec_decode_num_drafts > 0 and stats.num_preemptions > 0, stats
-    assert stats.speculative == method
+    assert stats.prefix_cache_hits > 0 and stats.speculative == "draft", stats
+
+
+@pytest.mark.timeout(400)
+def test_prompt_lookup_over_two_ranks_equals_speculation_off(tmp_path) -> None:
+    """float32 greedy on a sharp tiny Llama of 250 tokens (whose outputs repeat themselves,
+    so prompt lookup proposes: the 49,152-token one's never do) split over two CPU ranks, with
+    chunks of 16, prefix caching and preemption (FAMILY_ENGINE): the outputs of not
+    speculating."""
+    model, _ = sharp_llama(tmp_path / "sharp", heads=4, kv_heads=2)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = PATTERN_PROMPTS + [PATTERN[:4] * 5]
+    options = dict(FAMILY_ENGINE, nproc_per_node=2, device="cpu")
+    with LLM(model, **options) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(model, **options, **SPECULATIVE) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        stats = wait_idle(llm.client)
+    assert stats.spec_decode_num_drafts > 0 and stats.num_preemptions > 0, stats
+
+
+# smollm2's 9 query and 3 KV heads split over three ranks (not two). Sixteen new tokens, the
+# first half of the one-rank outputs, in pools that preempt (drafting ends requests sooner: a
+# smaller pool).
+TP3 = dict(ENGINE, nproc_per_node=3, device="cpu")
+TP3_POOL = {"ngram": 10, "draft": 7}
+SHORT = SamplingParams(max_tokens=NEW_TOKENS // 2, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.timeout(600)
-def test_smollm2_drafting_for_itself_equals_speculation_off(plain, prompts) -> None:
-    """float32 greedy, --speculative draft with smollm2 as its own draft model, chunks of 16
-    and prefix caching (the chat prompts share their system prompt's block), in a pool of 8
-    blocks that preempts: the outputs of the engine without speculation, and nearly every
-    proposal accepted."""
-    # Two chat prompts (a shared system prompt) and a raw one: drafting for itself doubles the
-    # compute of every step.
-    prompts = prompts[:2] + prompts[3:4]
-    expected = tokens_and_reasons(plain, prompts, GREEDY)
-    with LLM("smollm2", **dict(ENGINE, num_kv_blocks=8), **dict(
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_over_three_ranks_speculating_equals_one_rank_not(expected, prompts,
+                                                                  method) -> None:
+    """float32 greedy over the ten prompts with smollm2 split over three CPU ranks (one KV head
+    and three query heads each), chunks of 16, prefix caching and preemption, speculating by
+    prompt lookup (requests without a match decode one token, as without speculation) or with
+    smollm2 drafting for itself (whole on each rank): the first 16 tokens of one rank's outputs
+    without speculation."""
+    options = dict(SPECULATIVE, speculative=method,
+                   draft_model="smollm2" if method == "draft" else "")
+    with LLM("smollm2", **dict(TP3, num_kv_blocks=TP3_POOL[method]), **options) as llm:
+        got = tokens_and_reasons(llm, prompts, SHORT)
+        stats = wait_idle(llm.client)
+    assert got == [(tokens[:SHORT.max_tokens], "length") for tokens, _ in expected]
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0, stats
+    assert stats.prefix_cache_hits > 0, stats
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_drafting_for_itself_equals_speculation_off(expected, prompts) -> None:
+    """float32 greedy over the ten prompts, --speculative draft with smollm2 as its own draft
+    model, chunks of 16 and prefix caching (the chat prompts share their system prompt's
+    block), in a pool of 24 blocks that preempts: the outputs of the engine without
+    speculation, and nearly every proposal accepted."""
+    with LLM("smollm2", **dict(ENGINE, num_kv_blocks=12), **dict(
             SPECULATIVE, speculative="draft", draft_model="smollm2")) as llm:
         assert tokens_and_reasons(llm, prompts, GREEDY) == expected
         stats = wait_idle(llm.client)
-    print(stats)
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
     assert stats.spec_decode_acceptance_rate > 0.9, stats
 
@@ -244,12 +295,10 @@ def test_on_the_default_device_speculation_equals_speculation_off(tmp_path) -> N
     is one: the verification's device path), eager: speculating gives the outputs of not
     speculating, and proposals are accepted."""
     model, _ = sharp_llama(tmp_path / "sharp", heads=4, kv_heads=2)
-    pattern = [5, 17, 42, 99, 7, 63]
-    prompts = [pattern * 4, [3] + pattern * 6 + [8, 9]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     options = dict(dtype="float32", execution_mode="eager", max_model_len=128)
     with LLM(model, **options) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, params)]
+        expected = [o.token_ids for o in llm.generate(PATTERN_PROMPTS, params)]
     with LLM(model, **options, **SPECULATIVE) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert [o.token_ids for o in llm.generate(PATTERN_PROMPTS, params)] == expected
         assert llm.client.stats().spec_decode_num_drafts > 0
