@@ -248,10 +248,11 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def execution_mode(config: EngineConfig, device_type: str) -> str:
-    """--execution-mode with auto resolved: compiled on CUDA (graphs), eager on CPU and with
-    speculative decoding (its verify steps are not bucketed)."""
+    """--execution-mode with auto resolved: compiled on CUDA (graphs), eager on CPU. With
+    speculative decoding, the steps that verify proposals run eagerly, unpadded, and the
+    others (batches too large to speculate) keep their buckets and graphs."""
     if config.execution_mode == "auto":
-        return "compiled" if device_type == "cuda" and config.speculative == "off" else "eager"
+        return "compiled" if device_type == "cuda" else "eager"
     return config.execution_mode
 
 

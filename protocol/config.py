@@ -74,9 +74,6 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
         if (self.speculative == "draft") != bool(self.draft_model):
             raise ValueError("--speculative draft needs --draft-model MODEL, and --draft-model "
                              "needs --speculative draft")
-        if self.speculative != "off" and self.execution_mode in ("bucketed", "compiled"):
-            raise ValueError(f"--speculative {self.speculative} runs its steps eagerly: use "
-                             f"--execution-mode eager (or auto), or --speculative off")
         if self.quantization == "int8" and self.device == "cuda":
             raise ValueError("--quantization int8 runs on the CPU's kernels: use --device cpu, "
                              "or --quantization none or gguf on CUDA")

@@ -99,8 +99,10 @@ class SchedulingOptions(ParallelOptions, kw_only=True):
         "prompt and output (prompt lookup), and the tokens that followed them there are "
         "proposed; draft: --draft-model proposes them, greedily, on every worker; one step "
         "verifies them all, keeping the outputs exactly those of decoding token by token "
-        "(greedy) or their distribution (sampled). Requests with penalties, logprobs or "
-        "structured outputs decode as usual. Steps run eagerly (no buckets)"))] = "off"
+        "(greedy) or their distribution (sampled). With a draft model, requests with a "
+        "structured output decode as usual. With buckets (bucketed, compiled), a step small "
+        "enough to speculate runs unpadded and eagerly; larger ones keep their buckets and "
+        "graphs"))] = "off"
     draft_model: Annotated[str, Meta(description=(
         "--speculative draft: the model that proposes (any --model form; the same vocabulary "
         "as --model), whole on every worker, its KV cache in the same blocks"))] = ""

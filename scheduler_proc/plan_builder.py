@@ -133,7 +133,7 @@ class PlanBuilder:
         self.swap_out = []
 
     def _bucket(self, draft: StepDraft) -> StepShape | None:
-        if self.planner is None:
+        if self.planner is None or draft.phase is None:
             return None
         num_tokens = sum(draft.num_scheduled.values())
         return self.planner.shape_for(draft.phase, len(draft.num_scheduled), draft.longest,

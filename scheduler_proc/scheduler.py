@@ -84,8 +84,9 @@ class Scheduler(SchedulerState):
         self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
         # Matchers of the requests with a structured output (configured by the server).
         self.constrained = ConstrainedRequests()
-        # Speculative decoding's proposals (None: off); not with buckets, which it would leave.
-        self.speculator = speculator if self.planner is None else None
+        # Speculative decoding's proposals (None: off). With buckets, a step small enough to
+        # speculate is planned without them (its verify rows run eagerly, unpadded).
+        self.speculator = speculator
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -150,7 +151,8 @@ class Scheduler(SchedulerState):
 
     def schedule(self) -> ScheduledStep:
         self._apply_running_cap()
-        if self.planner is None:
+        if self.planner is None or (self.speculator is not None
+                                    and self.speculator.active(len(self.running))):
             return self._with_masks(self.plans.finalize(self._schedule_pass(None)))
         phase = self.planner.pick_phase(self.running, self.swapped[0] if self.swapped else None,
                                         bool(self.waiting))
@@ -236,7 +238,7 @@ class Scheduler(SchedulerState):
         length dimension with it (bucket_planner). A newcomer always prefills."""
         num_left = request.num_tokens - request.num_computed_tokens - num_hit_tokens
         planner = self.planner
-        if planner is None:
+        if planner is None or draft.phase is None:     # no buckets, or a step without them
             return min(num_left, budget), 0
         # Phase.of(num_left), inlined: this runs for every request of every step.
         phase = PROMPT if admitting or num_left != 1 else DECODE

@@ -215,12 +215,12 @@ def test_a_tiny_draft_over_two_ranks_equals_speculation_off(tiny_models, tiny_ex
 
 
 @pytest.mark.timeout(400)
-def test_prompt_lookup_over_two_ranks_equals_speculation_off(tmp_path) -> None:
+def test_prompt_lookup_over_two_ranks_equals_speculation_off(sharp_models) -> None:
     """float32 greedy on a sharp tiny Llama of 250 tokens (whose outputs repeat themselves,
     so prompt lookup proposes: the 49,152-token one's never do) split over two CPU ranks, with
     chunks of 16, prefix caching and preemption (FAMILY_ENGINE): the outputs of not
     speculating."""
-    model, _ = sharp_llama(tmp_path / "sharp", heads=4, kv_heads=2)
+    model = sharp_models[0]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = PATTERN_PROMPTS + [PATTERN[:4] * 5]
     options = dict(FAMILY_ENGINE, nproc_per_node=2, device="cpu")
@@ -273,20 +273,58 @@ def test_smollm2_drafting_for_itself_equals_speculation_off(expected, prompts) -
     assert stats.spec_decode_acceptance_rate > 0.9, stats
 
 
-def test_speculation_refuses_buckets_and_runs_eagerly() -> None:
-    """Configuration only: verify steps are not bucketed, so auto resolves to eager with
-    speculation (on CUDA too), and asking for buckets is an error saying what to change."""
+def test_speculation_keeps_buckets_for_the_steps_it_leaves() -> None:
+    """Configuration only: auto is compiled on CUDA with speculation too (the steps too large to
+    speculate keep their graphs), and bucketed or compiled steps are not refused with it."""
     from spmd_runtime.protocol.buckets import execution_mode
 
-    config = EngineConfig(speculative="ngram")
-    assert execution_mode(config, "cuda") == "eager"
-    assert execution_mode(EngineConfig(), "cuda") == "compiled"
-    with pytest.raises(ValueError, match="--execution-mode eager"):
-        EngineConfig(speculative="ngram", execution_mode="bucketed")
+    assert execution_mode(EngineConfig(speculative="ngram"), "cuda") == "compiled"
+    assert execution_mode(EngineConfig(speculative="ngram"), "cpu") == "eager"
+    assert EngineConfig(speculative="ngram", execution_mode="bucketed").speculative == "ngram"
     with pytest.raises(ValueError, match="--prompt-lookup-min 5 is above"):
         EngineConfig(prompt_lookup_min=5, prompt_lookup_max=4)
     with pytest.raises(ValueError, match="--speculative draft needs --draft-model"):
         EngineConfig(speculative="draft")
+
+
+# Buckets of 1-8 requests (decodes) and 1-4 prompts of up to 64 tokens; a step speculates when
+# at most two requests run.
+BUCKETED = dict(execution_mode="bucketed", prompt_bs_bucket="1,4,4", prompt_seq_bucket="16,64,64",
+                decode_bs_bucket="1,8,8", decode_seq_bucket="128,128,128", max_model_len=128,
+                max_num_batched_tokens=64, dtype="float32")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_bucketed_steps_and_eager_verify_steps_equal_speculation_off(sharp_models,
+                                                                     method) -> None:
+    """float32 greedy on a sharp tiny Llama with buckets: six requests decode in padded
+    bucketed steps (six rows in a bucket of eight) while more than two run, then the last two
+    speculate in unbucketed steps that verify proposals (prompt lookup, or a tiny random draft
+    model, which also reads every bucketed step's tokens); the outputs of the eager engine
+    without speculation."""
+    target, draft = sharp_models
+    prompts = PATTERN_PROMPTS + [PATTERN[:4] * 5, [9, 8, 7], [11] * 5, [200, 3, 40, 17]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (40, 40, 6, 8, 10, 12)]
+    with LLM(target, dtype="float32", max_model_len=128) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    options = dict(SPECULATIVE, speculative=method, speculative_disable_by_batch_size=2,
+                   draft_model=draft if method == "draft" else "")
+    with LLM(target, **BUCKETED, **options) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        stats = wait_idle(llm.client)
+    assert stats.bucketing and stats.padding_waste > 0, stats
+    assert stats.spec_decode_num_drafts > 0, stats
+
+
+@pytest.fixture(scope="module")
+def sharp_models(tmp_path_factory) -> tuple[str, str]:
+    """A sharp tiny Llama of 250 tokens, and another of that vocabulary but other heads (other
+    weights) to draft for it."""
+    target, _ = sharp_llama(tmp_path_factory.mktemp("sharp-target"), heads=4, kv_heads=2)
+    draft, _ = sharp_llama(tmp_path_factory.mktemp("sharp-draft"), heads=2, kv_heads=1)
+    return target, draft
 
 
 @pytest.mark.timeout(300)
