@@ -72,7 +72,7 @@ def test_overlapped_steps_with_two_ranks_give_the_same_outputs(sharp_model, outp
 
 
 # smollm2 dequantised in float32 over three ranks: tests/runtime/test_speculative_decoding.py
-# (test_smollm2_over_three_ranks_speculating_equals_one_rank_not, where requests without an
+# (test_smollm2_over_three_ranks_with_prompt_lookup_equals_one_rank_without, where requests without an
 # n-gram match decode one token at a time).
 
 
