@@ -305,7 +305,7 @@ def _rotary_heads(name: str, config: ModelConfig) -> int:
 
 def _expanded(raw: np.ndarray, tensor_type, in_features: int) -> np.ndarray:
     """A tensor's stored values as floats: a block type through whole-tensor torch operations
-    (runtime/layers/gguf_torch.py: gguf's results bit for bit, 10-20x faster than its numpy
+    (runtime/layers/gguf_torch.py: gguf's results bit for bit, about 2x faster than its numpy
     code, which loops over rows), other types (plain floats, I-quants) through gguf's own."""
     import torch
     from spmd_runtime.runtime.layers import gguf_torch
