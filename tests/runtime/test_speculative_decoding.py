@@ -192,6 +192,15 @@ def tiny_models(tmp_path_factory, smollm2_gguf) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
+def sharp_models(tmp_path_factory) -> tuple[str, str]:
+    """A sharp tiny Llama of 250 tokens, and another of that vocabulary but other heads (other
+    weights) to draft for it."""
+    target, _ = sharp_llama(tmp_path_factory.mktemp("sharp-target"), heads=4, kv_heads=2)
+    draft, _ = sharp_llama(tmp_path_factory.mktemp("sharp-draft"), heads=2, kv_heads=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
 def tiny_expected(tiny_models, prompts) -> list[tuple[list[int], str | None]]:
     """The tiny target's greedy outputs of the ten prompts and the two repeating patterns,
     under TP=2 without speculation."""
@@ -312,15 +321,6 @@ def test_bucketed_steps_and_eager_verify_steps_equal_speculation_off(sharp_model
         stats = wait_idle(llm.client)
     assert stats.bucketing and stats.padding_waste > 0, stats
     assert stats.spec_decode_num_drafts > 0, stats
-
-
-@pytest.fixture(scope="module")
-def sharp_models(tmp_path_factory) -> tuple[str, str]:
-    """A sharp tiny Llama of 250 tokens, and another of that vocabulary but other heads (other
-    weights) to draft for it."""
-    target, _ = sharp_llama(tmp_path_factory.mktemp("sharp-target"), heads=4, kv_heads=2)
-    draft, _ = sharp_llama(tmp_path_factory.mktemp("sharp-draft"), heads=2, kv_heads=1)
-    return target, draft
 
 
 @pytest.mark.timeout(300)
