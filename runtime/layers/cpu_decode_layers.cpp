@@ -1,8 +1,8 @@
 // Every decoder layer of a decode step in one call (runtime/models/llama.py
 // LlamaForCausalLM.forward, the fused decode path): the same operators the Python layer loop
 // runs (this library's norms, rotary, KV write, decode attention and SiLU x up; MKL's packed
-// GEMM for float32 projections, torch's linear for bfloat16 ones), in the same order on the same
-// tensors, so the hidden states are identical to the bit. What goes is the host time between
+// GEMM for float32 projections, oneDNN's linear for bfloat16 ones, prepacked or plain), in the
+// same order on the same tensors, so the hidden states are identical to the bit. What goes is the host time between
 // them: per layer about a dozen Python-level operator calls and twenty views (~7 ms of a 64-row
 // step on a 2-core VM) become C++ calls through the dispatcher.
 #include <ATen/core/Tensor.h>
@@ -61,6 +61,19 @@ struct Ops {
 const Ops& ops() {
   static const Ops handles;
   return handles;
+}
+
+// oneDNN's linear on a weight it prepacked (mkldnn::_reorder_linear_weight), as
+// runtime/layers/linear.py calls it; looked up at its first use only (a torch without oneDNN
+// has no such operator, and then no prepacked weights either).
+using PointwiseLinear = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                               c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                               std::optional<c10::string_view>);
+
+Tensor prepacked_linear(const Tensor& input, const Tensor& packed) {
+  static const auto handle = op<PointwiseLinear>("mkldnn::_linear_pointwise");
+  return handle.call(input, packed, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(),
+                     std::optional<c10::string_view>(""));
 }
 
 // Every weight slot named in messages, so a refusal says which tensor of which layer is wrong.
@@ -128,7 +141,8 @@ void check_tokens(const Tensor& x, const Tensor& cos, const Tensor& sin, const T
 
 // What a layer's tensors must be for x's width and the head counts: norms [hidden] and
 // projections [out, in], all in x's dtype. A float32 projection is MKL-packed, its shape read
-// from the stand-in; a bf16 one is the plain weight itself (the stand-in slot is ignored).
+// from the stand-in; a bf16 one is oneDNN-packed (its shape read from the stand-in too) or the
+// plain weight itself (the stand-in slot is then ignored).
 struct LayerShapes {
   int64_t hidden, qkv_out, q_size;
   at::ScalarType dtype;
@@ -142,16 +156,17 @@ void check_norm(at::TensorList weights, size_t index, const LayerShapes& s) {
               ", [", s.hidden, "] in x's dtype ", s.dtype, " expected");
 }
 
-// The slot holding a projection's [out, in] shape: a float32 weight's stand-in (MKL's packed
-// weight is opaque), a bf16 weight itself.
-size_t shape_slot(size_t index, at::ScalarType dtype) {
-  return dtype == at::kFloat ? index + 1 : index;
+// The slot holding a projection's [out, in] shape: a packed weight's stand-in (packed weights
+// are opaque), a plain bf16 weight itself.
+size_t shape_slot(at::TensorList weights, size_t index, at::ScalarType dtype) {
+  return dtype == at::kFloat || weights[index].is_mkldnn() ? index + 1 : index;
 }
 
 void check_projection(at::TensorList weights, size_t index, const LayerShapes& s, int64_t out,
                       int64_t in) {
-  const Tensor& shaped = weights[shape_slot(index, s.dtype)];
-  const std::string name = slot_name(shape_slot(index, s.dtype));
+  const size_t shape_index = shape_slot(weights, index, s.dtype);
+  const Tensor& shaped = weights[shape_index];
+  const std::string name = slot_name(shape_index);
   spmd_cpu::check_cpu_tensor(shaped, "decode_layers", name.c_str());
   TORCH_CHECK(shaped.scalar_type() == s.dtype && shaped.dim() == 2 && shaped.size(0) == out &&
                   shaped.size(1) == in,
@@ -162,6 +177,10 @@ void check_projection(at::TensorList weights, size_t index, const LayerShapes& s
                                         packed.numel() >= shaped.numel()),
               "decode_layers: ", slot_name(index), " is not a float32 weight packed by ",
               "mkl::_mkl_reorder_linear_weight for its [", out, ", ", in, "] stand-in");
+  TORCH_CHECK(s.dtype == at::kFloat || !packed.is_mkldnn() ||
+                  (packed.scalar_type() == s.dtype && packed.numel() == shaped.numel()),
+              "decode_layers: ", slot_name(index), " is not a ", s.dtype, " weight packed by ",
+              "mkldnn::_reorder_linear_weight for its [", out, ", ", in, "] stand-in");
 }
 
 void check_layer(at::TensorList weights, size_t layer, const LayerShapes& s) {
@@ -171,10 +190,10 @@ void check_layer(at::TensorList weights, size_t layer, const LayerShapes& s) {
   check_projection(weights, base + 1, s, s.qkv_out, s.hidden);
   check_projection(weights, base + 3, s, s.hidden, s.q_size);
   // The intermediate size is the gate/up weight's: its rows are the gate's, then the up's.
-  const Tensor& gate_up = weights[shape_slot(base + 6, s.dtype)];
+  const Tensor& gate_up = weights[shape_slot(weights, base + 6, s.dtype)];
   const int64_t gate_up_rows = gate_up.dim() == 2 ? gate_up.size(0) : 0;
   TORCH_CHECK(gate_up_rows > 0 && gate_up_rows % 2 == 0, "decode_layers: ",
-              slot_name(shape_slot(base + 6, s.dtype)), " has shape ", gate_up.sizes(),
+              slot_name(shape_slot(weights, base + 6, s.dtype)), " has shape ", gate_up.sizes(),
               ", [2 * intermediate, hidden] expected");
   check_projection(weights, base + 6, s, gate_up_rows, s.hidden);
   check_projection(weights, base + 8, s, s.hidden, gate_up_rows / 2);
@@ -212,10 +231,11 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
   const Ops& f = ops();
   const bool plain = x_in.scalar_type() != at::kFloat;
   const std::optional<Tensor> no_bias;
-  // bf16 weights are plain [out, in] tensors for torch's linear; float32 ones MKL-packed.
+  // float32 weights are MKL-packed; bf16 ones oneDNN-packed, or plain [out, in] tensors.
   const auto project = [&](const Tensor& input, const Tensor* w) {
-    return plain ? f.plain_linear.call(input, w[0], no_bias)
-                 : f.linear.call(input, w[0], w[1], no_bias, n);
+    if (!plain) return f.linear.call(input, w[0], w[1], no_bias, n);
+    return w[0].is_mkldnn() ? prepacked_linear(input, w[0])
+                            : f.plain_linear.call(input, w[0], no_bias);
   };
   Tensor x = x_in;
   for (size_t l = 0; l < k_caches.size(); ++l) {

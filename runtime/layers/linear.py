@@ -3,10 +3,14 @@
 On a CPU worker with MKL, float32 weights are packed once at load into MKL's GEMM layout
 (PackedWeight): on a 2-core AVX-512 VM that runs the decode-sized products 1.5-1.7x faster than
 oneDNN (64 rows: 330-420 GFLOP/s against 215-300), 2-4x at one row, and prefill chunks ~10%
-faster, in the same float32 arithmetic. Otherwise (bfloat16, a torch without MKL, compiled
-layers) oneDNN's linear primitive, the one torch.compile's CPU backend emits, which beats the
-default GEMM path on an LLM's shapes; elsewhere (another device) the plain path. All compute
-the same product in float32 accumulation.
+faster, in the same float32 arithmetic. bfloat16 weights are packed once at load into oneDNN's
+layout for its linear primitive where oneDNN computes bf16 (PackedWeight too): the same bits as
+on the plain weight, which oneDNN would otherwise reorder on every call (on a 2-core AVX512-BF16
+VM 1.3-1.8x faster at 1-32 rows, docs/BENCHMARKS.md). Otherwise (a torch without MKL, compiled
+layers, a tied bf16 LM head, which stays the embedding table) oneDNN's linear primitive on the
+plain weight, the one torch.compile's CPU backend emits, which beats the default GEMM path on an
+LLM's shapes; elsewhere (another device) the plain path. All compute the same product in
+float32 accumulation.
 """
 from __future__ import annotations
 
@@ -80,9 +84,10 @@ _mkl_packed_linear = _mkl_packed_linear_op()
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A float32 [out, in] weight in MKL's packed GEMM layout (2-4x the weight's bytes; the
-    plain weight can be dropped). `stand_in` is a zero-byte [out, in] view: the operator reads
-    only the weight's shape from it."""
+    """A float32 [out, in] weight in MKL's packed GEMM layout (2-4x the weight's bytes), or a
+    bfloat16 one in oneDNN's blocked layout (its bytes); the plain weight can be dropped.
+    `stand_in` is a zero-byte [out, in] view in the weight's dtype: the operators read only the
+    weight's shape from it."""
 
     packed: torch.Tensor
     stand_in: torch.Tensor
@@ -90,7 +95,10 @@ class PackedWeight:
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PackedWeight:
         weight = weight.detach().contiguous()
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT)
+        if weight.dtype == torch.bfloat16:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        else:
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT)
         return cls(packed, weight.new_zeros(1, 1).expand(weight.shape))
 
     @property
@@ -102,6 +110,8 @@ class PackedWeight:
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.stand_in.dtype == torch.bfloat16:
+        return _onednn_bounded_shapes(x, weight.packed, bias)
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
@@ -111,7 +121,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 
 def decode_layers_slots(weight: object) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A projection's (packed, stand-in) pair for spmd_cpu::decode_layers: MKL's packed float32
-    form, or a plain bfloat16 weight in both places; None for any other form."""
+    form or oneDNN's packed bfloat16 one, or a plain bfloat16 weight in both places; None for
+    any other form."""
     if isinstance(weight, PackedWeight):
         return weight.packed, weight.stand_in
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
@@ -120,18 +131,26 @@ def decode_layers_slots(weight: object) -> tuple[torch.Tensor, torch.Tensor] | N
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether float32 weights on this device can be packed for MKL."""
-    return _mkl_packed_linear is not None and device.type == "cpu" and dtype == torch.float32
+    """Whether weights of `dtype` on this device can be packed: float32 for MKL, bfloat16 for
+    oneDNN where it computes bf16."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.bfloat16:
+        return torch.bfloat16 in _ONEDNN_DTYPES and _onednn_linear is not None and hasattr(
+            torch.ops.mkldnn, "_reorder_linear_weight")
+    return _mkl_packed_linear is not None and dtype == torch.float32
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every float32 projection of the model (the layers' and the LM head; the embedding
-    table stays plain, also when tied to the head) in place, except those kept in GGUF's blocks
-    (--quantization gguf). Returns the number packed."""
+    """Pack every projection of the model (the layers' and the LM head) in place, except those
+    kept in GGUF's blocks (--quantization gguf) and a bfloat16 head tied to the embedding table:
+    packing it would add a copy of the table (a fifth of a Llama-3.2-1B's parameters), where a
+    float32 model's packed forms are copies anyway. Returns the number packed."""
     count = 0
     for module, name in [*model.projection_slots(), (model, "lm_head")]:
         weight = getattr(module, name)
-        if isinstance(weight, torch.Tensor):    # not one kept in GGUF's blocks
+        tied = module is model and name == "lm_head" and weight is model.embed_tokens
+        if isinstance(weight, torch.Tensor) and not (tied and weight.dtype == torch.bfloat16):
             swap_weight(module, name, PackedWeight.pack(weight))
             count += 1
     return count

@@ -40,48 +40,60 @@ _ONEDNN_INT8 = _onednn_int8_ops()
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A [out, in] weight as int8, stored transposed ([in, out], the layout the GEMM reads), with
-    one float32 scale per output channel. Where torch has oneDNN's int8 linear, also prepacked
-    for it (`packed`): the same integer sums, with the weight laid out once at load for the
-    machine's int8 units instead of on every call (2x faster gate/up and LM head products on an
-    AVX-512 VNNI/AMX VM, bench figures in docs/BENCHMARKS.md)."""
+    """A [out, in] weight as int8 with one float32 scale per output channel, held once: plain,
+    stored transposed ([in, out], the layout torch._int_mm reads, `weight_t`), or, where torch
+    has oneDNN's exact int8 linear, prepacked for it instead (`packed`): the same integer sums,
+    with the weight laid out once at load for the machine's int8 units rather than on every call
+    (2x faster gate/up and LM head products on an AVX-512 VNNI/AMX VM, bench figures in
+    docs/BENCHMARKS.md)."""
 
-    weight_t: torch.Tensor      # [in, out] int8
-    scale: torch.Tensor         # [out] float32
-    packed: torch.Tensor | None = None       # oneDNN's prepacked [out, in]
+    weight_t: torch.Tensor | None           # [in, out] int8 (None when prepacked)
+    scale: torch.Tensor                     # [out] float32
+    packed: torch.Tensor | None = None      # oneDNN's prepacked [out, in]
     unit_scales: torch.Tensor | None = None  # [out] ones: scales are applied after the sums
     zero_points: torch.Tensor | None = None  # [out] zeros (symmetric weights)
+    in_features: int = 0
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+    def quantize(cls, weight: torch.Tensor, prepack: bool | None = None) -> Int8Weight:
+        """`prepack`: hold the oneDNN form (default: where it is exact here, on the CPU)."""
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        if not (_ONEDNN_INT8 and q.device.type == "cpu"):
-            return cls(q.t().contiguous(), scale.contiguous())
-        out_features = q.shape[0]
-        return cls(q.t().contiguous(), scale.contiguous(),
-                   torch.ops.onednn.qlinear_prepack(q.contiguous(), None),
-                   torch.ones(out_features), torch.zeros(out_features, dtype=torch.int64))
+        if prepack is None:
+            prepack = _ONEDNN_INT8 and q.device.type == "cpu"
+        out_features, in_features = q.shape
+        if not prepack:
+            return cls(q.t().contiguous(), scale.contiguous(), in_features=in_features)
+        return cls(None, scale.contiguous(), torch.ops.onednn.qlinear_prepack(q.contiguous(), None),
+                   torch.ones(out_features), torch.zeros(out_features, dtype=torch.int64),
+                   in_features)
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.weight_t.shape[1], self.weight_t.shape[0]))
+        return torch.Size((self.scale.shape[0], self.in_features))
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight_t, self.scale, self.packed) if t is not None]
 
-    def integer_sums(self, codes: torch.Tensor) -> torch.Tensor:
-        """sum_k code[r, k] * q[n, k] for int8 codes (int32 sums, torch._int_mm), or for uint8
-        codes holding code + 128 through the prepacked weight (float32 holding the same
-        integers; oneDNN's zero point 128 takes the shift off)."""
-        if codes.dtype == torch.uint8:
+    def integer_sums(self, parts: torch.Tensor) -> torch.Tensor:
+        """sum_k part[r, k] * q[n, k] for integer-valued activation parts (float32 or int8): int32
+        sums through torch._int_mm on the plain weight, or float32 ones holding the same integers
+        through the prepacked weight (uint8 codes part + 128; oneDNN's zero point 128 takes the
+        shift off)."""
+        if self.packed is not None:
+            codes = parts if parts.dtype == torch.uint8 else (parts.to(torch.int16) + 128).to(
+                torch.uint8)
             return torch.ops.onednn.qlinear_pointwise(
                 codes, 1.0, 128, self.packed, self.unit_scales, self.zero_points, None, 1.0, 0,
                 torch.float32, "none", [], "")
-        return torch._int_mm(codes, self.weight_t)
+        return torch._int_mm(parts.to(torch.int8), self.weight_t)
 
     def dequantize(self) -> torch.Tensor:
+        """The float [out, in] weight the int8 values and scales stand for (the plain form's)."""
+        if self.weight_t is None:
+            raise ValueError("a prepacked Int8Weight keeps no plain int8 values to dequantize: "
+                             "quantize with prepack=False")
         return (self.weight_t.t().float() * self.scale[:, None])
 
 
@@ -94,16 +106,20 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     One part alone keeps ~7 bits per activation; the two together leave the weights' rounding as
     the only error that matters, at twice the integer work, still well under float32's time."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype == torch.float32 and rows.device.type == "cpu" and cpu_ops.load():
-        # The same arithmetic in two C++ passes instead of two chains of torch operators.
+    if rows.dtype in _WIDENED and rows.device.type == "cpu" and cpu_ops.load():
+        # The same arithmetic in two C++ passes instead of two chains of torch operators; bf16
+        # rows are widened (exactly) first, as the torch chain widens them.
         parts, x_scale = torch.ops.spmd_cpu.quantize_rows_two_part(
-            rows, weight.packed is not None)
+            rows.float(), weight.packed is not None)
         out = torch.ops.spmd_cpu.dequantize_two_part(weight.integer_sums(parts), x_scale,
                                                      weight.scale)
         if bias is not None:
             out.add_(bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
     return int8_linear_reference(x, weight, bias)
+
+
+_WIDENED = (torch.float32, torch.bfloat16)
 
 
 def int8_linear_reference(x: torch.Tensor, weight: Int8Weight,
@@ -116,7 +132,7 @@ def int8_linear_reference(x: torch.Tensor, weight: Int8Weight,
     scaled = rows / x_scale
     hi = scaled.round()
     lo = scaled.sub_(hi).mul_(_LO_STEPS).round_()
-    sums = torch._int_mm(torch.cat((hi, lo)).to(torch.int8), weight.weight_t)
+    sums = weight.integer_sums(torch.cat((hi, lo)))
     out = sums[n:].to(torch.float32).div_(_LO_STEPS).add_(sums[:n])
     out.mul_(x_scale).mul_(weight.scale)
     if bias is not None:

@@ -85,10 +85,10 @@ def test_silu_mul_matches_torch_across_widths_and_extremes(features) -> None:
                                torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
-def packed_tiny_model(layers: int = 3):
+def packed_tiny_model(layers: int = 3, dtype: torch.dtype = torch.float32):
     from spmd_runtime.runtime.layers import linear as linear_mod
 
-    model, config = tiny_model(layers, torch.float32)
+    model, config = tiny_model(layers, dtype)
     linear_mod.pack_linear_weights(model)
     return model, config
 
@@ -151,6 +151,38 @@ def test_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(sequences) ->
             x = layer(x, rope, kv_cache, batch, FUSED_CPU)
         expected = model.norm(x)
     assert torch.equal(fused, expected)
+    for (k, v), (k_loop, v_loop) in zip(caches, loop_caches, strict=True):
+        assert torch.equal(k, k_loop) and torch.equal(v, v_loop)
+
+
+BF16_PACKING = importlib.import_module("spmd_runtime.runtime.layers.linear").can_pack(
+    torch.device("cpu"), torch.bfloat16)
+
+
+@needs_ops
+@pytest.mark.parametrize("packed", [
+    pytest.param(True, marks=pytest.mark.skipif(not BF16_PACKING, reason="oneDNN computes no "
+                                                "bfloat16 on this CPU (no AVX-512)")), False])
+def test_bf16_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(packed) -> None:
+    """bfloat16 (assertions on bf16 hidden states and caches): the one-call decode over
+    oneDNN-packed projections, or plain ones, gives the layer loop's bits."""
+    model, config = packed_tiny_model(dtype=torch.bfloat16) if packed else \
+        tiny_model(3, torch.bfloat16)
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, torch.Tensor) != packed
+    caches, batch, positions = decode_batch(config, 7)
+    caches = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
+    ids = torch.randint(0, config.vocab_size, (7,))
+    assert model.fused_decode_weights(batch, 7) is not None
+    loop_caches = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.no_grad():
+        fused = model(ids, positions, caches, batch, FUSED_CPU)
+        x = model.embed_tokens[ids]
+        rope = model.rotary.tables(positions)
+        for layer, kv_cache in zip(model.layers, loop_caches, strict=True):
+            x = layer(x, rope, kv_cache, batch, FUSED_CPU)
+        expected = model.norm(x)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, expected)
     for (k, v), (k_loop, v_loop) in zip(caches, loop_caches, strict=True):
         assert torch.equal(k, k_loop) and torch.equal(v, v_loop)
 

@@ -72,3 +72,48 @@ def test_packing_a_model_keeps_its_logits_and_counts_its_bytes() -> None:
     torch.testing.assert_close(model.prompt_logits(ids), expected, rtol=1e-4, atol=1e-4)
     # The packed forms replace the projections (2-4x their bytes); the tied table stays.
     assert linear_mod.weight_bytes(model) > plain_bytes
+
+
+BF16_PACKING = linear_mod.can_pack(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.skipif(not BF16_PACKING, reason="oneDNN computes no bfloat16 on this CPU (no AVX-512)")
+def test_bf16_packed_weight_gives_the_plain_weights_bits_at_every_row_count() -> None:
+    """bfloat16 (assertions on bf16 products): oneDNN's prepacked weight computes, bit for bit,
+    what oneDNN computes on the plain weight, with and without bias, for 3-D and strided inputs."""
+    torch.manual_seed(0)
+    weight, bias = (torch.randn(96, 40) * 0.1).bfloat16(), torch.randn(96).bfloat16()
+    packed = linear_mod.PackedWeight.pack(weight)
+    assert packed.shape == weight.shape and packed.stand_in.dtype == torch.bfloat16
+    for rows in (1, 2, 7, 63, 64, 65, 300, 1000):
+        x = torch.randn(rows, 40).bfloat16()
+        assert torch.equal(linear(x, packed, bias), linear(x, weight, bias))
+        assert torch.equal(linear(x, packed), linear(x, weight))
+    strided = torch.randn(3, 5, 100).bfloat16()[..., :40]
+    assert torch.equal(linear(strided, packed), linear(strided, weight))
+
+
+@pytest.mark.skipif(not BF16_PACKING, reason="oneDNN computes no bfloat16 on this CPU (no AVX-512)")
+def test_packing_a_bf16_model_keeps_its_logits_bits_and_its_bytes() -> None:
+    """bfloat16: the projections are packed, the tied head stays the embedding table (no copy),
+    the logits are the plain model's bits and the weights take the same bytes."""
+    from spmd_runtime.protocol.model_config import ModelConfig
+    from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_ids=(0,))
+    model = LlamaForCausalLM(config, torch.bfloat16).eval()
+    for parameter in model.parameters():
+        parameter.copy_(torch.randn_like(parameter) * 0.1)
+    ids = torch.randint(0, 300, (20,)).tolist()
+    plain_bytes = linear_mod.weight_bytes(model)
+    expected = model.prompt_logits(ids)
+    assert linear_mod.pack_linear_weights(model) == 4 * config.num_hidden_layers
+    assert model.lm_head is model.embed_tokens
+    assert isinstance(model.layers[0].self_attn.qkv_proj, linear_mod.PackedWeight)
+    assert torch.equal(model.prompt_logits(ids), expected)
+    assert linear_mod.weight_bytes(model) == plain_bytes

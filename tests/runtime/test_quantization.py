@@ -39,7 +39,7 @@ def tiny_model(seed: int) -> LlamaForCausalLM:
 def test_weight_rounding_is_half_a_step_per_output_channel() -> None:
     torch.manual_seed(0)
     w = torch.randn(48, 32) * torch.logspace(-2, 1, 48)[:, None]     # channels of very different size
-    q = Int8Weight.quantize(w)
+    q = Int8Weight.quantize(w, prepack=False)
     assert q.weight_t.dtype == torch.int8 and q.weight_t.shape == (32, 48) and q.shape == (48, 32)
     step = w.abs().amax(dim=1, keepdim=True) / 127
     assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
@@ -52,7 +52,7 @@ def test_int8_linear_is_the_product_with_the_rounded_weights() -> None:
     x = torch.randn(5, 7, 64)
     x[..., 3] *= 50                                              # an outlier channel
     w, bias = torch.randn(40, 64) * 0.1, torch.randn(40)
-    q = Int8Weight.quantize(w)
+    q = Int8Weight.quantize(w, prepack=False)
     out = int8_linear(x, q, bias)
     assert out.shape == (5, 7, 40) and out.dtype == torch.float32
     expected = x @ q.dequantize().t() + bias
@@ -72,6 +72,10 @@ def test_the_cpp_element_wise_ends_give_the_bits_of_the_torch_chain() -> None:
     bias = torch.randn(50)
     assert torch.equal(int8_linear(x, q, bias), int8_linear_reference(x, q, bias))
     assert torch.equal(int8_linear(x[:1], q, None), int8_linear_reference(x[:1], q, None))
+    # bfloat16 activations and bias (an int8 model over bf16) take the C++ ends too.
+    x16, bias16 = x.bfloat16(), bias.bfloat16()
+    assert int8_linear(x16, q, bias16).dtype == torch.bfloat16
+    assert torch.equal(int8_linear(x16, q, bias16), int8_linear_reference(x16, q, bias16))
 
 
 def test_quantizing_a_model_replaces_its_projections_and_keeps_its_predictions() -> None:
@@ -140,15 +144,20 @@ def test_prepacked_int8_weights_give_the_integer_gemms_bits() -> None:
     """oneDNN's prepacked int8 linear (uint8 codes shifted by 128) and torch._int_mm on the
     plain int8 weight: the same sums, so the same outputs to the bit, projections and head."""
     torch.manual_seed(3)
-    weight = Int8Weight.quantize(torch.randn(200, 72) * 0.05)
-    assert weight.packed is not None
-    plain = Int8Weight(weight.weight_t, weight.scale)
+    w = torch.randn(200, 72) * 0.05
+    weight, plain = Int8Weight.quantize(w), Int8Weight.quantize(w, prepack=False)
+    assert weight.packed is not None and weight.weight_t is None, "the int8 weight is held once"
+    assert weight.shape == plain.shape == (200, 72)
     for rows in (1, 6, 64, 130):
         x = torch.randn(rows, 72) * 4
         assert torch.equal(int8_linear(x, weight, None), int8_linear(x, plain, None))
+        assert torch.equal(int8_linear_reference(x, weight, None), int8_linear(x, plain, None))
+        # bf16 activations (an int8 model over bfloat16): widened, the same sums, rounded once.
+        assert torch.equal(int8_linear(x.bfloat16(), weight, None),
+                           int8_linear(x.bfloat16().float(), plain, None).bfloat16())
     table = torch.randn(500, 72)
     head = RescoredInt8Head(Int8Weight.quantize(table), table)
-    plain_head = RescoredInt8Head(Int8Weight(head.scores.weight_t, head.scores.scale), table)
+    plain_head = RescoredInt8Head(Int8Weight.quantize(table, prepack=False), table)
     hidden = torch.randn(9, 72)
     assert torch.equal(head.logits(hidden), plain_head.logits(hidden))
 
