@@ -137,9 +137,16 @@ def decode_batch(config, sequences: int, block_size: int = 16):
 @pytest.mark.parametrize("sequences", [1, 7, 64])
 def test_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(sequences) -> None:
     """spmd_cpu::decode_layers runs the layer loop's operators in its order: the same hidden
-    states and the same cache contents, exactly."""
-    model, config = packed_tiny_model()
+    states and the same cache contents, exactly (float32, MKL-packed projections)."""
+    assert_one_call_is_the_layer_loop(*packed_tiny_model(), sequences)
+
+
+def assert_one_call_is_the_layer_loop(model, config, sequences: int) -> None:
+    """The one-call decode and the layer loop on the same random caches (in the model's dtype):
+    the same hidden states and cache contents, to the bit."""
+    dtype = model.embed_tokens.dtype
     caches, batch, positions = decode_batch(config, sequences)
+    caches = [(k.to(dtype), v.to(dtype)) for k, v in caches]
     ids = torch.randint(0, config.vocab_size, (sequences,))
     assert model.fused_decode_weights(batch, sequences) is not None
     loop_caches = [(k.clone(), v.clone()) for k, v in caches]
@@ -150,7 +157,7 @@ def test_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(sequences) ->
         for layer, kv_cache in zip(model.layers, loop_caches, strict=True):
             x = layer(x, rope, kv_cache, batch, FUSED_CPU)
         expected = model.norm(x)
-    assert torch.equal(fused, expected)
+    assert fused.dtype == dtype and torch.equal(fused, expected)
     for (k, v), (k_loop, v_loop) in zip(caches, loop_caches, strict=True):
         assert torch.equal(k, k_loop) and torch.equal(v, v_loop)
 
@@ -168,23 +175,8 @@ def test_bf16_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(packed) 
     oneDNN-packed projections, or plain ones, gives the layer loop's bits."""
     model, config = packed_tiny_model(dtype=torch.bfloat16) if packed else \
         tiny_model(3, torch.bfloat16)
-    gate_up = model.layers[0].mlp.gate_up_proj
-    assert isinstance(gate_up, torch.Tensor) != packed
-    caches, batch, positions = decode_batch(config, 7)
-    caches = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
-    ids = torch.randint(0, config.vocab_size, (7,))
-    assert model.fused_decode_weights(batch, 7) is not None
-    loop_caches = [(k.clone(), v.clone()) for k, v in caches]
-    with torch.no_grad():
-        fused = model(ids, positions, caches, batch, FUSED_CPU)
-        x = model.embed_tokens[ids]
-        rope = model.rotary.tables(positions)
-        for layer, kv_cache in zip(model.layers, loop_caches, strict=True):
-            x = layer(x, rope, kv_cache, batch, FUSED_CPU)
-        expected = model.norm(x)
-    assert fused.dtype == torch.bfloat16 and torch.equal(fused, expected)
-    for (k, v), (k_loop, v_loop) in zip(caches, loop_caches, strict=True):
-        assert torch.equal(k, k_loop) and torch.equal(v, v_loop)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, torch.Tensor) != packed
+    assert_one_call_is_the_layer_loop(model, config, 7)
 
 
 @needs_ops

@@ -53,18 +53,7 @@ def test_packed_weight_computes_the_same_product_at_every_row_count() -> None:
 @pytest.mark.skipif(not linear_mod.can_pack(torch.device("cpu"), torch.float32),
                     reason="this torch has no MKL packed GEMM")
 def test_packing_a_model_keeps_its_logits_and_counts_its_bytes() -> None:
-    from spmd_runtime.protocol.model_config import ModelConfig
-    from spmd_runtime.runtime.models.llama import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=None,
-                         eos_token_ids=(0,))
-    model = LlamaForCausalLM(config, torch.float32).eval()
-    for parameter in model.parameters():
-        parameter.copy_(torch.randn_like(parameter) * 0.1)
+    model, config = tiny_tied_llama(torch.float32)
     ids = torch.randint(0, 300, (20,)).tolist()
     plain_bytes = linear_mod.weight_bytes(model)
     expected = model.prompt_logits(ids)
@@ -97,6 +86,19 @@ def test_bf16_packed_weight_gives_the_plain_weights_bits_at_every_row_count() ->
 def test_packing_a_bf16_model_keeps_its_logits_bits_and_its_bytes() -> None:
     """bfloat16: the projections are packed, the tied head stays the embedding table (no copy),
     the logits are the plain model's bits and the weights take the same bytes."""
+    model, config = tiny_tied_llama(torch.bfloat16)
+    ids = torch.randint(0, 300, (20,)).tolist()
+    plain_bytes = linear_mod.weight_bytes(model)
+    expected = model.prompt_logits(ids)
+    assert linear_mod.pack_linear_weights(model) == 4 * config.num_hidden_layers
+    assert model.lm_head is model.embed_tokens
+    assert isinstance(model.layers[0].self_attn.qkv_proj, linear_mod.PackedWeight)
+    assert torch.equal(model.prompt_logits(ids), expected)
+    assert linear_mod.weight_bytes(model) == plain_bytes
+
+
+def tiny_tied_llama(dtype: torch.dtype):
+    """A 2-layer Llama of 300 tokens with its head tied to the embedding, random weights."""
     from spmd_runtime.protocol.model_config import ModelConfig
     from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
@@ -106,14 +108,8 @@ def test_packing_a_bf16_model_keeps_its_logits_bits_and_its_bytes() -> None:
                          head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                          max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=None,
                          eos_token_ids=(0,))
-    model = LlamaForCausalLM(config, torch.bfloat16).eval()
-    for parameter in model.parameters():
-        parameter.copy_(torch.randn_like(parameter) * 0.1)
-    ids = torch.randint(0, 300, (20,)).tolist()
-    plain_bytes = linear_mod.weight_bytes(model)
-    expected = model.prompt_logits(ids)
-    assert linear_mod.pack_linear_weights(model) == 4 * config.num_hidden_layers
-    assert model.lm_head is model.embed_tokens
-    assert isinstance(model.layers[0].self_attn.qkv_proj, linear_mod.PackedWeight)
-    assert torch.equal(model.prompt_logits(ids), expected)
-    assert linear_mod.weight_bytes(model) == plain_bytes
+    model = LlamaForCausalLM(config, dtype).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1)
+    return model, config
