@@ -25,6 +25,7 @@ KERNEL_LEVELS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
 class CpuFeatures:
     flags: frozenset[str]
     model: str = ""
+    vendor: str = ""                # vendor_id: GenuineIntel, AuthenticAMD, ...
 
     @property
     def kernel_levels(self) -> list[str]:
@@ -42,7 +43,7 @@ class CpuFeatures:
 
 def parse_cpuinfo(text: str) -> CpuFeatures:
     flags: frozenset[str] = frozenset()
-    model = ""
+    model = vendor = ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -50,7 +51,9 @@ def parse_cpuinfo(text: str) -> CpuFeatures:
             flags = frozenset(value.split())
         elif key == "model name" and not model:
             model = value.strip()
-    return CpuFeatures(flags, model)
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
+    return CpuFeatures(flags, model, vendor)
 
 
 @functools.cache

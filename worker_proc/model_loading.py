@@ -68,7 +68,7 @@ def release_free_memory() -> None:
 def prepare_weights(config: EngineConfig, model: torch.nn.Module, device: torch.device,
                     dtype: torch.dtype) -> None:
     """Quantize the projections if asked (gguf: kept in the file's blocks at load); otherwise,
-    on a CPU worker that does not compile, pack them: float32 for MKL, bfloat16 for oneDNN
+    on a CPU worker that does not compile, pack them: float32 for MKL (Intel) or oneDNN, bfloat16 for oneDNN
     (layers/linear.py)."""
     if config.quantization in ("none", "gguf"):
         if can_pack(device, dtype) and not compiling(config, device.type):

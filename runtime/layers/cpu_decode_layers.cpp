@@ -176,7 +176,8 @@ void check_projection(at::TensorList weights, size_t index, const LayerShapes& s
   TORCH_CHECK(s.dtype != at::kFloat || (packed.is_mkldnn() && packed.scalar_type() == at::kFloat &&
                                         packed.numel() >= shaped.numel()),
               "decode_layers: ", slot_name(index), " is not a float32 weight packed by ",
-              "mkl::_mkl_reorder_linear_weight for its [", out, ", ", in, "] stand-in");
+              "mkl::_mkl_reorder_linear_weight or mkldnn::_reorder_linear_weight for its [", out,
+              ", ", in, "] stand-in");
   TORCH_CHECK(s.dtype == at::kFloat || !packed.is_mkldnn() ||
                   (packed.scalar_type() == s.dtype && packed.numel() == shaped.numel()),
               "decode_layers: ", slot_name(index), " is not a ", s.dtype, " weight packed by ",
@@ -231,9 +232,11 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
   const Ops& f = ops();
   const bool plain = x_in.scalar_type() != at::kFloat;
   const std::optional<Tensor> no_bias;
-  // float32 weights are MKL-packed; bf16 ones oneDNN-packed, or plain [out, in] tensors.
+  // float32 weights are MKL-packed (an opaque buffer) or oneDNN-packed (shaped as the weight);
+  // bf16 ones oneDNN-packed, or plain [out, in] tensors.
   const auto project = [&](const Tensor& input, const Tensor* w) {
-    if (!plain) return f.linear.call(input, w[0], w[1], no_bias, n);
+    if (!plain && w[0].sizes() != w[1].sizes())
+      return f.linear.call(input, w[0], w[1], no_bias, n);
     return w[0].is_mkldnn() ? prepacked_linear(input, w[0])
                             : f.plain_linear.call(input, w[0], no_bias);
   };

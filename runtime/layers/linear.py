@@ -1,12 +1,14 @@
 """Dense projections y = x W^T + b.
 
-On a CPU worker with MKL, float32 weights are packed once at load into MKL's GEMM layout
+On an Intel CPU worker with MKL, float32 weights are packed once at load into MKL's GEMM layout
 (PackedWeight): on a 2-core AVX-512 VM that runs the decode-sized products 1.5-1.7x faster than
 oneDNN (64 rows: 330-420 GFLOP/s against 215-300), 2-4x at one row, and prefill chunks ~10%
-faster, in the same float32 arithmetic. bfloat16 weights are packed once at load into oneDNN's
-layout for its linear primitive where oneDNN computes bf16 (PackedWeight too): the same bits as
-on the plain weight, which oneDNN would otherwise reorder on every call (on a 2-core AVX512-BF16
-VM 1.3-1.8x faster at 1-32 rows, docs/BENCHMARKS.md). Otherwise (a torch without MKL, compiled
+faster, in the same float32 arithmetic. On other CPUs MKL's sgemm was the slower one (2-3.3x
+oneDNN's time on an AMD Zen 5 VM), so float32 weights are packed for oneDNN there. bfloat16
+weights are packed once at load into oneDNN's layout for its linear primitive where oneDNN
+computes bf16 (PackedWeight too): the same bits as on the plain weight, which oneDNN would
+otherwise reorder on every call (on a 2-core AVX512-BF16 VM 1.3-1.8x faster at 1-32 rows,
+docs/BENCHMARKS.md). Otherwise (a torch without MKL, compiled
 layers, a tied bf16 LM head, which stays the embedding table) oneDNN's linear primitive on the
 plain weight, the one torch.compile's CPU backend emits, which beats the default GEMM path on an
 LLM's shapes; elsewhere (another device) the plain path. All compute the same product in
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight, group_quant_linear
 from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
@@ -80,6 +83,10 @@ def _mkl_packed_linear_op():
 
 
 _mkl_packed_linear = _mkl_packed_linear_op()
+# MKL's packed sgemm is the faster float32 GEMM on Intel CPUs; on others (an AMD Zen 5 VM) it
+# took 2-3.3x oneDNN's time on the same packed shapes, so float32 weights are packed for oneDNN
+# there, as bf16 ones are everywhere (docs/BENCHMARKS.md).
+MKL_FLOAT32 = cpu_features.detect().vendor == "GenuineIntel"
 
 
 @dataclass(frozen=True)
@@ -91,15 +98,16 @@ class PackedWeight:
 
     packed: torch.Tensor
     stand_in: torch.Tensor
+    onednn: bool = False            # oneDNN's layout (else MKL's)
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> PackedWeight:
+    def pack(cls, weight: torch.Tensor, mkl: bool | None = None) -> PackedWeight:
+        """`mkl`: MKL's layout for a float32 weight (default: on Intel CPUs, MKL_FLOAT32)."""
         weight = weight.detach().contiguous()
-        if weight.dtype == torch.bfloat16:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-        else:
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT)
-        return cls(packed, weight.new_zeros(1, 1).expand(weight.shape))
+        stand_in = weight.new_zeros(1, 1).expand(weight.shape)
+        if weight.dtype == torch.float32 and (MKL_FLOAT32 if mkl is None else mkl):
+            return cls(torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT), stand_in)
+        return cls(torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT), stand_in, True)
 
     @property
     def shape(self) -> torch.Size:
@@ -110,7 +118,7 @@ class PackedWeight:
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if weight.stand_in.dtype == torch.bfloat16:
+    if weight.onednn:
         return _onednn_bounded_shapes(x, weight.packed, bias)
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
@@ -131,14 +139,15 @@ def decode_layers_slots(weight: object) -> tuple[torch.Tensor, torch.Tensor] | N
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` on this device can be packed: float32 for MKL, bfloat16 for
-    oneDNN where it computes bf16."""
+    """Whether weights of `dtype` on this device can be packed: float32 for MKL (Intel) or
+    oneDNN, bfloat16 for oneDNN where it computes bf16."""
     if device.type != "cpu":
         return False
+    onednn = dtype in _ONEDNN_DTYPES and _onednn_linear is not None and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight")
     if dtype == torch.bfloat16:
-        return torch.bfloat16 in _ONEDNN_DTYPES and _onednn_linear is not None and hasattr(
-            torch.ops.mkldnn, "_reorder_linear_weight")
-    return _mkl_packed_linear is not None and dtype == torch.float32
+        return onednn
+    return dtype == torch.float32 and (_mkl_packed_linear is not None if MKL_FLOAT32 else onednn)
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -490,12 +490,15 @@ def _kernel_attention(q, k_cache, v_cache, a: dict) -> torch.Tensor:
 
 def _decode_layer_loop(a: dict, attention=_kernel_attention) -> torch.Tensor:
     """decode_layers' operators called one by one from Python, in its order, on its arguments
-    (a dict as _decode_args makes); torch's linear for plain bf16 projections, MKL's packed one
-    for float32 (the calls decode_layers makes), and `attention` for the decode attention."""
+    (a dict as _decode_args makes); torch's linear for plain bf16 projections, oneDNN's for
+    weights it packed (shaped as their stand-ins), MKL's for MKL-packed float32 ones (the calls
+    decode_layers makes), and `attention` for the decode attention."""
     ops, plain = torch.ops.spmd_cpu, a["x"].dtype != torch.float32
     n, heads, kv_heads, head_dim = a["x"].shape[0], a["num_heads"], a["num_kv_heads"], a["head_dim"]
 
     def linear(rows, w, index):
+        if w[index].is_mkldnn and w[index].shape == w[index + 1].shape:
+            return torch.ops.mkldnn._linear_pointwise(rows, w[index], None, "none", [], "")
         return torch.nn.functional.linear(rows, w[index]) if plain else \
             torch.ops.mkl._mkl_linear(rows, w[index], w[index + 1], None, n)
 
