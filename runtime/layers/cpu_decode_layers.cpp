@@ -1,10 +1,11 @@
 // Every decoder layer of a decode step in one call (runtime/models/llama.py
 // LlamaForCausalLM.forward, the fused decode path): the same operators the Python layer loop
-// runs (this library's norms, rotary, KV write, decode attention and SiLU x up; MKL's packed
-// GEMM for float32 projections, oneDNN's linear for bfloat16 ones, prepacked or plain), in the
-// same order on the same tensors, so the hidden states are identical to the bit. What goes is the host time between
-// them: per layer about a dozen Python-level operator calls and twenty views (~7 ms of a 64-row
-// step on a 2-core VM) become C++ calls through the dispatcher.
+// runs (this library's norms, rotary, KV write, decode attention and SiLU x up; MKL's or
+// oneDNN's packed GEMM for float32 projections, oneDNN's linear for bfloat16 ones, prepacked or
+// plain), in the same order on the same tensors, so the hidden states are identical to the bit.
+// What goes is the host time between them: per layer about a dozen Python-level operator calls
+// and twenty views (~7 ms of a 64-row step on a 2-core VM) become C++ calls through the
+// dispatcher.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -140,9 +141,9 @@ void check_tokens(const Tensor& x, const Tensor& cos, const Tensor& sin, const T
 }
 
 // What a layer's tensors must be for x's width and the head counts: norms [hidden] and
-// projections [out, in], all in x's dtype. A float32 projection is MKL-packed, its shape read
-// from the stand-in; a bf16 one is oneDNN-packed (its shape read from the stand-in too) or the
-// plain weight itself (the stand-in slot is then ignored).
+// projections [out, in], all in x's dtype. A float32 projection is MKL- or oneDNN-packed, its
+// shape read from the stand-in; a bf16 one is oneDNN-packed (its shape read from the stand-in
+// too) or the plain weight itself (the stand-in slot is then ignored).
 struct LayerShapes {
   int64_t hidden, qkv_out, q_size;
   at::ScalarType dtype;

@@ -8,11 +8,11 @@ oneDNN's time on an AMD Zen 5 VM), so float32 weights are packed for oneDNN ther
 weights are packed once at load into oneDNN's layout for its linear primitive where oneDNN
 computes bf16 (PackedWeight too): the same bits as on the plain weight, which oneDNN would
 otherwise reorder on every call (on a 2-core AVX512-BF16 VM 1.3-1.8x faster at 1-32 rows,
-docs/BENCHMARKS.md). Otherwise (a torch without MKL, compiled
-layers, a tied bf16 LM head, which stays the embedding table) oneDNN's linear primitive on the
-plain weight, the one torch.compile's CPU backend emits, which beats the default GEMM path on an
-LLM's shapes; elsewhere (another device) the plain path. All compute the same product in
-float32 accumulation.
+docs/BENCHMARKS.md). Otherwise (a torch without MKL, compiled layers, a tied bf16 LM head,
+which stays the embedding table) oneDNN's linear primitive on the plain weight, the one
+torch.compile's CPU backend emits, which beats the default GEMM path on an LLM's shapes;
+elsewhere (another device) the plain path. All compute the same product in float32
+accumulation.
 """
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ MKL_FLOAT32 = cpu_features.detect().vendor == "GenuineIntel"
 @dataclass(frozen=True)
 class PackedWeight:
     """A float32 [out, in] weight in MKL's packed GEMM layout (2-4x the weight's bytes), or a
-    bfloat16 one in oneDNN's blocked layout (its bytes); the plain weight can be dropped.
+    float32 or bfloat16 one in oneDNN's blocked layout (its bytes); the plain weight can be
+    dropped.
     `stand_in` is a zero-byte [out, in] view in the weight's dtype: the operators read only the
     weight's shape from it."""
 
@@ -128,9 +129,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 
 
 def decode_layers_slots(weight: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A projection's (packed, stand-in) pair for spmd_cpu::decode_layers: MKL's packed float32
-    form or oneDNN's packed bfloat16 one, or a plain bfloat16 weight in both places; None for
-    any other form."""
+    """A projection's (packed, stand-in) pair for spmd_cpu::decode_layers: MKL's or oneDNN's
+    packed form, or a plain bfloat16 weight in both places; None for any other form."""
     if isinstance(weight, PackedWeight):
         return weight.packed, weight.stand_in
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:

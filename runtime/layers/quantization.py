@@ -172,9 +172,7 @@ class RescoredInt8Head:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         x_scale = token_scales(rows)
-        q = torch.round(rows / x_scale)
-        codes = q.add_(128).to(torch.uint8) if self.scores.packed is not None else q.to(torch.int8)
-        logits = self.scores.integer_sums(codes).to(torch.float32)
+        logits = self.scores.integer_sums(torch.round(rows / x_scale)).to(torch.float32)
         logits.mul_(x_scale).mul_(self.scores.scale)
         top = logits.topk(min(self.candidates, logits.shape[-1]), dim=-1).indices
         exact = torch.bmm(self.weight[top], rows.unsqueeze(-1)).squeeze(-1)
