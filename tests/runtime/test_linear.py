@@ -71,19 +71,29 @@ BF16_PACKING = linear_mod.can_pack(torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.skipif(not BF16_PACKING, reason="oneDNN computes no bfloat16 on this CPU (no AVX-512)")
-def test_bf16_packed_weight_gives_the_plain_weights_bits_at_every_row_count() -> None:
+def test_bf16_packed_weight_gives_the_plain_weights_bits_at_decode_row_counts() -> None:
     """bfloat16 (assertions on bf16 products): oneDNN's prepacked weight computes, bit for bit,
-    what oneDNN computes on the plain weight, with and without bias, for 3-D and strided inputs."""
+    what oneDNN computes on the plain weight up to a few hundred rows (decode steps and the
+    packing's row hint), with and without bias, for 3-D and strided inputs. Past that, an AMX
+    CPU blocks the two differently: at 1,000 rows an element may round the other way (one bf16
+    step, seen on an Intel Xeon with AMX on 2026-11-26), so there both stay within bf16's
+    rounding of each other."""
     torch.manual_seed(0)
     weight, bias = (torch.randn(96, 40) * 0.1).bfloat16(), torch.randn(96).bfloat16()
     packed = linear_mod.PackedWeight.pack(weight)
     assert packed.shape == weight.shape and packed.stand_in.dtype == torch.bfloat16
-    for rows in (1, 2, 7, 63, 64, 65, 300, 1000):
+    for rows in (1, 2, 7, 63, 64, 65, 300):
         x = torch.randn(rows, 40).bfloat16()
         assert torch.equal(linear(x, packed, bias), linear(x, weight, bias))
         assert torch.equal(linear(x, packed), linear(x, weight))
     strided = torch.randn(3, 5, 100).bfloat16()[..., :40]
     assert torch.equal(linear(strided, packed), linear(strided, weight))
+    x = torch.randn(1000, 40).bfloat16()
+    exact = F.linear(x.float(), weight.float(), bias.float())
+    for got in (linear(x, packed, bias), linear(x, weight, bias)):
+        # bf16's rounding of the float32 product (2^-8 relative; the absolute 2^-8 covers the
+        # bias added after a rounding where the two nearly cancel), not a looser bound
+        torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=2 ** -8)
 
 
 @pytest.mark.skipif(not BF16_PACKING, reason="oneDNN computes no bfloat16 on this CPU (no AVX-512)")
