@@ -88,11 +88,13 @@ def model_source(name: str) -> ModelSource:
 def tensor_parallel_problem(model: ModelConfig, size: int) -> str | None:
     """Why `size` ranks cannot split this model's layers, or None if they can."""
     heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
-    if heads % size:
+    # Up to one rank per KV head, the heads split whole by KV group (unevenly where the ranks
+    # do not divide them); past that, KV heads are replicated and the query heads split evenly.
+    if size > kv_heads and heads % size:
         return f"tensor-parallel size {size} must divide the {heads} attention heads"
-    if kv_heads % size and size % kv_heads:
-        return (f"tensor-parallel size {size} must divide the {kv_heads} key/value heads or be a "
-                "multiple of them (then they are replicated)")
+    if size > kv_heads and size % kv_heads:
+        return (f"tensor-parallel size {size} must be at most the {kv_heads} key/value heads or "
+                "a multiple of them (then they are replicated)")
     if model.intermediate_size % size:
         return (f"tensor-parallel size {size} must divide the MLP's {model.intermediate_size} "
                 "features")

@@ -21,8 +21,9 @@ log = logging.getLogger("spmd.worker")
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                    tp_size: int = 1) -> int:
-    kv_heads = max(1, config.num_key_value_heads // tp_size)
+                    kv_heads: int | None = None) -> int:
+    """A block's bytes over every layer, for `kv_heads` (this rank's; default all of them)."""
+    kv_heads = kv_heads or config.num_key_value_heads
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * element
 
@@ -80,7 +81,7 @@ def _gib(num_bytes: int) -> str:
 
 
 def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype,
-                  device: torch.device, *, max_useful_blocks: int, tp_size: int = 1,
+                  device: torch.device, *, max_useful_blocks: int,
                   local_world_size: int = 1, graphs: bool = False) -> CacheSizing:
     """Blocks for this worker: --num-kv-blocks, else --kv-cache-memory bytes, else on CPU
     CPU_DEFAULT_KV_BYTES or a quarter of this worker's share of the available RAM if smaller (a
@@ -88,7 +89,7 @@ def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dt
     gpu_memory_utilization x the memory free after the weights and a profiling forward pass of
     a full token budget, once that pass's activations are set aside, and with `graphs` the
     --graph-reserved-mem share of the usable memory."""
-    per_block = bytes_per_block(model.config, config.block_size, dtype, tp_size)
+    per_block = bytes_per_block(model.config, config.block_size, dtype, model.shards.num_kv_heads)
     weights, parameters = weight_bytes(model), weight_parameters(model)
 
     def from_bytes(how: str, budget: int, **details) -> CacheSizing:
@@ -107,7 +108,7 @@ def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dt
         return from_bytes("cpu_default", min(CPU_DEFAULT_KV_BYTES, free // 4), free_bytes=free)
     peak = profile_forward_peak(model, config.max_num_batched_tokens,
                                 min(config.max_num_seqs, config.max_num_batched_tokens),
-                                config.block_size, dtype, device, tp_size)
+                                config.block_size, dtype, device)
     free = free_memory(device, local_world_size)
     usable = int(free * config.gpu_memory_utilization)
     graph_reserve = int(usable * config.graph_reserved_mem) if graphs else 0
@@ -127,13 +128,13 @@ def free_memory(device: torch.device, local_world_size: int) -> int:
 
 @torch.inference_mode()
 def profile_forward_peak(model: LlamaForCausalLM, num_tokens: int, num_logit_rows: int,
-                         block_size: int, dtype: torch.dtype, device: torch.device,
-                         tp_size: int = 1) -> int:
+                         block_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """Peak activation bytes of one forward pass over `num_tokens` prompt tokens (the largest
     step the scheduler can plan), with logits and sampling for `num_logit_rows` of them."""
     num_blocks = -(-num_tokens // block_size)
     # Zeroed, so touched now: not counted as activations.
-    kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device, tp_size)
+    kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device,
+                                  model.shards.num_kv_heads)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device) % model.config.max_position_embeddings
     batch = fresh_prompt_batch(num_tokens, model.layer_windows, device)
@@ -213,11 +214,13 @@ def split_for_windows(model: ModelConfig, sizing: CacheSizing, num_sliding: int,
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device, tp_size: int = 1, num_sliding_blocks: int = 0
+                      device: torch.device, kv_heads: int | None = None,
+                      num_sliding_blocks: int = 0
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (key, value) slot tensors of shape [num_blocks * block_size, kv_heads, head_dim]
-    (the sliding-window layers' with `num_sliding_blocks`, where given, instead)."""
-    kv_heads = max(1, config.num_key_value_heads // tp_size)
+    (the sliding-window layers' with `num_sliding_blocks`, where given, instead); kv_heads:
+    this rank's (default all of them)."""
+    kv_heads = kv_heads or config.num_key_value_heads
 
     def shape(layer: int) -> tuple[int, int, int]:
         rows = num_sliding_blocks if num_sliding_blocks and layer in config.sliding_layers \
@@ -235,7 +238,7 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
 
 def allocate_pools(config: EngineConfig, model: ModelConfig, sizing: CacheSizing,
                    max_useful_blocks: int, dtype: torch.dtype, device: torch.device,
-                   tp_size: int, rank: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                   kv_heads: int, rank: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                                      int, int, int]:
     """The KV cache `sizing` allows, with one scratch block more per pool than the scheduler
     knows of (the last: padding writes to it): (caches, blocks of the full-attention pool,
@@ -249,7 +252,7 @@ def allocate_pools(config: EngineConfig, model: ModelConfig, sizing: CacheSizing
                  model.num_hidden_layers - len(model.sliding_layers), num_sliding,
                  len(model.sliding_layers), model.sliding_window)
     kv_caches = allocate_kv_cache(model, num_blocks + 1, config.block_size, dtype, device,
-                                  tp_size, num_sliding + 1 if num_sliding else 0)
+                                  kv_heads, num_sliding + 1 if num_sliding else 0)
     num_cpu_blocks = config.kv_swap_memory // sizing.bytes_per_block
     if num_sliding and num_cpu_blocks:
         log.info("rank %d: no swap space for a model mixing full and sliding-window layers "

@@ -48,6 +48,12 @@ def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torc
     release_free_memory()
     log.info("rank %d loaded %s (%s, %s, tensor-parallel rank %d of %d) in %.1fs", ctx.rank,
              config.model, dtype, ctx.device, tp.rank, tp.size, time.perf_counter() - started)
+    shards = model.shards
+    if tp.size > 1 and shards.num_heads * tp.size != model_config.num_attention_heads:
+        log.info("rank %d holds %d of the %d query heads and %d of the %d key/value heads: the "
+                 "ranks do not divide them, so their attention and KV cache are unequal",
+                 ctx.rank, shards.num_heads, model_config.num_attention_heads,
+                 shards.num_kv_heads, model_config.num_key_value_heads)
     return model_config, model, tp, attention
 
 

@@ -82,7 +82,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     graphs = graphs_enabled(config, ctx.device.type) and not config.skip_warmup
     sizing = size_kv_cache(config, model, dtype, ctx.device, max_useful_blocks=max_useful,
-                           tp_size=tp.size, local_world_size=local_world_size, graphs=graphs)
+                           local_world_size=local_world_size, graphs=graphs)
     log.info("rank %d memory: %s", ctx.rank,
              sizing.describe(config.block_size, config.gpu_memory_utilization, max_model_len))
     num_blocks = sizing.num_blocks
@@ -92,7 +92,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
             "--gpu-memory-utilization (CUDA), lower --max-num-batched-tokens, or use a smaller "
             "model")
     kv_caches, num_blocks, num_sliding, num_cpu_blocks = allocate_pools(
-        config, model_config, sizing, max_useful, dtype, ctx.device, tp.size, ctx.rank)
+        config, model_config, sizing, max_useful, dtype, ctx.device, model.shards.num_kv_heads,
+        ctx.rank)
     runner = ModelRunner(model, kv_caches, config.block_size, ctx.device,
                          seed=shared_sampling_seed(ctx), num_cpu_blocks=num_cpu_blocks,
                          scratch_block=num_blocks,
@@ -125,7 +126,7 @@ def drafter_for(config: EngineConfig, runner: ModelRunner, vocab_size: int, num_
     block ids (as many blocks: its size is logged)."""
     draft_config, model = load_draft_model(config, device, dtype, vocab_size)
     check_draft_windows(config, draft_config, runner)
-    kv_caches = allocate_kv_cache(draft_config, num_blocks, config.block_size, dtype, device, 1)
+    kv_caches = allocate_kv_cache(draft_config, num_blocks, config.block_size, dtype, device)
     size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
     log.info("draft KV cache: %d blocks, %.2f GiB", num_blocks, size / 2**30)
     return Drafter(model, kv_caches, runner.inputs, runner.requests)

@@ -46,7 +46,11 @@ class TensorParallel:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Which heads, MLP features and vocabulary rows one rank holds."""
+    """Which heads, MLP features and vocabulary rows one rank holds.
+
+    The key/value heads are split whole, each with its group of query heads. Where the ranks do
+    not divide them (smollm2's 3 over 2 ranks), the first ranks take one more: ranks then hold
+    unequal shares of the attention (and of its KV cache), never a part of a group."""
 
     num_heads: int                  # query heads on this rank
     num_kv_heads: int               # key/value heads on this rank (replicated when TP > kv heads)
@@ -54,6 +58,7 @@ class ShardLayout:
     intermediate_size: int          # MLP features on this rank
     vocab_start: int
     vocab_per_rank: int             # vocabulary rows per rank (the last rank's may be padding)
+    q_head_start: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, tp: TensorParallel) -> ShardLayout:
@@ -63,14 +68,18 @@ class ShardLayout:
         if problem:
             raise ValueError(problem)
         if kv_heads >= size:
-            num_kv, kv_start = kv_heads // size, rank * (kv_heads // size)
+            base, extra = divmod(kv_heads, size)
+            num_kv, kv_start = base + (rank < extra), rank * base + min(rank, extra)
+            group = heads // kv_heads
+            num_q, q_start = num_kv * group, kv_start * group
         else:
             # More ranks than KV heads: each KV head serves size // kv_heads ranks, whose query
             # heads are exactly the ones that head's group holds.
             num_kv, kv_start = 1, rank // (size // kv_heads)
+            num_q, q_start = heads // size, rank * (heads // size)
         vocab_per_rank = -(-config.vocab_size // size)
-        return cls(heads // size, num_kv, kv_start, config.intermediate_size // size,
-                   rank * vocab_per_rank, vocab_per_rank)
+        return cls(num_q, num_kv, kv_start, config.intermediate_size // size,
+                   rank * vocab_per_rank, vocab_per_rank, q_start)
 
 
 def read_shard(source, shard: tuple[int, int, int] | None) -> torch.Tensor:

@@ -318,7 +318,7 @@ def llama_shard_spec(config: ModelConfig, tp: TensorParallel) -> ShardSpec:
     (rows of column-parallel layers and of the vocabulary, columns of row-parallel layers), or
     None for weights every rank holds whole (the norms)."""
     shards, head_dim = ShardLayout.of(config, tp), config.head_dim
-    q = (tp.rank * shards.num_heads * head_dim, shards.num_heads * head_dim)
+    q = (shards.q_head_start * head_dim, shards.num_heads * head_dim)
     kv = (shards.kv_head_start * head_dim, shards.num_kv_heads * head_dim)
     mlp = (tp.rank * shards.intermediate_size, shards.intermediate_size)
     vocab = (shards.vocab_start, shards.vocab_per_rank)

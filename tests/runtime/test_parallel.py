@@ -42,8 +42,20 @@ def test_kv_heads_are_replicated_when_ranks_outnumber_them() -> None:
         (1, 1, 0), (1, 1, 0), (1, 1, 1), (1, 1, 1)]
 
 
+def test_kv_groups_split_whole_where_the_ranks_do_not_divide_them() -> None:
+    """smollm2's shape over two ranks: KV heads 0-1 with query heads 0-5, then KV head 2 with
+    query heads 6-8; every query head once, each beside its own KV head."""
+    layouts = [ShardLayout.of(config(9, 3), TensorParallel(rank, 2)) for rank in range(2)]
+    assert [(s.num_heads, s.q_head_start, s.num_kv_heads, s.kv_head_start) for s in layouts] == [
+        (6, 0, 2, 0), (3, 6, 1, 2)]
+    layouts = [ShardLayout.of(config(10, 5), TensorParallel(rank, 3)) for rank in range(3)]
+    assert [(s.num_heads, s.q_head_start, s.num_kv_heads, s.kv_head_start) for s in layouts] == [
+        (4, 0, 2, 0), (4, 4, 2, 2), (2, 8, 1, 4)]
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "size", "what"), [
-    (9, 3, 2, "attention heads"), (12, 4, 6, "key/value heads"), (8, 8, 8, None), (8, 4, 8, None)])
+    (9, 3, 4, "attention heads"), (12, 4, 6, "key/value heads"), (8, 8, 8, None), (8, 4, 8, None),
+    (9, 3, 2, None)])
 def test_indivisible_layouts_are_refused(heads, kv_heads, size, what) -> None:
     if what is None:
         ShardLayout.of(config(heads, kv_heads, intermediate=96), TensorParallel(0, size))

@@ -301,12 +301,13 @@ def model_runner():
     Its KV cache is allocated by the worker's own allocate_kv_cache, with torch.empty returning
     NaN-filled memory -- what a reused heap chunk may hold (seen in engines under test).
     """
+    import spmd_runtime.worker_proc.kv_cache as kv_cache
     import spmd_runtime.worker_proc.worker as worker
     import torch
     from spmd_runtime.protocol.config import EngineConfig
     from spmd_runtime.worker_proc.distributed import DistributedContext
 
-    real_allocate = worker.allocate_kv_cache
+    real_allocate = kv_cache.allocate_kv_cache
 
     def allocate_from_dirty_memory(*args, **kwargs):
         real_empty = torch.empty
@@ -320,7 +321,8 @@ def model_runner():
     context = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
                                  backend="gloo")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(worker, "allocate_kv_cache", allocate_from_dirty_memory)
+        # The pool's allocation (kv_cache.allocate_pools calls its module's allocate_kv_cache).
+        patch.setattr(kv_cache, "allocate_kv_cache", allocate_from_dirty_memory)
         runner, _ = worker.build_runner(config, context)
     return runner
 

@@ -2,10 +2,10 @@
 token for token those of the same engine without it, through chunked prefill (a budget of 16
 tokens), prefix caching and preemption (a pool too small for the batch), with stop strings,
 max_tokens, penalties and logprobs; smollm2 drafting for itself; over ten prompts (the parity
-prompts of test_llm_correctness and two whose answers repeat them), at one rank, and at three
-(smollm2's heads do not split over two) by prompt lookup; under
-TP=2, a tiny random draft for a tiny random target of smollm2's vocabulary on the same prompts,
-and prompt lookup on a tiny Llama whose outputs repeat; stats() counting the proposals.
+prompts of test_llm_correctness and two whose answers repeat them), at one rank, and at two
+(smollm2's heads split unequally) by prompt lookup and by drafting for itself; under TP=2 too,
+a tiny random draft for a tiny random target of smollm2's vocabulary on the same prompts, and
+prompt lookup on a tiny Llama whose outputs repeat; stats() counting the proposals.
 Everything here is float32.
 
 Two smollm2 engines, the same but for --speculative, are shared by the module's tests; the
@@ -241,27 +241,31 @@ def test_prompt_lookup_over_two_ranks_equals_speculation_off(sharp_models) -> No
     assert stats.spec_decode_num_drafts > 0 and stats.num_preemptions > 0, stats
 
 
-# smollm2's 9 query and 3 KV heads split over three ranks (not two). Sixteen new tokens, the
-# first half of the one-rank outputs, in a pool of 10 blocks that preempts. (Drafting for
-# itself there, each rank running the whole draft, costs a minute of CI on 2 cores: drafting
-# under TP is the tiny pair's test above.)
-TP3 = dict(ENGINE, nproc_per_node=3, device="cpu", num_kv_blocks=10)
-SHORT = SamplingParams(max_tokens=NEW_TOKENS // 2, temperature=0.0, ignore_eos=True)
+# smollm2's 9 query and 3 KV heads over two ranks, unequally: KV heads 0-1 with query heads 0-5,
+# then KV head 2 with query heads 6-8 (runtime/layers/parallel.py). ENGINE's chunks of 16,
+# prefix caching and its pool of 24 blocks that preempts.
+SMOLLM2_TP2 = dict(ENGINE, nproc_per_node=2, device="cpu")
 
 
 @pytest.mark.timeout(600)
-def test_smollm2_over_three_ranks_with_prompt_lookup_equals_one_rank_without(expected,
-                                                                             prompts) -> None:
-    """float32 greedy over the ten prompts with smollm2 split over three CPU ranks (one KV head
-    and three query heads each), chunks of 16, prefix caching and preemption, speculating by
-    prompt lookup (requests without a match decode one token, as without speculation): the
-    first 16 tokens of one rank's outputs without speculation."""
-    with LLM("smollm2", **TP3, **SPECULATIVE) as llm:
-        got = tokens_and_reasons(llm, prompts, SHORT)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_over_two_ranks_speculating_equals_one_rank_without(expected, prompts,
+                                                                    method) -> None:
+    """float32 greedy over the ten prompts with smollm2 split over two CPU ranks, chunks of 16,
+    prefix caching and preemption, speculating by prompt lookup (requests without a match decode
+    one token, as without speculation) or with smollm2 drafting for itself (whole on each
+    rank): one rank's outputs without speculation, token for token."""
+    # A draft verifies more requests at a time, so a pool of 12 blocks preempts (as at one rank).
+    options = dict(SPECULATIVE, speculative=method) if method == "ngram" else dict(
+        SPECULATIVE, speculative=method, draft_model="smollm2", num_kv_blocks=12)
+    with LLM("smollm2", **{**SMOLLM2_TP2, **options}) as llm:
+        got = tokens_and_reasons(llm, prompts, GREEDY)
         stats = wait_idle(llm.client)
-    assert got == [(tokens[:SHORT.max_tokens], "length") for tokens, _ in expected]
+    assert got == expected
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0, stats
-    assert stats.prefix_cache_hits > 0, stats
+    assert stats.prefix_cache_hits > 0 and stats.speculative == method, stats
+    if method == "draft":
+        assert stats.spec_decode_acceptance_rate > 0.9, stats
 
 
 @pytest.mark.timeout(600)

@@ -1,6 +1,6 @@
 """Tensor parallelism end to end: greedy outputs with TP > 1 equal TP = 1 (which equals
-transformers, see test_llm_correctness.py), with sharded heads, replicated KV heads, a sharded
-vocabulary and chunked row-parallel reductions."""
+transformers, see test_llm_correctness.py), with sharded heads, replicated KV heads, heads split
+unequally (smollm2 over two ranks), a sharded vocabulary and chunked row-parallel reductions."""
 from __future__ import annotations
 
 import pytest
@@ -71,21 +71,22 @@ def test_overlapped_steps_with_two_ranks_give_the_same_outputs(sharp_model, outp
     assert overlapped == outputs_of(model, **SMALL)
 
 
-# smollm2 dequantised in float32 over three ranks: tests/runtime/test_speculative_decoding.py
-# (test_smollm2_over_three_ranks_with_prompt_lookup_equals_one_rank_without, where requests without an
-# n-gram match decode one token at a time).
+# smollm2 dequantised in float32 over two ranks, speculating or not: tests/runtime/
+# test_speculative_decoding.py (test_smollm2_over_two_ranks_speculating_equals_one_rank_without).
 
 
 @pytest.mark.timeout(600)
-def test_smollm2_kept_in_its_gguf_blocks_with_three_workers_equals_one() -> None:
-    """--quantization gguf, float32: each rank holds its rows (column-parallel) or its blocks of
-    columns (row-parallel: 192 of 576 and 512 of 1,536, whole blocks of 32) of the file's Q4_1
-    and Q8_0 blocks; the partial products' sum gives one worker's tokens."""
+def test_smollm2_kept_in_its_gguf_blocks_with_two_unequal_workers_equals_one() -> None:
+    """--quantization gguf, float32, smollm2's 9 query and 3 KV heads over two ranks: rank 0
+    holds KV heads 0-1 and query heads 0-5, rank 1 the rest (runtime/layers/parallel.py). Each
+    rank holds its rows (column-parallel) or its blocks of columns (row-parallel: 384 or 192 of
+    576, 768 of 1,536, whole blocks of 32) of the file's Q4_1 and Q8_0 blocks; the partial
+    products' sum gives one worker's tokens."""
     texts = ["The capital of France is"]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     outputs = {}
-    for tp in (1, 3):
+    for tp in (1, 2):
         with LLM("smollm2", nproc_per_node=tp, dtype="float32", device="cpu", quantization="gguf",
                  num_kv_blocks=16, max_model_len=64) as llm:
             outputs[tp] = [o.token_ids for o in llm.generate(texts, params)]
-    assert outputs[3] == outputs[1]
+    assert outputs[2] == outputs[1]

@@ -60,6 +60,24 @@ def test_bytes_per_block(model) -> None:
     assert bytes_per_block(config, 4, torch.bfloat16) == per_block(model, 4) // 2
 
 
+def test_a_rank_sizes_its_blocks_by_its_own_kv_heads(model, no_profiling) -> None:
+    """Three KV heads over two ranks: rank 0 holds two, rank 1 one, and each rank's blocks (and
+    the memory budget's count of them) are sized by its own."""
+    from spmd_runtime.runtime.layers.parallel import TensorParallel
+    from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+
+    config = dataclasses.replace(model.config, num_attention_heads=6, num_key_value_heads=3,
+                                 hidden_size=96, head_dim=16)
+    ranks = [LlamaForCausalLM(config, torch.float32, TensorParallel(rank, 2)) for rank in (0, 1)]
+    one_head = 2 * config.num_hidden_layers * 16 * config.head_dim * 4
+    sizings = [size_kv_cache(EngineConfig(kv_cache_memory=12 * one_head), rank, torch.float32,
+                             CPU, max_useful_blocks=1000) for rank in ranks]
+    assert [s.bytes_per_block for s in sizings] == [2 * one_head, one_head]
+    assert [s.num_blocks for s in sizings] == [6, 12]
+    caches = kv_cache.allocate_kv_cache(config, 4, 16, torch.float32, CPU, ranks[1].shards.num_kv_heads)
+    assert caches[0][0].shape == (64, 1, 16)
+
+
 def test_num_kv_blocks_is_taken_as_given(model, no_profiling) -> None:
     sizing = size_kv_cache(EngineConfig(num_kv_blocks=37), model, torch.float32, CPU,
                            max_useful_blocks=1000)
@@ -111,8 +129,7 @@ class Pinned:
             self.free_calls.append((device, local_world_size))
             return free
 
-        def profile_forward_peak(model, num_tokens, num_logit_rows, block_size, dtype, device,
-                                 tp_size=1):
+        def profile_forward_peak(model, num_tokens, num_logit_rows, block_size, dtype, device):
             self.profile_calls.append((num_tokens, num_logit_rows, block_size, dtype, device))
             return peak
 
@@ -311,7 +328,7 @@ def test_windowed_layers_get_a_pool_of_what_running_requests_can_hold(model) -> 
     assert kv_cache.split_for_windows(mixed, sizing, 28, max_useful_blocks=1500) == 1500
     given = CacheSizing("num_kv_blocks", 0, per_block(model), 1000)
     assert kv_cache.split_for_windows(mixed, given, 28, max_useful_blocks=5000) == 1000
-    caches = kv_cache.allocate_kv_cache(mixed, 9, 16, torch.float32, CPU, 1, 3)
+    caches = kv_cache.allocate_kv_cache(mixed, 9, 16, torch.float32, CPU, num_sliding_blocks=3)
     assert [k.shape[0] for k, _ in caches] == [3 * 16, 9 * 16]
 
 
