@@ -249,8 +249,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 def execution_mode(config: EngineConfig, device_type: str) -> str:
     """--execution-mode with auto resolved: compiled on CUDA (graphs), eager on CPU. With
-    speculative decoding, the steps that verify proposals run eagerly, unpadded, and the
-    others (batches too large to speculate) keep their buckets and graphs."""
+    speculative decoding too: a request verifying k proposals takes k + 1 rows of a decode
+    bucket (scheduler_proc.speculation)."""
     if config.execution_mode == "auto":
         return "compiled" if device_type == "cuda" else "eager"
     return config.execution_mode

@@ -136,5 +136,6 @@ class PlanBuilder:
         if self.planner is None or draft.phase is None:
             return None
         num_tokens = sum(draft.num_scheduled.values())
-        return self.planner.shape_for(draft.phase, len(draft.num_scheduled), draft.longest,
-                                      num_tokens)
+        # A decode bucket's batch is rows, one a token: a verifying request takes 1 + k.
+        num_seqs = num_tokens if draft.phase is Phase.DECODE else len(draft.num_scheduled)
+        return self.planner.shape_for(draft.phase, num_seqs, draft.longest, num_tokens)

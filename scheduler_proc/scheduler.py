@@ -84,8 +84,8 @@ class Scheduler(SchedulerState):
         self.watermark_blocks = math.floor(admission_watermark * kv.num_blocks)
         # Matchers of the requests with a structured output (configured by the server).
         self.constrained = ConstrainedRequests()
-        # Speculative decoding's proposals (None: off). With buckets, a step small enough to
-        # speculate is planned without them (its verify rows run eagerly, unpadded).
+        # Speculative decoding's proposals (None: off). With buckets, a request verifying k
+        # proposals takes k + 1 rows of a decode step's bucket (speculation).
         self.speculator = speculator
 
     # ------------------------------------------------------------------ requests in and out
@@ -151,8 +151,7 @@ class Scheduler(SchedulerState):
 
     def schedule(self) -> ScheduledStep:
         self._apply_running_cap()
-        if self.planner is None or (self.speculator is not None
-                                    and self.speculator.active(len(self.running))):
+        if self.planner is None:
             return self._with_masks(self.plans.finalize(self._schedule_pass(None)))
         phase = self.planner.pick_phase(self.running, self.swapped[0] if self.swapped else None,
                                         bool(self.waiting))
@@ -244,8 +243,10 @@ class Scheduler(SchedulerState):
         phase = PROMPT if admitting or num_left != 1 else DECODE
         if phase is not draft.phase:
             return 0, draft.longest
-        return planner.take(phase, request, min(num_left, budget), len(draft.num_scheduled) + 1,
-                            draft.longest)
+        # A decode step's batch is its rows (its tokens: a verifying request has several).
+        num_seqs = (self.max_num_batched_tokens - budget if phase is DECODE
+                    else len(draft.num_scheduled)) + 1
+        return planner.take(phase, request, min(num_left, budget), num_seqs, draft.longest)
 
     def _admission_reserve(self) -> int:
         """Spare blocks a newcomer must leave; none when nothing runs, so a request that fits

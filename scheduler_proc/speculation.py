@@ -14,6 +14,9 @@ Proposals are asked for only where verifying them is cheap and exact:
 - for requests whose sampling does not depend on the tokens before it in the same step
   (penalties), needs no per-token records (logprobs) and no grammar (structured outputs);
 - within the request's max_tokens and the context length, and the step's token budget;
+- with buckets, in decode steps, where its 1 + k rows (one query token each, as the workers
+  attend them: worker_proc.step_inputs) fit a decode bucket beside the step's other rows, so
+  verify steps are padded, warmed up and captured as any decode step;
 - as many as the request's last verification suggests: a request proposes
   --num-speculative-tokens at first; after a rejection, one more than it had accepted (the
   text it copies may have diverged: a wasted proposal costs a verify row), doubling again
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.sampling import SamplingParams
+from spmd_runtime.protocol.step_shape import DECODE
 from spmd_runtime.scheduler_proc.ngram_proposer import NgramProposer
 from spmd_runtime.scheduler_proc.plan_builder import StepDraft
 from spmd_runtime.scheduler_proc.request import Request
@@ -92,6 +96,13 @@ class Speculator:
         running request; else it decodes as usual (False). `scheduler`: the SchedulerState
         planning the step."""
         room = self.draft_room(request, budget, scheduler.max_model_len)
+        planner, rows = scheduler.planner, scheduler.max_num_batched_tokens - budget
+        if planner is not None and draft.phase is DECODE:
+            # Bucketed: its 1 + k rows (a decode row each) and their context must fit a bucket
+            # with the rows already in the step.
+            while room and not planner.fits(DECODE, rows + 1 + room,
+                                            max(draft.longest, request.num_tokens + room)):
+                room -= 1
         if not room:
             return False
         proposals = None if self.proposer is None else self.proposer.propose(
@@ -104,6 +115,8 @@ class Speculator:
                 request, 1 + num_proposed, reserve=len(scheduler.running)):
             return False
         scheduler.plans.add_running(request, 1 + num_proposed, draft)
+        if draft.phase is DECODE:
+            draft.longest = max(draft.longest, request.num_tokens + num_proposed)
         if proposals is None:
             draft.draft_lengths.append((request.request_id, num_proposed))
         else:

@@ -110,13 +110,18 @@ class StepInputs:
         decode_rows: list[int] = []        # block-table rows
         decode_lengths: list[int] = []
         prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        decode_step = bucket is not None and bucket.phase is Phase.DECODE
         for request_id, start, end, offset in spans:
             table = tables.block_ids(request_id)
             slots.extend(table[p // block_size] * block_size + p % block_size
                          for p in range(start, end))
-            if end - start == 1:
-                decode_rows.append(tables.row(request_id))
-                decode_lengths.append(end)
+            if end - start == 1 or decode_step:
+                # A decode step's tokens are single-token queries, a request verifying
+                # proposals one per token: each attends to its context up to itself, whose KV
+                # the layer writes (all the step's slots) before attention reads it.
+                row = tables.row(request_id)
+                decode_rows.extend([row] * (end - start))
+                decode_lengths.extend(range(start + 1, end + 1))
             else:
                 prefill_specs.append((offset, end - start, start, table))
         if bucket is not None:

@@ -305,13 +305,14 @@ BUCKETED = dict(execution_mode="bucketed", prompt_bs_bucket="1,4,4", prompt_seq_
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_bucketed_steps_and_eager_verify_steps_equal_speculation_off(sharp_models,
-                                                                     method) -> None:
+def test_bucketed_steps_that_verify_proposals_equal_speculation_off(sharp_models,
+                                                                    method) -> None:
     """float32 greedy on a sharp tiny Llama with buckets: six requests decode in padded
     bucketed steps (six rows in a bucket of eight) while more than two run, then the last two
-    speculate in unbucketed steps that verify proposals (prompt lookup, or a tiny random draft
-    model, which also reads every bucketed step's tokens); the outputs of the eager engine
-    without speculation."""
+    speculate, verifying proposals (prompt lookup, or a tiny random draft model, which also
+    reads every bucketed step's tokens) in decode steps where each proposal is a row of the
+    bucket, attending to its context up to itself; the outputs of the eager engine without
+    speculation."""
     target, draft = sharp_models
     prompts = PATTERN_PROMPTS + [PATTERN[:4] * 5, [9, 8, 7], [11] * 5, [200, 3, 40, 17]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

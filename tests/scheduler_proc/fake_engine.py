@@ -76,6 +76,10 @@ class FakeWorker:
             for offset in range(self.block_size):
                 self.slots.pop(block * self.block_size + offset, None)
         self._copy_blocks(plan.swap_in, to_cpu=False)
+        # Speculative decoding: the proposals join the tokens, as the real worker appends them.
+        proposals = dict(plan.spec_token_ids)
+        for rid, proposed in proposals.items():
+            self.state[rid]["tokens"].extend(proposed)
         holders: dict[int, set[int]] = {}
         for rid, st in self.state.items():
             live = st["blocks"][self.first_live_block(st["computed"]):]
@@ -101,16 +105,31 @@ class FakeWorker:
                 assert holders[block] == {rid}, (
                     f"request {rid} writes block {block} shared with {holders[block] - {rid}}")
                 self.slots[self.slot(st["blocks"], p)] = tuple(st["tokens"][:p + 1])
+        verified = []
         for rid, n in scheduled:
             st = self.state[rid]
             st["computed"] += n
-            if st["computed"] == len(st["tokens"]):
+            if rid in proposals:
+                # Greedy verification: proposals kept while they are the model's tokens, then
+                # the model's own; the rejected ones are not computed (their slots are stale).
+                k = len(proposals[rid])
+                del st["tokens"][-k:]
+                out = []
+                for proposal in proposals[rid] + [None]:
+                    token = sample(rid, len(st["tokens"]))
+                    st["tokens"].append(token)
+                    out.append(token)
+                    if token != proposal:
+                        break
+                st["computed"] -= k + 1 - len(out)
+                verified.append((rid, out))
+            elif st["computed"] == len(st["tokens"]):
                 token = sample(rid, len(st["tokens"]))
                 st["tokens"].append(token)
                 ids.append(rid)
                 tokens.append(token)
         return StepResult(step_id=plan.step_id, request_ids=ids, sampled_token_ids=tokens,
-                          forward_ms=0.0, prepare_ms=0.0)
+                          forward_ms=0.0, prepare_ms=0.0, spec_token_ids=verified)
 
     def first_attended(self, position: int) -> int:
         """The first position the query at `position` attends to."""

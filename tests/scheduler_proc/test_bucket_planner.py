@@ -197,3 +197,40 @@ def test_the_issue10_workload_pads_under_a_tenth_of_what_it_computes() -> None:
     padded = bench.serve_workload(workload, config, bench.gpu_buckets(config, "padded"))
     assert padded["computed_tokens"] == packed["computed_tokens"]
     assert padded["padding_waste"] > 0.3
+
+
+def periodic(request_id: int, position: int) -> int:
+    """A fake model whose tokens repeat every five positions: prompt lookup finds them."""
+    return 10 + (request_id + position) % 5
+
+
+@pytest.mark.parametrize("num_requests", [1, 3, 6])
+def test_verifying_requests_take_decode_rows_of_a_bucket(num_requests) -> None:
+    """Prompt lookup with buckets: a request verifying k proposals takes 1 + k rows of a decode
+    step, and the step pads to a decode bucket holding all its rows and its longest context
+    (one row over three requests of 4 + 1 does not fit 8: they propose fewer). The outputs
+    are the fake model's, whatever was accepted."""
+    from spmd_runtime.scheduler_proc.speculation import Speculator
+
+    scheduler, loop = bucketed(speculator=Speculator(4, 1, 3, 16))
+    requests = [add(scheduler, rid, 0, prompt=[periodic(rid, p) for p in range(12)],
+                    max_tokens=30) for rid in range(num_requests)]
+    verify_steps = 0
+    for _ in range(500):
+        if not scheduler.has_work:
+            break
+        before = {r.request_id: r.num_computed_tokens for r in scheduler.requests.values()}
+        scheduled, update = loop.step(periodic)
+        if update is None or not scheduled.plan.spec_token_ids:
+            continue
+        verify_steps += 1
+        phase, bucket_rows, bucket_len = scheduled.plan.bucket
+        rows = scheduled.num_scheduled
+        assert phase == "decode" and sum(rows.values()) <= bucket_rows, scheduled.plan
+        assert all(before[rid] + n <= bucket_len for rid, n in rows.items()), scheduled.plan
+    loop.idle()
+    assert verify_steps > 0
+    assert scheduler.speculator.counters.num_accepted_tokens > 0
+    for r in requests:
+        assert r.output_token_ids == [periodic(r.request_id, 12 + i) for i in range(30)]
+    assert_pool_full(scheduler)

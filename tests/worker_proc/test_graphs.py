@@ -3,9 +3,10 @@
 On CPU the capturer emulates replay by running the forward pass on the graph's static tensors,
 so these tests check everything but the CUDA recording itself: the fixed bucket layouts, the
 copy of each batch into the static tensors, the one-prompt-per-row layout of prompt graphs,
-padding that never reaches a real KV block, and the eager fallback of prompts with cached
-context. The same comparison on CUDA, with real graphs, is in tests/runtime/test_bucketing_engine.py.
-The capturer's use of graph memory pools is checked against a model of the CUDA allocator's.
+padding that never reaches a real KV block, the eager fallback of prompts with cached
+context, and steps verifying speculative proposals as decode rows, one per token. The same
+comparison on CUDA, with real graphs, is in tests/runtime/test_bucketing_engine.py. The
+capturer's use of graph memory pools is checked against a model of the CUDA allocator's.
 """
 from __future__ import annotations
 
@@ -87,6 +88,26 @@ class Driver:
                         bucket=StepShape(Phase.DECODE, *bucket))
         return self._run(plan)
 
+    def verify(self, proposals: dict[int, list[int]], bucketed: bool = True
+               ) -> dict[int, list[int]]:
+        """One step in which each request computes its last token and its proposals (none:
+        a plain decode), in the decode bucket of its rows (one a token) or unpadded; each
+        request's output tokens."""
+        states = self.runner.requests
+        ids = list(proposals)
+        counts = [1 + len(proposals[r]) for r in ids]
+        longest = max(states[r].num_computed_tokens + n for r, n in zip(ids, counts, strict=True))
+        bucket = BUCKETS["decode"].find(sum(counts), longest) if bucketed else None
+        plan = StepPlan(step_id=self.step, new_requests=[], cached_request_ids=ids,
+                        cached_num_scheduled_tokens=counts, cached_new_block_ids=[[] for _ in ids],
+                        bucket=StepShape(Phase.DECODE, *bucket) if bucket else None,
+                        spec_token_ids=[(r, p) for r, p in proposals.items() if p])
+        self.step += 1
+        output = self.runner.execute(plan)
+        outputs = {rid: [token] for rid, token in zip(output.request_ids,
+                                                       output.sampled_token_ids, strict=True)}
+        return outputs | dict(output.spec_token_ids)
+
     def _run(self, plan: StepPlan) -> dict[int, int]:
         self.step += 1
         output = self.runner.execute(plan)
@@ -136,6 +157,78 @@ def test_replayed_buckets_sample_what_the_eager_path_samples(pair) -> None:
     assert {key for key in replays.counts if key[0] == "decode"} == {
         ("decode", 4, 16), ("decode", 4, 24), ("decode", 4, 32), ("decode", 2, 24),
         ("decode", 2, 32)}
+
+
+VERIFY_PROMPTS = {0: prompt(10, 5), 1: prompt(11, 9), 2: prompt(12, 14)}
+
+
+def greedy_tokens(model, config) -> dict[int, list[int]]:
+    """Each of VERIFY_PROMPTS' requests' first 7 greedy tokens, decoded one at a time."""
+    plain = Driver(make_runner(model, config))
+    greedy = {rid: [token] for rid, token in plain.prefill(
+        [(rid, tokens, blocks_of(rid), 0) for rid, tokens in VERIFY_PROMPTS.items()]).items()}
+    for _ in range(6):
+        for rid, token in plain.decode([0, 1, 2]).items():
+            greedy[rid].append(token)
+    return greedy
+
+
+def verify_workload(runner: ModelRunner, bucketed: bool, greedy: dict[int, list[int]]
+                    ) -> list[dict[int, list[int]]]:
+    """Three prompts, then steps verifying proposals drawn from `greedy` (each request's
+    greedy tokens), some wrong: 3 + 1, 2 + 2 and 4 rows, the decode buckets of 4 rows."""
+    driver = Driver(runner)
+    driver.prefill([(rid, tokens, blocks_of(rid), 0) for rid, tokens in VERIFY_PROMPTS.items()])
+    known = dict.fromkeys(VERIFY_PROMPTS, 1)         # greedy tokens each request holds
+
+    def ahead(rid: int, count: int, wrong_at: int | None = None) -> list[int]:
+        tokens = greedy[rid][known[rid]:known[rid] + count]
+        if wrong_at is not None:
+            tokens[wrong_at] = (tokens[wrong_at] + 1) % 50
+        return tokens
+
+    outputs = []
+    for step in (lambda: {0: ahead(0, 2), 1: []},
+                 lambda: {0: ahead(0, 1, wrong_at=0), 2: ahead(2, 1)},
+                 lambda: {1: ahead(1, 3, wrong_at=2)}):
+        got = driver.verify(step(), bucketed)
+        for rid, tokens in got.items():
+            known[rid] += len(tokens)
+        outputs.append(got)
+    return outputs
+
+
+def test_verify_steps_replay_decode_graphs_row_per_token(pair) -> None:
+    """A request verifying k proposals as k + 1 rows of a decode bucket (each attending to its
+    context up to itself) verifies, through a replayed decode graph, what the unbucketed eager
+    path verifies with its rows as a prompt chunk over cached context, and both emit each
+    request's greedy tokens: accepted proposals up to the first wrong one, then the model's."""
+    _, model, config = pair
+    greedy = greedy_tokens(model, config)
+    eager = verify_workload(make_runner(model, config), False, greedy)
+    runner = make_runner(model, config)
+    capture_all(runner)
+    replays = Replays(runner)
+    graphed = verify_workload(runner, True, greedy)
+    assert graphed == eager
+    assert eager == [{0: greedy[0][1:4], 1: greedy[1][1:2]},
+                     {0: greedy[0][4:5], 2: greedy[2][1:3]}, {1: greedy[1][2:5]}], greedy
+    assert sum(v for (phase, *_), v in replays.counts.items() if phase == "decode") == 3
+
+
+@needs_cpu_ops
+def test_the_cpu_kernel_verifies_rows_per_token_as_the_torch_path(pair) -> None:
+    """The same verify steps with decode attention through the C++ kernel (context lengths per
+    row, several rows on one block table), eagerly and replayed: the torch path's tokens."""
+    _, model, config = pair
+    greedy = greedy_tokens(model, config)
+    expected = verify_workload(make_runner(model, config), True, greedy)
+    for graphs in (False, True):
+        kernel = make_runner(model, config)
+        kernel.attention = CPP
+        if graphs:
+            capture_all(kernel)
+        assert verify_workload(kernel, True, greedy) == expected
 
 
 @needs_cpu_ops
