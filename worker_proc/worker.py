@@ -100,7 +100,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
                          attention=attention)
     if config.speculative == "draft":
         runner.drafter = drafter_for(config, runner, model_config.vocab_size, num_blocks + 1,
-                                     dtype, ctx.device)
+                                     num_sliding + 1 if num_sliding else 0, dtype, ctx.device)
     generation = int(os.environ.get(SPMD_WORKER_GENERATION, "0"))
     loaded = WorkerLoaded(rank=ctx.rank, max_model_len=max_model_len, device=str(ctx.device),
                           generation=generation,
@@ -121,31 +121,35 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
 
 
 def drafter_for(config: EngineConfig, runner: ModelRunner, vocab_size: int, num_blocks: int,
-                dtype: torch.dtype, device: torch.device) -> Drafter:
+                num_sliding_blocks: int, dtype: torch.dtype, device: torch.device) -> Drafter:
     """The draft model of --speculative draft, with a KV cache of its own in the target's
-    block ids (as many blocks: its size is logged)."""
+    block ids (as many blocks, in each pool where the target has two: its size is logged)."""
     draft_config, model = load_draft_model(config, device, dtype, vocab_size)
     check_draft_windows(config, draft_config, runner)
-    kv_caches = allocate_kv_cache(draft_config, num_blocks, config.block_size, dtype, device)
+    kv_caches = allocate_kv_cache(draft_config, num_blocks, config.block_size, dtype, device,
+                                  num_sliding_blocks=num_sliding_blocks)
     size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
     log.info("draft KV cache: %d blocks, %.2f GiB", num_blocks, size / 2**30)
     return Drafter(model, kv_caches, runner.inputs, runner.requests)
 
 
 def check_draft_windows(config: EngineConfig, draft: ModelConfig, runner: ModelRunner) -> None:
-    """The draft model attends through the target's block table (its KV in the same block
-    ids): its every layer must attend as the target's one group does, with the same window
-    or none. ValueError otherwise."""
+    """The draft model attends through the target's block tables (its KV in the same block
+    ids): each of its layers reads the table of the target's KV group with its window (or
+    none), so every window it has must be one of the target's groups'. A full-attention draft
+    serves a target mixing full and windowed layers (Gemma 2 and 3); one of the target's own
+    family, the same. ValueError otherwise."""
     groups = runner.inputs.groups
     windows = {draft.window_of(i) for i in range(draft.num_hidden_layers)}
-    if len(groups) > 1 or windows != {groups[0].window}:
-        target = "mixes full and sliding-window layers" if len(groups) > 1 else (
-            f"attends with a window of {groups[0].window} on every layer" if groups[0].window
-            else "has no sliding window")
+    if not windows <= {group.window for group in groups}:
+        target = "mixes full layers and layers with a window of " \
+            f"{groups[1].window}" if len(groups) > 1 else (
+                f"attends with a window of {groups[0].window} on every layer" if groups[0].window
+                else "has no sliding window")
         raise ValueError(f"--draft-model {config.draft_model} attends with windows "
                          f"{sorted(windows, key=str)}, --model {config.model} {target}: the draft "
-                         "model reads the target's block table, so its layers must attend as "
-                         "the target's do; use --speculative ngram")
+                         "model reads the target's block tables, so each of its layers must "
+                         "attend as one of the target's does; use --speculative ngram")
 
 
 def shared_sampling_seed(ctx: DistributedContext) -> int:

@@ -189,7 +189,8 @@ def test_logits_equal_transformers(checkpoint) -> None:
     assert diff < 1e-4
 
 
-def engine_greedy_equals_transformers(checkpoint: Checkpoint, tp: int, **options) -> None:
+def engine_greedy_equals_transformers(checkpoint: Checkpoint, tp: int, **options):
+    """Asserts the engine's greedy tokens are transformers'; returns its stats."""
     with LLM(checkpoint.directory, **ranks_on_one_host(tp), **ENGINE, **options) as llm:
         outputs = llm.generate(engine_prompts(), GREEDY_50)
         stats = llm.client.stats()
@@ -198,6 +199,7 @@ def engine_greedy_equals_transformers(checkpoint: Checkpoint, tp: int, **options
           f"{stats.prefix_cache_hits} prefix-cache hits; {stats}")
     assert stats.prefix_cache_hits > 0, stats
     assert [o.token_ids for o in outputs] == checkpoint.greedy()
+    return stats
 
 
 # Two ranks for two cases only (each engine start costs seconds): Mistral's window on every
@@ -269,3 +271,20 @@ def test_bucketed_steps_equal_transformers(checkpoint, mode) -> None:
 def test_ngram_speculation_equals_transformers(checkpoint) -> None:
     """Proposals verified under windows: blocks for each request's proposals in both pools."""
     engine_greedy_equals_transformers(checkpoint, 1, speculative="ngram")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+@pytest.mark.parametrize("draft", ["llama", "itself"])
+def test_draft_speculation_equals_transformers(checkpoint, draft, tmp_path) -> None:
+    """A target mixing windowed and full layers, with a draft model: a full-attention tiny
+    Llama, whose layers read the full layers' block tables, or the target itself, whose
+    windowed layers read the windowed pool's tables (its KV cache has a pool of each)."""
+    from sharp_llama import sharp_llama
+
+    model = checkpoint.directory if draft == "itself" else sharp_llama(tmp_path)[0]
+    stats = engine_greedy_equals_transformers(checkpoint, 1, speculative="draft",
+                                              draft_model=model)
+    assert stats.spec_decode_num_drafts > 0, stats
+    if draft == "itself":
+        assert stats.spec_decode_acceptance_rate > 0.9, stats

@@ -333,8 +333,10 @@ def test_windowed_layers_get_a_pool_of_what_running_requests_can_hold(model) -> 
 
 
 def test_a_draft_model_must_attend_as_the_target_does(model) -> None:
-    """--speculative draft: the draft model reads the target's block table, so its layers
-    attend with the target's one window (or none); otherwise an error says what to use."""
+    """--speculative draft: the draft model reads the target's block tables, so each of its
+    layers attends with the window (or none) of one of the target's KV groups: a full-attention
+    draft, a draft windowed as the target, or mixing as it does, serves a target that mixes
+    full and windowed layers; otherwise an error says what to use."""
     from types import SimpleNamespace
 
     from spmd_runtime.worker_proc.step_inputs import KVGroup
@@ -348,8 +350,11 @@ def test_a_draft_model_must_attend_as_the_target_does(model) -> None:
 
     check_draft_windows(config, model.config, runner(None))
     check_draft_windows(config, windowed(model, (0, 1)), runner(64))
-    with pytest.raises(ValueError, match="use --speculative ngram"):
-        check_draft_windows(config, model.config, runner(None, 64))
+    for draft in (model.config, windowed(model), windowed(model, (0, 1))):
+        check_draft_windows(config, draft, runner(None, 64))
+    other_window = dataclasses.replace(windowed(model), sliding_window=32)
+    with pytest.raises(ValueError, match="layers with a window of 64: .*use --speculative ngram"):
+        check_draft_windows(config, other_window, runner(None, 64))
     with pytest.raises(ValueError, match="window of 64 on every layer"):
         check_draft_windows(config, model.config, runner(64))
     with pytest.raises(ValueError, match="has no sliding window"):
