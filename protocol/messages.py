@@ -286,6 +286,10 @@ class StepPlan(_Wire, tag="plan"):
     # Speculative decoding with a draft model: (request id, tokens to propose) of each request
     # whose proposals the workers' draft model makes this step; scheduled as above.
     draft_lengths: list[tuple[int, int]] = []
+    # ... and (request id, tokens to propose) of each request whose draft model proposes after
+    # the token it samples this step, once sampled: for the next step, where the scheduler
+    # trims them to what the request's grammar allows (structured outputs).
+    draft_after: list[tuple[int, int]] = []
     # A model mixing full and sliding-window layers: (request id, blocks appended since last
     # step) of the running requests whose windowed layers' table grew.
     cached_new_sliding_block_ids: list[tuple[int, list[int]]] = []
@@ -324,6 +328,8 @@ class StepResult(_Wire, tag="result"):
     # target's own next token) of each request that verified proposals; such a request is not
     # in request_ids.
     spec_token_ids: list[tuple[int, list[int]]] = []
+    # The draft model's proposals of the plan's draft_after requests: (request id, tokens).
+    draft_proposals: list[tuple[int, list[int]]] = []
 
 
 class WorkerError(_Wire, tag="worker_error"):

@@ -42,6 +42,8 @@ class StepDraft:
     spec: list[tuple[int, list[int]]] = field(default_factory=list)
     # ... and (request id, number of tokens) of those whose draft model proposes in the workers.
     draft_lengths: list[tuple[int, int]] = field(default_factory=list)
+    # ... and (request id, number of tokens) of those whose draft model proposes after the step.
+    draft_after: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _empty_plan(**extra) -> StepPlan:
@@ -111,6 +113,7 @@ class PlanBuilder:
                         dropped_request_ids=self.dropped, swap_out=self.swap_out,
                         swap_in=draft.swap_in, bucket=self._bucket(draft),
                         spec_token_ids=draft.spec, draft_lengths=draft.draft_lengths,
+                        draft_after=draft.draft_after,
                         cached_new_sliding_block_ids=draft.cached_sliding_blocks)
         self.dropped = []
         self.swap_out = []

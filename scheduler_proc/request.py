@@ -30,7 +30,7 @@ class Request:
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
                  "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority", "arrival_time",
                  "queue_time_s", "output_logprobs", "prompt_logprobs", "draft_length",
-                 "num_blocks_slid", "sliding")
+                 "num_blocks_slid", "sliding", "drafted")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -68,8 +68,11 @@ class Request:
         # per prompt token, None for the first, filled as prefill chunks are computed.
         self.output_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] = [None]
-        # Speculative decoding: how many tokens it proposes next (0: the most allowed).
+        # Speculative decoding: how many tokens it proposes next (0: the most allowed); and a
+        # draft model's proposals after its last token, made after the step that sampled it
+        # (a request under a structured output: StepPlan.draft_after).
         self.draft_length = 0
+        self.drafted: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -296,6 +296,7 @@ class Scheduler(SchedulerState):
         verified = dict(result.spec_token_ids)
         proposed = {rid: len(tokens) for rid, tokens in step.plan.spec_token_ids}
         proposed.update(step.plan.draft_lengths)
+        drafted = dict(result.draft_proposals)
         logprobs = {record.request_id: record for record in result.logprobs}
         update = StepUpdate()
         if result.thermal is not None:
@@ -305,6 +306,8 @@ class Scheduler(SchedulerState):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if request_id in drafted:
+                request.drafted = drafted[request_id]
             tokens = verified.get(request_id)
             if tokens is not None:
                 # Its last token and the accepted proposals have their KV; the rest is void.

@@ -11,8 +11,11 @@ which grows into them.
 Proposals are asked for only where verifying them is cheap and exact:
 - in steps where few requests run (--speculative-disable-by-batch-size): verifying costs up to
   k times the compute of a decode, which a large batch no longer has to spare;
-- for requests whose sampling does not depend on the tokens before it in the same step
-  (penalties), needs no per-token records (logprobs) and no grammar (structured outputs);
+- for any request: penalties apply to each row with the proposals before it counted,
+  logprobs are read at each row, and a grammar masks each row after the proposals before it,
+  which the scheduler must therefore know: prompt lookup's are found here, and a draft
+  model's, for a request under a structured output, are made after the step before
+  (StepPlan.draft_after) and trimmed here to what the grammar allows;
 - within the request's max_tokens and the context length, and the step's token budget;
 - with buckets, in decode steps, where its 1 + k rows (one query token each, as the workers
   attend them: worker_proc.step_inputs) fit a decode bucket beside the step's other rows, so
@@ -27,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spmd_runtime.protocol.config import EngineConfig
-from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.step_shape import DECODE
 from spmd_runtime.scheduler_proc.ngram_proposer import NgramProposer
 from spmd_runtime.scheduler_proc.plan_builder import StepDraft
@@ -43,14 +45,6 @@ class SpecDecodeCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-
-
-def speculation_fits(params: SamplingParams, method: str) -> bool:
-    """Whether a request's outputs can be verified several at a time, exactly. Penalties are
-    applied to each proposal's row with the proposals before it counted, logprobs are read at
-    each row, and a grammar's mask is computed here for each row of n-gram proposals (a draft
-    model's are not known here: a constrained request decodes as usual with it)."""
-    return params.structured_output is None or method == "ngram"
 
 
 class Speculator:
@@ -84,8 +78,6 @@ class Speculator:
         """How many tokens a decoding request may propose after its last one: none where its
         sampling does not allow it, or where its outputs, its context or the step's `budget`
         (tokens left, its own last token included) leave no room; at most its draft length."""
-        if not speculation_fits(request.params, self.method):
-            return 0
         return max(0, min(budget - 1, request.params.max_tokens - len(request.output_token_ids) - 1,
                           max_model_len - request.num_tokens - 1,
                           request.draft_length or self.max_proposals))
@@ -105,6 +97,8 @@ class Speculator:
                 room -= 1
         if not room:
             return False
+        if self.proposer is None and request.params.structured_output is not None:
+            return self._verify_drafted(scheduler, request, room, draft)
         proposals = None if self.proposer is None else self.proposer.propose(
             request.all_token_ids, room)
         if proposals and request.params.structured_output is not None:
@@ -121,6 +115,25 @@ class Speculator:
             draft.draft_lengths.append((request.request_id, num_proposed))
         else:
             draft.spec.append((request.request_id, proposals))
+        return True
+
+    def _verify_drafted(self, scheduler, request: Request, room: int, draft: StepDraft) -> bool:
+        """A draft model and a structured output: the request verifies what the draft model
+        proposed after the step before (if anything), up to the first token its grammar refuses,
+        and its draft model proposes `room` tokens after this step's (StepPlan.draft_after), with
+        slots for them. False (it decodes as usual, nothing drafted) if the blocks are lacking."""
+        proposals = scheduler.constrained.allowed_prefix(request.request_id, request.drafted[:room]) \
+            if request.drafted else []
+        request.drafted = []
+        if not scheduler.kv.allocate_slots(request, 1 + len(proposals) + room,
+                                           reserve=len(scheduler.running)):
+            return False
+        scheduler.plans.add_running(request, 1 + len(proposals), draft)
+        if proposals:
+            draft.spec.append((request.request_id, proposals))
+        draft.draft_after.append((request.request_id, room))
+        if draft.phase is DECODE:
+            draft.longest = max(draft.longest, request.num_tokens + len(proposals))
         return True
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:

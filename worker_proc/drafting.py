@@ -10,6 +10,12 @@ which rejection sampling takes as it is), the last one only to write its KV. A d
 cost accepted tokens, never correctness: the target verifies every proposal. Requests whose
 draft KV is missing (swapped back in: only the target's blocks travel) propose worse until
 their blocks are rewritten.
+
+A request under a structured output cannot verify proposals the scheduler has not seen (its
+grammar masks each verify row after the proposals before it): its draft model proposes after
+the step, once the token the step samples is known (the plan's draft_after), and the
+proposals go back with the result, to be trimmed to what the grammar allows and verified in
+the next step as prompt lookup's are.
 """
 from __future__ import annotations
 
@@ -54,6 +60,19 @@ class Drafter:
         for rid in drafting:
             self.requests[rid].num_computed_tokens -= lengths[rid]
         return proposals
+
+    @torch.inference_mode()
+    def propose_after(self, after: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """Once a step's tokens are read: for each (request id, k), run the request's new
+        token through the draft model and draft k tokens after it, for the scheduler to trim
+        to what its grammar allows and send back to verify. The request's tokens stay as
+        they were; its draft KV is written up to the last proposal but one (the next step's
+        tokens are run through the draft model again anyway)."""
+        lengths = {rid: k for rid, k in after if rid in self.requests}
+        proposals = self.propose([(rid, 1) for rid in lengths], lengths) if lengths else {}
+        for rid, tokens in proposals.items():
+            del self.requests[rid].token_ids[-len(tokens):]
+        return list(proposals.items())
 
     def _forward(self, scheduled: list[tuple[int, int]], wanted: list[int]) -> list[int]:
         """One draft pass over `scheduled`; the greedy next token of each request in `wanted`

@@ -177,7 +177,7 @@ class ModelRunner:
         return PreparedStep(scheduled=scheduled, bucket=plan.bucket, graph=graph, inputs=inputs,
                             sample_rows=sample_rows, sample_ids=sample_ids, spec=spec,
                             unread_positions=unread_positions, unread_rows=unread_rows,
-                            token_masks=dict(plan.token_masks),
+                            token_masks=dict(plan.token_masks), draft_after=plan.draft_after,
                             prepare_ms=(time.perf_counter() - started) * 1e3)
 
     @torch.inference_mode()
@@ -237,7 +237,7 @@ class ModelRunner:
                                 previous=previous if cuda else None,
                                 overlapped=in_flight is not None,
                                 logprobs=[sampled, prompt, verified_records],
-                                spec_token_ids=verified)
+                                spec_token_ids=verified, draft_after=step.draft_after)
         self._last_launched = launched
         return launched
 
@@ -327,7 +327,9 @@ class ModelRunner:
             if previous is not None and previous.done is not None:
                 idle_ms = max(0.0, previous.done.elapsed_time(step.started))
             step.previous = None        # keep no chain of earlier steps alive
+        drafted = self.drafter.propose_after(step.draft_after) \
+            if step.draft_after and self.drafter is not None else []
         return StepOutput(step.sample_ids, tokens, step.prepare_ms, device_ms,
                           step.num_compilations, idle_ms, step.overlapped,
-                          read_logprobs(step.logprobs), step.spec_token_ids)
+                          read_logprobs(step.logprobs), step.spec_token_ids, drafted)
 

@@ -45,6 +45,8 @@ class StepOutput:
     logprobs: list[StepLogprobs] = field(default_factory=list)
     # Speculative decoding: (request id, output tokens) of each request that verified proposals.
     spec_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    # The draft model's proposals after each draft_after request's new token.
+    draft_proposals: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line for the worker's per-step debug log."""
@@ -73,6 +75,8 @@ class PreparedStep:
     # Speculative decoding: (request id, its last input row, its proposals) of each request
     # verifying proposals, whose rows are the last len(proposals) + 1 up to that one.
     spec: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # ... and (request id, tokens) of those whose draft model proposes after its new token.
+    draft_after: list[tuple[int, int]] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line for the worker's per-step debug log."""
@@ -105,6 +109,8 @@ class LaunchedStep:
     logprobs: list[LogprobRows | None] = field(default_factory=list)
     # Speculative decoding's outputs, read back at launch: (request id, tokens).
     spec_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    # The plan's draft_after: proposed once the step's tokens are read (finish).
+    draft_after: list[tuple[int, int]] = field(default_factory=list)
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()

@@ -290,7 +290,8 @@ class StepLoop:
                 prepare_ms=output.prepare_ms, num_compilations=output.num_compilations,
                 thermal=thermal, idle_ms=output.idle_ms,
                 overlapped=output.overlapped, logprobs=output.logprobs,
-                spec_token_ids=output.spec_token_ids)))
+                spec_token_ids=output.spec_token_ids,
+                draft_proposals=output.draft_proposals)))
 
 
 def ask_for_buckets(sock: zmq.Socket, config: EngineConfig, encoder: Encoder, decoder,

@@ -143,6 +143,12 @@ def test_constrained_requests_speculate_within_their_grammar(plain, speculating,
     refuses, a mask per row of the rest, and the engine without speculation's outputs. The
     passage's own words pass the first regex (proposals accepted); the second refuses the
     comma the passage goes on with (proposals cut there), and a choice ends the third early."""
+    assert_constrained_outputs_equal(speculating, plain, prompts)
+
+
+def assert_constrained_outputs_equal(speculating: LLM, plain: LLM, prompts) -> None:
+    """The three constrained requests of test_constrained_requests_speculate_within_their_
+    grammar give `plain`'s outputs on `speculating`, which counts drafts."""
     from spmd_runtime.protocol.sampling import StructuredOutput
 
     repeating = prompts[-2:] + prompts[-2:-1]
@@ -268,18 +274,38 @@ def test_smollm2_over_two_ranks_speculating_equals_one_rank_without(expected, pr
         assert stats.spec_decode_acceptance_rate > 0.9, stats
 
 
-@pytest.mark.timeout(600)
-def test_smollm2_drafting_for_itself_equals_speculation_off(expected, prompts) -> None:
-    """float32 greedy over the ten prompts, --speculative draft with smollm2 as its own draft
-    model, chunks of 16 and prefix caching (the chat prompts share their system prompt's
-    block), in a pool of 24 blocks that preempts: the outputs of the engine without
-    speculation, and nearly every proposal accepted."""
+@pytest.fixture(scope="module")
+def drafting():
+    """smollm2 drafting for itself, in a pool of 12 blocks (a draft verifies more requests at
+    a time than prompt lookup: this one preempts)."""
     with LLM("smollm2", **dict(ENGINE, num_kv_blocks=12), **dict(
             SPECULATIVE, speculative="draft", draft_model="smollm2")) as llm:
-        assert tokens_and_reasons(llm, prompts, GREEDY) == expected
-        stats = wait_idle(llm.client)
+        yield llm
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_drafting_for_itself_equals_speculation_off(drafting, expected, prompts) -> None:
+    """float32 greedy over the ten prompts, --speculative draft with smollm2 as its own draft
+    model, chunks of 16 and prefix caching (the chat prompts share their system prompt's
+    block), in a pool of 12 blocks that preempts: the outputs of the engine without
+    speculation, and nearly every proposal accepted."""
+    assert tokens_and_reasons(drafting, prompts, GREEDY) == expected
+    stats = wait_idle(drafting.client)
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
     assert stats.spec_decode_acceptance_rate > 0.9, stats
+
+
+@pytest.mark.timeout(300)
+def test_constrained_requests_verify_their_draft_models_proposals(plain, drafting,
+                                                                  prompts) -> None:
+    """float32 greedy under a grammar with a draft model: each request's draft model proposes
+    after the step that samples its last token, the scheduler cuts the proposals at the first
+    token the grammar refuses and masks each row of the rest, the next step verifies them;
+    the outputs of the engine without speculation, and proposals accepted."""
+    before = wait_idle(drafting.client)
+    assert_constrained_outputs_equal(drafting, plain, prompts)
+    after = wait_idle(drafting.client)
+    assert after.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens
 
 
 def test_speculation_keeps_buckets_for_the_steps_it_leaves() -> None:
