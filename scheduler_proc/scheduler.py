@@ -15,8 +15,8 @@ Swapped requests resume before any new request is admitted, and preempted ones g
 of the waiting queue, so none starves. Block copies travel in the plan.
 
 Thermal control (scheduler_proc.thermal) caps the running batch from the hottest device's
-temperature: before each step, running requests over the cap leave through the same
-preemption (swap or soft reset), and swapped or waiting requests come back only under the cap.
+temperature: before each step, running requests over the cap leave through the same preemption
+(swap or soft reset), and swapped or waiting requests come back only under the cap.
 
 Hashing newly full blocks and freeing finished requests happen in `maintain`, which the step
 loop runs while the workers compute. Elsewhere: encoding plans and what the workers hold
@@ -243,9 +243,8 @@ class Scheduler(SchedulerState):
         phase = PROMPT if admitting or num_left != 1 else DECODE
         if phase is not draft.phase:
             return 0, draft.longest
-        # A decode step's batch is its rows (its tokens: a verifying request has several).
-        num_seqs = (self.max_num_batched_tokens - budget if phase is DECODE
-                    else len(draft.num_scheduled)) + 1
+        # A decode step's batch is its rows, its tokens (a verifying request has several).
+        num_seqs = 1 + (self.max_num_batched_tokens - budget if phase is DECODE else len(draft.num_scheduled))
         return planner.take(phase, request, min(num_left, budget), num_seqs, draft.longest)
 
     def _admission_reserve(self) -> int:
@@ -306,8 +305,7 @@ class Scheduler(SchedulerState):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            if request_id in drafted:
-                request.drafted = drafted[request_id]
+            request.drafted = drafted.get(request_id, request.drafted)
             tokens = verified.get(request_id)
             if tokens is not None:
                 # Its last token and the accepted proposals have their KV; the rest is void.
