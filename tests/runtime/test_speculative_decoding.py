@@ -367,3 +367,27 @@ def test_on_the_default_device_speculation_equals_speculation_off(tmp_path) -> N
     with LLM(model, **options, **SPECULATIVE) as llm:
         assert [o.token_ids for o in llm.generate(PATTERN_PROMPTS, params)] == expected
         assert llm.client.stats().spec_decode_num_drafts > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_on_cuda_verify_steps_replay_decode_graphs(sharp_models, method) -> None:
+    """float32 greedy on CUDA with graphs (compiled): the requests verifying proposals take
+    rows of the decode buckets, whose captured graphs they replay; the outputs of the eager
+    engine without speculation, and no step outside the buckets."""
+    target, draft = sharp_models
+    prompts = PATTERN_PROMPTS + [PATTERN[:4] * 5, [9, 8, 7], [11] * 5, [200, 3, 40, 17]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (40, 40, 6, 8, 10, 12)]
+    with LLM(target, dtype="float32", max_model_len=128, device="cuda",
+             execution_mode="eager") as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    options = dict(SPECULATIVE, speculative=method, speculative_disable_by_batch_size=2,
+                   draft_model=draft if method == "draft" else "")
+    with LLM(target, **{**BUCKETED, "execution_mode": "compiled"}, device="cuda",
+             **options) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        stats = wait_idle(llm.client)
+    assert stats.spec_decode_num_drafts > 0 and stats.batches_outside_buckets == 0, stats
+    assert stats.runtime_graph_compilations == 0, stats
