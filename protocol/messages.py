@@ -273,6 +273,10 @@ class StepPlan(_Wire, tag="plan"):
     # pass in this order: swap_out (device -> CPU), clearing fresh blocks, swap_in (CPU -> device).
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
+    # ... and those of the windowed layers' pool, for a model mixing full and sliding-window
+    # layers (swap_out and swap_in are then the full layers' pool's).
+    swap_out_sliding: list[tuple[int, int]] = []
+    swap_in_sliding: list[tuple[int, int]] = []
     # With bucketing: ("prompt", batch size, sequence length) or ("decode", batch size, context
     # length) every rank pads this step to; None runs it unpadded.
     bucket: StepShape | None = None

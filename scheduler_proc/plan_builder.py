@@ -35,6 +35,7 @@ class StepDraft:
     # layers' tables that grew.
     cached_sliding_blocks: list[tuple[int, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_in_sliding: list[tuple[int, int]] = field(default_factory=list)   # windowed layers' pool
     preempted: bool = False
     phase: Phase | None = None      # with buckets: the phase of every request in the step
     longest: int = 0                # with buckets: the step's length dimension so far
@@ -60,6 +61,7 @@ class PlanBuilder:
         self.next_step_id = 0
         self.dropped: list[int] = []
         self.swap_out: list[tuple[int, int]] = []
+        self.swap_out_sliding: list[tuple[int, int]] = []     # the windowed layers' pool's
 
     def add_running(self, request: Request, num_new: int, draft: StepDraft) -> None:
         """A request the workers hold: only its token count and new blocks travel."""
@@ -111,12 +113,14 @@ class PlanBuilder:
                         cached_num_scheduled_tokens=draft.cached_tokens,
                         cached_new_block_ids=draft.cached_blocks,
                         dropped_request_ids=self.dropped, swap_out=self.swap_out,
-                        swap_in=draft.swap_in, bucket=self._bucket(draft),
+                        swap_in=draft.swap_in, swap_out_sliding=self.swap_out_sliding,
+                        swap_in_sliding=draft.swap_in_sliding, bucket=self._bucket(draft),
                         spec_token_ids=draft.spec, draft_lengths=draft.draft_lengths,
                         draft_after=draft.draft_after,
                         cached_new_sliding_block_ids=draft.cached_sliding_blocks)
         self.dropped = []
         self.swap_out = []
+        self.swap_out_sliding = []
         self.next_step_id += 1
         return ScheduledStep(plan=plan, num_scheduled=draft.num_scheduled)
 
@@ -125,15 +129,18 @@ class PlanBuilder:
         requests and offload preempted ones."""
         if not self.dropped and not self.swap_out:
             return None
-        plan = _empty_plan(dropped_request_ids=self.dropped, swap_out=self.swap_out)
+        plan = _empty_plan(dropped_request_ids=self.dropped, swap_out=self.swap_out,
+                           swap_out_sliding=self.swap_out_sliding)
         self.dropped = []
         self.swap_out = []
+        self.swap_out_sliding = []
         return plan
 
     def clear(self) -> None:
         """The workers were replaced: they hold nothing, so there is nothing to tell them."""
         self.dropped = []
         self.swap_out = []
+        self.swap_out_sliding = []
 
     def _bucket(self, draft: StepDraft) -> StepShape | None:
         if self.planner is None or draft.phase is None:

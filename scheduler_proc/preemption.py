@@ -35,9 +35,12 @@ def preempt(scheduler: SchedulerState, request: Request) -> None:
     cpu_blocks = scheduler.cpu_pool.allocate(num_computed_blocks) if num_computed_blocks else None
     if cpu_blocks is not None:
         # Blocks that left a sliding window are nobody's KV any more: their CPU copies stay
-        # unwritten, and the request attends past them when it is back.
-        scheduler.plans.swap_out.extend(pair for pair in zip(request.block_ids, cpu_blocks,
-                                                             strict=False) if pair[0] >= 0)
+        # unwritten, and the request attends past them when it is back. A model mixing full
+        # and windowed layers copies each CPU block from both pools.
+        scheduler.plans.swap_out.extend(live_pairs(request.block_ids, cpu_blocks))
+        if request.sliding is not None:
+            scheduler.plans.swap_out_sliding.extend(live_pairs(request.sliding.block_ids,
+                                                               cpu_blocks))
         request.cpu_block_ids = cpu_blocks
         request.status = RequestStatus.SWAPPED
         scheduler.swapped.append(request)
@@ -67,8 +70,15 @@ def allocate_or_preempt(scheduler: SchedulerState, request: Request, num_new: in
 def restore_swapped(scheduler: SchedulerState, request: Request, draft: StepDraft) -> None:
     """A swapped request got fresh device blocks: its computed blocks are copied back into the
     first ones before the forward pass, and its CPU blocks are free again."""
-    draft.swap_in.extend(pair for pair in zip(request.block_ids, request.cpu_block_ids,
-                                              strict=False) if pair[0] >= 0)
+    draft.swap_in.extend(live_pairs(request.block_ids, request.cpu_block_ids))
+    if request.sliding is not None:
+        draft.swap_in_sliding.extend(live_pairs(request.sliding.block_ids, request.cpu_block_ids))
     scheduler.cpu_pool.free(request.cpu_block_ids)
     request.cpu_block_ids = []
     scheduler.counters.num_swaps_in += 1
+
+
+def live_pairs(device_blocks: list[int], cpu_blocks: list[int]) -> list[tuple[int, int]]:
+    """(device block, CPU block) of each block of context a table holds (not one a window
+    freed), as far as there are CPU blocks."""
+    return [pair for pair in zip(device_blocks, cpu_blocks, strict=False) if pair[0] >= 0]

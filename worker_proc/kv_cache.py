@@ -253,9 +253,6 @@ def allocate_pools(config: EngineConfig, model: ModelConfig, sizing: CacheSizing
                  len(model.sliding_layers), model.sliding_window)
     kv_caches = allocate_kv_cache(model, num_blocks + 1, config.block_size, dtype, device,
                                   kv_heads, num_sliding + 1 if num_sliding else 0)
+    # A CPU block holds one block of context in every layer, whichever pool it came from.
     num_cpu_blocks = config.kv_swap_memory // sizing.bytes_per_block
-    if num_sliding and num_cpu_blocks:
-        log.info("rank %d: no swap space for a model mixing full and sliding-window layers "
-                 "(preempted requests are recomputed)", rank)
-        num_cpu_blocks = 0
     return kv_caches, num_blocks, num_sliding, num_cpu_blocks

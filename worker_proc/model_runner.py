@@ -59,7 +59,6 @@ class ModelRunner:
                  attention: AttentionBackend = TORCH) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size)
         # A block no request ever gets (the last one unless told): padding rows read and
         # write it, and decode groups pad their block tables with it.
         self.scratch_block = (kv_caches[0][0].shape[0] // block_size - 1
@@ -72,6 +71,8 @@ class ModelRunner:
         groups = kv_groups(model.config, kv_caches, block_size, self.scratch_block)
         self.block_tables = groups[0].tables
         self.sliding_tables = groups[1].tables if len(groups) > 1 else None
+        self.swap_space = SwapSpace(kv_caches, num_cpu_blocks, block_size,
+                                    model.config.sliding_layers if len(groups) > 1 else ())
         # Its components: input building (with the attention backend chosen once for the
         # worker, runtime/layers/attention_backend.py), and compilation, warmup and graphs.
         self.inputs = StepInputs(self.requests, groups, block_size, device, attention)
@@ -137,7 +138,7 @@ class ModelRunner:
     def can_prepare_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan` may be prepared while the step before it still runs: not with KV
         swaps, whose host-side copies must see that step's blocks complete."""
-        return not plan.swap_out and not plan.swap_in
+        return not (plan.swap_out or plan.swap_in or plan.swap_out_sliding or plan.swap_in_sliding)
 
     @torch.inference_mode()
     def prepare(self, plan: StepPlan) -> PreparedStep:
@@ -147,9 +148,9 @@ class ModelRunner:
         started = time.perf_counter()
         # Offload before the plan's state changes (a block swapped out may be handed to another
         # request in the same step), swap in after.
-        self.swap_space.swap_out(plan.swap_out)
+        self.swap_space.swap_out(plan.swap_out, plan.swap_out_sliding)
         scheduled = self.apply_plan_state(plan)
-        self.swap_space.swap_in(plan.swap_in)
+        self.swap_space.swap_in(plan.swap_in, plan.swap_in_sliding)
         proposals = dict(plan.spec_token_ids)
         if self.drafter is not None and scheduled:
             proposals.update(self.drafter.propose(scheduled, dict(plan.draft_lengths)))

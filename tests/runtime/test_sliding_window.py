@@ -288,3 +288,13 @@ def test_draft_speculation_equals_transformers(checkpoint, draft, tmp_path) -> N
     assert stats.spec_decode_num_drafts > 0, stats
     if draft == "itself":
         assert stats.spec_decode_acceptance_rate > 0.9, stats
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpoint", ["gemma2", "gemma3"], indirect=True)
+def test_swapped_requests_of_mixed_windows_equal_transformers(checkpoint) -> None:
+    """Swap space for a model mixing full and windowed layers: a preempted request's context
+    goes to CPU blocks from both pools (the windowed layers' blocks its window still reaches)
+    and comes back into fresh blocks of each; the tokens are transformers'."""
+    stats = engine_greedy_equals_transformers(checkpoint, 1, kv_swap_memory="4MiB")
+    assert stats.num_swaps_out > 0 and stats.num_swaps_in > 0, stats

@@ -1,7 +1,7 @@
 """The CPU swap space of a worker, alone and inside ModelRunner.execute.
 
 * SwapSpace: blocks copied out and back into *other* device blocks come back bit for bit, in
-  every layer's K and V, and nothing else changes.
+  every layer's K and V, and nothing else changes; with mixed windows, each pool's blocks.
 * ModelRunner: a request swapped out in the middle of its generation, whose device blocks are
   then reused (cleared and overwritten) by other requests, and swapped back into new blocks
   (its last block only partly filled) gives the same logits as a run that never swapped, and as
@@ -81,6 +81,34 @@ def test_swap_round_trip_into_other_device_blocks(pair) -> None:
         assert torch.equal(before, after)
     for before, after in zip(untouched, snapshot(kv, untouched_ids), strict=True):
         assert torch.equal(before, after), "swap_in wrote outside its target blocks"
+
+
+def test_a_cpu_block_holds_a_block_of_each_pool_of_mixed_windows(pair) -> None:
+    """A model mixing full and windowed layers (layer 1 windowed here, its pool of 5 blocks):
+    CPU block c takes full pool block f in the full layers and windowed pool block w in the
+    windowed ones, and gives each back to its own pool, the other pool untouched."""
+    import dataclasses
+
+    _, _, config = pair
+    mixed = dataclasses.replace(config, sliding_window=32, sliding_layers=(1,))
+    kv = allocate_kv_cache(mixed, 12, BLOCK, torch.float32, torch.device("cpu"),
+                           num_sliding_blocks=5)
+    generator = torch.Generator().manual_seed(4)
+    for cache in kv:
+        for tensor in cache:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    swap = SwapSpace(kv, 3, BLOCK, sliding_layers=(1,))
+    full_before = [block(t, 7).clone() for t in kv[0]]
+    windowed_before = [block(t, 2).clone() for t in kv[1]]
+    swap.swap_out([(7, 1)], [(2, 1)])
+    untouched = [block(t, 9).clone() for t in kv[0]] + [block(t, 4).clone() for t in kv[1]]
+    swap.swap_in([(9, 1)], [(4, 1)])
+    assert all(torch.equal(block(t, 9), b) for t, b in zip(kv[0], full_before, strict=True))
+    assert all(torch.equal(block(t, 4), b) for t, b in zip(kv[1], windowed_before, strict=True))
+    assert not torch.equal(block(kv[0][0], 9), untouched[0])
+    # The windowed pool's block 9 does not exist; the full pool's block 4 was not written.
+    assert kv[1][0].shape[0] == 5 * BLOCK
+    assert not torch.equal(block(kv[0][0], 4), windowed_before[0])
 
 
 def test_swap_space_blocks_are_independent_and_reusable(pair) -> None:
