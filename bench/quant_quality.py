@@ -15,7 +15,8 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
 
 With `gguf`, every position's products take the path decode's few rows take (activations
 held as 16-bit fixed point per block of 32, integer dot products): a window's rows would otherwise go
-through the float32 GEMM that prompts of more than group_quant.DIRECT_ROWS tokens take.
+through the GEMM that prompts of more than group_quant.DIRECT_ROWS tokens take (with bfloat16
+activations, more than group_quant.BF16_GEMM_ROWS: weights rounded to bfloat16).
 `--gguf-products gemm` measures that path instead.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main() -> int:
                         "(decode's few rows) or the float32 GEMM (long prompts)")
     args = parser.parse_args()
     if args.gguf_products == "integer":
-        group_quant.DIRECT_ROWS = 1 << 62
+        group_quant.DIRECT_ROWS = group_quant.BF16_GEMM_ROWS = 1 << 62
     torch.manual_seed(0)
     paths = args.text or sorted(SEEDS.glob("*.md"))
     ids = load_tokenizer(resolve_model(args.model)).encode(read_text(paths))

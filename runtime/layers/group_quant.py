@@ -13,7 +13,9 @@ different types (Q4_K_M's Q4_K queries and keys beside Q6_K values) holds one pa
 The products (runtime/layers/cpu_group_quant.cpp): at decode's few rows the activations are
 held as 16-bit fixed point per block of 32 and multiplied by the block codes with integer dot
 products; at a prompt's many rows the weights are dequantized to float32 64 output features at a
-time for MKL's GEMM. `expand` is gguf's own dequantisation, bit for bit
+time for MKL's GEMM, or with bfloat16 activations (the CPU default where it has AVX512-BF16 or
+AMX), past BF16_GEMM_ROWS rows, dequantized a chunk at a time, rounded to bfloat16 and
+multiplied by oneDNN's bf16 GEMM. `expand` is gguf's own dequantisation, bit for bit
 what `--quantization none` loads. On another device (CUDA), or without the C++ library, the
 blocks are expanded a projection at a time by torch operations (runtime/layers/gguf_torch.py).
 """
@@ -34,6 +36,12 @@ from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 # integer dot products; past it, float32 activations through the GEMM. bench/quant_quality.py raises it
 # to measure every position as decode computes it.
 DIRECT_ROWS = 32
+# bfloat16 activations past this many rows: the weights are dequantized BF16_CHUNK_VALUES
+# float32 values at a time (16 MiB), rounded to bfloat16 and multiplied by oneDNN's bf16 GEMM.
+# Measured on AVX512-BF16 (Zen 5, 2 cores, SmolLM2's Q4_1 and Q8_0 projections): the integer
+# dot products cost ~0.06 ms a row and layer, dequantising and the GEMM ~0.6 ms + 0.01 a row.
+BF16_GEMM_ROWS = 16
+BF16_CHUNK_VALUES = 1 << 22
 
 # The block formats kept quantized: (weights, bytes) per block.
 KEPT_TYPES = {kind: gguf.GGML_QUANT_SIZES[kind] for kind in KEPT_BLOCK_TYPES}
@@ -64,6 +72,15 @@ class Blocks:
             return torch.ops.spmd_cpu.gguf_linear(rows, self.data, int(self.kind), in_features,
                                                   DIRECT_ROWS)
         return F.linear(rows, gguf_torch.dequantize(self.data.to(rows.device), self.kind, in_features))
+
+    def bf16_product(self, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+        """bfloat16 rows [M, in] (a prompt's many, on the CPU) @ the weights^T -> bfloat16
+        [M, out]: the weights dequantized a chunk of output features at a time, rounded to
+        bfloat16, through oneDNN's bf16 GEMM (4-5x the float32 GEMM's speed on AVX512-BF16)."""
+        step = max(64, BF16_CHUNK_VALUES // in_features)
+        return torch.cat([F.linear(rows, torch.ops.spmd_cpu.gguf_dequantize(
+            self.data[n:n + step], int(self.kind), in_features).bfloat16())
+            for n in range(0, self.data.shape[0], step)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -186,9 +203,15 @@ def move_to(model: torch.nn.Module, device: torch.device) -> None:
 
 def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ weight^T (+ bias), in x's dtype; the products in float32."""
-    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    outs = [part.product(rows, weight.in_features) for part in weight.parts]
+    """x [..., in] @ weight^T (+ bias), in x's dtype; the products in float32, but for bfloat16
+    activations past BF16_GEMM_ROWS rows on the CPU (Blocks.bf16_product)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if (x.dtype == torch.bfloat16 and rows.shape[0] > BF16_GEMM_ROWS
+            and x.device.type == "cpu" and cpu_ops.load()):
+        outs = [part.bf16_product(rows, weight.in_features) for part in weight.parts]
+    else:
+        rows = rows.float().contiguous()
+        outs = [part.product(rows, weight.in_features) for part in weight.parts]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if bias is not None:
         out = out + bias

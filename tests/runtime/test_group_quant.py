@@ -171,6 +171,34 @@ def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, ro
 
 
 @needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", [GGML.Q4_1, GGML.Q8_0, GGML.Q6_K])
+@pytest.mark.parametrize("rows", [16, 17, 300])
+def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, monkeypatch) -> None:
+    """bfloat16 activations (assertions on bf16 products): up to BF16_GEMM_ROWS rows, the integer
+    products of float32 (the bf16 values widened), rounded to bfloat16; past it, the weight
+    dequantized a chunk of output features at a time (chunks of 64 here, 5 of them), rounded
+    to bfloat16, through the bf16 GEMM: F.linear of the rounded weight, as one product."""
+    from spmd_runtime.runtime.layers import group_quant
+
+    monkeypatch.setattr(group_quant, "BF16_CHUNK_VALUES", 64 * 512)
+    if tensor_type in K_QUANTS:
+        weight, expected = random_k_quant(tensor_type, 300, 512, seed=rows)
+    else:
+        weight, expected = quantized(tensor_type, out_features=300, in_features=512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    out = group_quant_linear(x, weight, None)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
+    dense = torch.from_numpy(expected)
+    if rows <= group_quant.BF16_GEMM_ROWS:
+        assert torch.equal(out, group_quant_linear(x.float(), weight, None).bfloat16())
+    else:
+        reference = torch.nn.functional.linear(x, dense.bfloat16())
+        torch.testing.assert_close(out, reference, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(out.float(), x.float() @ dense.t(), rtol=0.05,
+                               atol=0.05 * float((x.float() @ dense.t()).abs().mean()))
+
+
+@needs_cpu_ops
 def test_the_cpu_product_refuses_mismatched_blocks_naming_them() -> None:
     weight, _ = quantized(GGML.Q4_1)
     blocks = weight.parts[0].data
