@@ -8,7 +8,8 @@
 // integer codes, and the two are multiplied with integer dot products (AVX2 madd); the block's
 // scales are applied once per block to the integer sums, its zero points and minimums through
 // each row's sums of codes. Many rows (prefill): 64 output features at a time are dequantized
-// to float32 and multiplied by MKL's GEMM.
+// to float32 and multiplied by MKL's GEMM; with bfloat16 activations, group_quant.py instead
+// dequantizes chunks to bfloat16 (gguf_dequantize_bf16) for oneDNN's bf16 GEMM.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -21,7 +22,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_math.h"
 
 namespace {
@@ -622,15 +625,41 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_fe
   return out;
 }
 
+// W [N, K] as its GGUF blocks -> bfloat16 [N, K]: each row dequantized to float32 in a buffer
+// of the thread's (in L1), then rounded to bfloat16 (nearest, ties to even) as it is stored.
+at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  check_blocks("gguf_dequantize_bf16", blocks, kind, in_features);
+  at::Tensor out = at::empty({blocks.size(0), in_features}, blocks.options().dtype(at::kBFloat16));
+  const uint8_t* data = blocks.data_ptr<uint8_t>();
+  auto* w = reinterpret_cast<spmd_cpu::bf16_bits*>(out.data_ptr<at::BFloat16>());
+  const int64_t K = in_features;
+  at::parallel_for(0, blocks.size(0), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t n = begin; n < end; ++n) {
+      dequantize_rows(kind, data, blocks.size(1), K, n, n + 1, row.data());
+      spmd_cpu::bf16_bits* dst = w + n * K;
+      int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; k + spmd_cpu::kExpLanes <= K; k += spmd_cpu::kExpLanes)
+        spmd_cpu::vstore_bf16(dst + k, spmd_cpu::vload(row.data() + k));
+#endif
+      for (; k < K; ++k) dst[k] = spmd_cpu::float_to_bf16(row[k]);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int kind, int in_features, "
         "int direct_rows=32) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_dequantize_bf16(Tensor blocks, int kind, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_dequantize_bf16", &gguf_dequantize_bf16);
 }

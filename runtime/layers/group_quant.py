@@ -78,8 +78,8 @@ class Blocks:
         [M, out]: the weights dequantized a chunk of output features at a time, rounded to
         bfloat16, through oneDNN's bf16 GEMM (4-5x the float32 GEMM's speed on AVX512-BF16)."""
         step = max(64, BF16_CHUNK_VALUES // in_features)
-        return torch.cat([F.linear(rows, torch.ops.spmd_cpu.gguf_dequantize(
-            self.data[n:n + step], int(self.kind), in_features).bfloat16())
+        return torch.cat([F.linear(rows, torch.ops.spmd_cpu.gguf_dequantize_bf16(
+            self.data[n:n + step], int(self.kind), in_features))
             for n in range(0, self.data.shape[0], step)], dim=1)
 
 

@@ -212,6 +212,11 @@ def test_the_cpu_product_refuses_mismatched_blocks_naming_them() -> None:
         torch.ops.spmd_cpu.gguf_linear(torch.randn(2, 96), blocks, 1, 96)
     with pytest.raises(RuntimeError, match="contiguous uint8"):
         torch.ops.spmd_cpu.gguf_linear(torch.randn(2, 96), blocks.view(torch.int8), int(GGML.Q4_1), 96)
+    for dequantize in (torch.ops.spmd_cpu.gguf_dequantize, torch.ops.spmd_cpu.gguf_dequantize_bf16):
+        with pytest.raises(RuntimeError, match="60 bytes a row, 40 expected"):
+            dequantize(blocks, int(GGML.Q4_1), 64)
+        with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):
+            dequantize(blocks, 1, 96)
 
 
 @needs_cpu_ops
@@ -224,6 +229,10 @@ def test_the_cpu_dequantisation_is_ggufs(tensor_type) -> None:
     tiles = torch.ops.spmd_cpu.gguf_dequantize(weight.parts[0].data, int(tensor_type),
                                                weight.in_features)
     torch.testing.assert_close(tiles, torch.from_numpy(expected), rtol=2 ** -22, atol=0)
+    # bfloat16 (assertion on bf16 values): the same float32 values, rounded as torch rounds.
+    rounded = torch.ops.spmd_cpu.gguf_dequantize_bf16(weight.parts[0].data, int(tensor_type),
+                                                      weight.in_features)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, tiles.bfloat16())
 
 
 def random_gguf_bench():
