@@ -38,9 +38,11 @@ from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 DIRECT_ROWS = 32
 # bfloat16 activations past this many rows: the weights are dequantized BF16_CHUNK_VALUES
 # float32 values at a time (16 MiB), rounded to bfloat16 and multiplied by oneDNN's bf16 GEMM.
-# Measured on AVX512-BF16 (Zen 5, 2 cores, SmolLM2's Q4_1 and Q8_0 projections): the integer
-# dot products cost ~0.06 ms a row and layer, dequantising and the GEMM ~0.6 ms + 0.01 a row.
-BF16_GEMM_ROWS = 16
+# Measured on AVX512-BF16 (Zen 5, 2 cores): the two cost the same at ~12 rows, for SmolLM2's
+# Q4_1 and Q8_0 projections (integer dot products ~0.06 ms a row and layer, dequantising and
+# the GEMM ~0.55 ms + 0.01 a row) and an 8B model's Q4_K and Q6_K ones (4096 x 4096: 0.24 ms
+# a row, against 2.5 ms + 0.04 a row).
+BF16_GEMM_ROWS = 12
 BF16_CHUNK_VALUES = 1 << 22
 
 # The block formats kept quantized: (weights, bytes) per block.
