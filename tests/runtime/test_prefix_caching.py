@@ -296,7 +296,9 @@ def nan_filled_empty(real_empty):
 
 @pytest.fixture(scope="module")
 def model_runner():
-    """The worker's ModelRunner for smollm2 in this process (8 KV blocks), no engine around it.
+    """The worker's ModelRunner for smollm2 in this process (8 KV blocks), no engine around it,
+    in float32: its tests assert that a hit samples exactly what a full prefill does, which bf16
+    does not promise (a prompt's rows and a hit's few take different product paths there).
 
     Its KV cache is allocated by the worker's own allocate_kv_cache, with torch.empty returning
     NaN-filled memory -- what a reused heap chunk may hold (seen in engines under test).
@@ -317,7 +319,8 @@ def model_runner():
         finally:
             torch.empty = real_empty
 
-    config = EngineConfig(model="smollm2", device="cpu", num_kv_blocks=8, max_model_len=128)
+    config = EngineConfig(model="smollm2", device="cpu", num_kv_blocks=8, max_model_len=128,
+                          dtype="float32")
     context = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
                                  backend="gloo")
     with pytest.MonkeyPatch.context() as patch:
