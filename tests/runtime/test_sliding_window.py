@@ -298,3 +298,15 @@ def test_swapped_requests_of_mixed_windows_equal_transformers(checkpoint) -> Non
     and comes back into fresh blocks of each; the tokens are transformers'."""
     stats = engine_greedy_equals_transformers(checkpoint, 1, kv_swap_memory="4MiB")
     assert stats.num_swaps_out > 0 and stats.num_swaps_in > 0, stats
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+def test_bucketed_verify_steps_equal_transformers(checkpoint) -> None:
+    """Prompt lookup with buckets on a model mixing windowed and full layers: a verifying
+    request's rows are decode rows of the bucket, each attending (in each KV group, the
+    windowed one under its window) to its context up to itself."""
+    buckets = dict(execution_mode="bucketed", prompt_bs_bucket="1,1,1", prompt_seq_bucket="16,16,16",
+                   decode_bs_bucket="4,4,16", decode_seq_bucket="256,256,256")
+    stats = engine_greedy_equals_transformers(checkpoint, 1, speculative="ngram", **buckets)
+    assert stats.spec_decode_num_drafts > 0 and stats.batches_outside_buckets == 0, stats
