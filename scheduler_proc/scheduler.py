@@ -305,7 +305,7 @@ class Scheduler(SchedulerState):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            request.drafted = drafted.get(request_id, request.drafted)
+            request.drafted = drafted.get(request_id, [])   # a step on makes older ones stale
             tokens = verified.get(request_id)
             if tokens is not None:
                 # Its last token and the accepted proposals have their KV; the rest is void.
