@@ -34,6 +34,12 @@ class Phase(enum.StrEnum):
         graph's shape depends on."""
         return batch_size * length if self is Phase.PROMPT else batch_size
 
+    def batch_size(self, num_seqs: int, num_tokens: int) -> int:
+        """The batch dimension of a step of this phase holding `num_seqs` sequences and
+        `num_tokens` tokens: the sequences of a prompt step; the rows of a decode step, one a
+        token (a request verifying k speculative proposals takes k + 1)."""
+        return num_seqs if self is Phase.PROMPT else num_tokens
+
 
 # The members as module names: Phase.DECODE is an attribute lookup on the enum class, ~5x a
 # global's; the scheduler's per-request path uses these.

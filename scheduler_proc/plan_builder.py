@@ -118,9 +118,7 @@ class PlanBuilder:
                         spec_token_ids=draft.spec, draft_lengths=draft.draft_lengths,
                         draft_after=draft.draft_after,
                         cached_new_sliding_block_ids=draft.cached_sliding_blocks)
-        self.dropped = []
-        self.swap_out = []
-        self.swap_out_sliding = []
+        self.clear()
         self.next_step_id += 1
         return ScheduledStep(plan=plan, num_scheduled=draft.num_scheduled)
 
@@ -131,13 +129,12 @@ class PlanBuilder:
             return None
         plan = _empty_plan(dropped_request_ids=self.dropped, swap_out=self.swap_out,
                            swap_out_sliding=self.swap_out_sliding)
-        self.dropped = []
-        self.swap_out = []
-        self.swap_out_sliding = []
+        self.clear()
         return plan
 
     def clear(self) -> None:
-        """The workers were replaced: they hold nothing, so there is nothing to tell them."""
+        """No work waits for the workers any more: a plan carries it, or the workers were replaced
+        (they hold nothing, so there is nothing to tell them)."""
         self.dropped = []
         self.swap_out = []
         self.swap_out_sliding = []
@@ -146,6 +143,6 @@ class PlanBuilder:
         if self.planner is None or draft.phase is None:
             return None
         num_tokens = sum(draft.num_scheduled.values())
-        # A decode bucket's batch is rows, one a token: a verifying request takes 1 + k.
-        num_seqs = num_tokens if draft.phase is Phase.DECODE else len(draft.num_scheduled)
-        return self.planner.shape_for(draft.phase, num_seqs, draft.longest, num_tokens)
+        return self.planner.shape_for(draft.phase,
+                                      draft.phase.batch_size(len(draft.num_scheduled), num_tokens),
+                                      draft.longest, num_tokens)

@@ -243,9 +243,8 @@ class Scheduler(SchedulerState):
         phase = PROMPT if admitting or num_left != 1 else DECODE
         if phase is not draft.phase:
             return 0, draft.longest
-        # A decode step's batch is its rows, its tokens (a verifying request has several).
-        num_seqs = 1 + (self.max_num_batched_tokens - budget if phase is DECODE else len(draft.num_scheduled))
-        return planner.take(phase, request, min(num_left, budget), num_seqs, draft.longest)
+        batch = phase.batch_size(len(draft.num_scheduled), self.max_num_batched_tokens - budget)
+        return planner.take(phase, request, min(num_left, budget), batch + 1, draft.longest)
 
     def _admission_reserve(self) -> int:
         """Spare blocks a newcomer must leave; none when nothing runs, so a request that fits

@@ -105,12 +105,8 @@ class Speculator:
             # What its grammar allows, up to the first token it refuses.
             proposals = scheduler.constrained.allowed_prefix(request.request_id, proposals)
         num_proposed = room if proposals is None else len(proposals)
-        if not num_proposed or not scheduler.kv.allocate_slots(
-                request, 1 + num_proposed, reserve=len(scheduler.running)):
+        if not num_proposed or not _take_rows(scheduler, request, num_proposed, 0, draft):
             return False
-        scheduler.plans.add_running(request, 1 + num_proposed, draft)
-        if draft.phase is DECODE:
-            draft.longest = max(draft.longest, request.num_tokens + num_proposed)
         if proposals is None:
             draft.draft_lengths.append((request.request_id, num_proposed))
         else:
@@ -125,15 +121,11 @@ class Speculator:
         proposals = scheduler.constrained.allowed_prefix(request.request_id, request.drafted[:room]) \
             if request.drafted else []
         request.drafted = []
-        if not scheduler.kv.allocate_slots(request, 1 + len(proposals) + room,
-                                           reserve=len(scheduler.running)):
+        if not _take_rows(scheduler, request, len(proposals), room, draft):
             return False
-        scheduler.plans.add_running(request, 1 + len(proposals), draft)
         if proposals:
             draft.spec.append((request.request_id, proposals))
         draft.draft_after.append((request.request_id, room))
-        if draft.phase is DECODE:
-            draft.longest = max(draft.longest, request.num_tokens + len(proposals))
         return True
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
@@ -146,3 +138,18 @@ class Speculator:
         counters.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             counters.accepted_per_position[position] += 1
+
+
+def _take_rows(scheduler, request: Request, num_proposed: int, num_after: int,
+               draft: StepDraft) -> bool:
+    """The request computes its last token and `num_proposed` proposals in the step, with slots
+    for `num_after` tokens more (a draft model's after the step) and one free block left per
+    running request; False (nothing taken) where the blocks are lacking. In a bucketed decode
+    step its last row's context is the step's length dimension if it is the longest."""
+    if not scheduler.kv.allocate_slots(request, 1 + num_proposed + num_after,
+                                       reserve=len(scheduler.running)):
+        return False
+    scheduler.plans.add_running(request, 1 + num_proposed, draft)
+    if draft.phase is DECODE:
+        draft.longest = max(draft.longest, request.num_tokens + num_proposed)
+    return True
