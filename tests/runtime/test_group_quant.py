@@ -15,6 +15,7 @@ import pytest
 import torch
 from cpu_library import needs_cpu_ops
 from gguf import GGMLQuantizationType as GGML
+from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.group_quant import (
     GroupQuantWeight,
     from_gguf_blocks,
@@ -32,22 +33,31 @@ HELD_BYTES = {GGML.Q4_0: 18 / 32, GGML.Q4_1: 20 / 32, GGML.Q5_0: 22 / 32, GGML.Q
 DIRECT_ROWS = 32    # cpu_group_quant.cpp's kDirectRows
 
 
-def activations_as_multiplied(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel multiplies it: up to DIRECT_ROWS rows, each block of 32 as 16-bit fixed
-    point (scale max|x| / 32767, round to nearest even) and back; past it, x itself."""
+def activation_group(tensor_type: GGML) -> int:
+    """How many of x's values share a 16-bit scale in the kernel's products with `tensor_type`:
+    a K-quant's super-block of 256 where the loaded library has AVX512-VNNI (its integer
+    sums run across the super-block), else a block of 32."""
+    vnni = cpu_ops.loaded().level in ("avx512vnni", "amx")
+    return 256 if vnni and tensor_type in K_QUANTS else 32
+
+
+def activations_as_multiplied(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x as the kernel multiplies it: up to DIRECT_ROWS rows, each `group` values as 16-bit
+    fixed point (scale max|x| / 32767, round to nearest even) and back; past it, x itself."""
     if x.shape[0] > DIRECT_ROWS:
         return x
-    blocks = x.view(x.shape[0], -1, 32)
+    blocks = x.view(x.shape[0], -1, group)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inverse) * (amax / 32767)).view_as(x)
 
 
-def assert_product_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """out == x' @ weight^T, x' = activations_as_multiplied(x), up to float32 sums taken in
-    another order: each element within 2 K eps of the sum of its terms' magnitudes
+def assert_product_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         group: int = 32) -> None:
+    """out == x' @ weight^T, x' = activations_as_multiplied(x, group), up to float32 sums taken
+    in another order: each element within 2 K eps of the sum of its terms' magnitudes
     (|x| @ |weight|^T), the bound of reordering."""
-    x = activations_as_multiplied(x)
+    x = activations_as_multiplied(x, group)
     reference = x.double() @ weight.double().t()
     bound = 2 * x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs().double()
                                                                  @ weight.abs().double().t())
@@ -118,11 +128,18 @@ def test_parts_of_different_layouts_stack_without_being_expanded() -> None:
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", list(K_QUANTS))
-@pytest.mark.parametrize("rows", [1, 5, 9, 32, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 9, 32, 70])
 def test_k_quant_products_are_the_expanded_weights_float32_product(tensor_type, rows) -> None:
-    weight, expected = random_k_quant(tensor_type, 72, 512, seed=rows)
+    """Every row count's kernel (AVX512-VNNI: one feature at a time up to 5 rows of Q4_K and
+    Q5_K, 1 of Q6_K; past them four features at a time, 75 = 18 x 4 + a tail of 3) against the
+    expanded weights, x quantized as the kernel holds it."""
+    weight, expected = random_k_quant(tensor_type, 75, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    assert_product_close(group_quant_linear(x, weight, None), x, torch.from_numpy(expected))
+    # An outlier in one block: a scale shared by a super-block makes its other blocks coarser,
+    # which only the right group in activations_as_multiplied accounts for.
+    x[:, 40] *= 1000
+    assert_product_close(group_quant_linear(x, weight, None), x, torch.from_numpy(expected),
+                         activation_group(tensor_type))
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
@@ -172,9 +189,10 @@ def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, ro
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", [GGML.Q4_1, GGML.Q8_0, GGML.Q6_K])
-@pytest.mark.parametrize("rows", [12, 13, 300])
+@pytest.mark.parametrize("rows", [12, 13, 32, 33, 300])
 def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, monkeypatch) -> None:
-    """bfloat16 activations (assertions on bf16 products): up to BF16_GEMM_ROWS rows, the integer
+    """bfloat16 activations (assertions on bf16 products): up to bf16_gemm_rows rows (12; a
+    K-quant's with AVX512-VNNI 32), the integer
     products of float32 (the bf16 values widened), rounded to bfloat16; past it, the weight
     dequantized a chunk of output features at a time (chunks of 64 here, 5 of them), rounded
     to bfloat16, through the bf16 GEMM: F.linear of the rounded weight, as one product."""
@@ -189,7 +207,7 @@ def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, mo
     out = group_quant_linear(x, weight, None)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
     dense = torch.from_numpy(expected)
-    if rows <= group_quant.BF16_GEMM_ROWS:
+    if rows <= group_quant.bf16_gemm_rows(tensor_type):
         assert torch.equal(out, group_quant_linear(x.float(), weight, None).bfloat16())
     else:
         reference = torch.nn.functional.linear(x, dense.bfloat16())
