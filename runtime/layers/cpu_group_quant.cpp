@@ -245,7 +245,11 @@ inline __m256i bytes_of_bits(uint32_t bits) {
 // and the hardware's prefetcher alone left the integer units waiting (about 5% at one row).
 template <int64_t BYTES>
 inline void prefetch(const uint8_t* p) {
+#if defined(__AVX512VNNI__)
+  constexpr int64_t ahead = 8192;   // the VNNI kernels consume a super-block in ~12 cycles
+#else
   constexpr int64_t ahead = 2048;   // a few K-quant super-blocks
+#endif
   for (int64_t line = 0; line < BYTES; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p + ahead + line), _MM_HINT_T0);
 }
@@ -479,11 +483,14 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
 
 #if defined(SPMD_GGUF_VNNI)
 constexpr bool kVnni = true;
-// From this many rows, K-quant products take tiled_supers (features four at a time): measured
-// on an 8B model's 14336 x 4096 Q4_K and 4096 x 14336 Q6_K (Zen 5, 2 cores), Q4_K's single
-// features are faster up to 5 rows (0.74 ms against 1.2 at 2 rows), Q6_K's tiles from 2
-// (1.24 ms against 1.65).
-constexpr int64_t tile_rows(int64_t kind) { return kind == kQ6_K ? 2 : 6; }
+// From this many rows, K-quant products take tiled_supers (features four at a time). Measured on
+// an 8B model's projections (Zen 5, 2 cores): where a row of x's codes outgrows L1 (K >= 8192:
+// 16 KiB and more), single features read it again from L2 for each and the tiles win from one
+// row (4096 x 14336 Q6_K: 0.9 ms against 1.3); below, Q4_K's single features are faster up to 5
+// rows (14336 x 4096: 0.74 ms against 1.2 at 2 rows), Q6_K's tiles from 2.
+constexpr int64_t tile_rows(int64_t kind, int64_t K) {
+  return K >= 8192 ? 1 : kind == kQ6_K ? 2 : 6;
+}
 #else
 constexpr bool kVnni = false;
 #endif
@@ -581,7 +588,7 @@ void direct(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t ro
     constexpr int64_t KIND = decltype(k)::value;
 #if defined(SPMD_GGUF_VNNI)
     if constexpr (KIND >= kQ4_K) {
-      if (M >= tile_rows(KIND)) return tiled_supers<KIND>(xq, M, blocks, row_bytes, K, N, o);
+      if (M >= tile_rows(KIND, K)) return tiled_supers<KIND>(xq, M, blocks, row_bytes, K, N, o);
     }
 #endif
     direct_kind<KIND>(xq, M, blocks, row_bytes, K, N, o);

@@ -142,6 +142,19 @@ def test_k_quant_products_are_the_expanded_weights_float32_product(tensor_type, 
                          activation_group(tensor_type))
 
 
+@needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", list(K_QUANTS))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_long_k_quant_rows_take_the_tiles_from_one_row(tensor_type, rows) -> None:
+    """in_features >= 8192 (a row of x's codes past L1): four features at a time from one row
+    on AVX512-VNNI, against the expanded weights."""
+    weight, expected = random_k_quant(tensor_type, 9, 8192, seed=rows)
+    x = torch.randn(rows, 8192, generator=torch.Generator().manual_seed(rows))
+    x[:, 4000] *= 1000
+    assert_product_close(group_quant_linear(x, weight, None), x, torch.from_numpy(expected),
+                         activation_group(tensor_type))
+
+
 @pytest.mark.parametrize("tensor_type", TYPES)
 def test_the_blocks_expand_to_ggufs_own_dequantisation_bit_for_bit(tensor_type) -> None:
     weight, expected = quantized(tensor_type)
