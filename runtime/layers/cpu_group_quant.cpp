@@ -232,6 +232,22 @@ Quantized quantize_rows(const at::Tensor& x, int64_t group = kBlock) {
   return out;
 }
 
+// A Q4_K or Q5_K super-block's 8 six-bit scales and minimums (as scale_min), a byte each in the
+// low 64 bits of two registers. Unpacked four to a 32-bit word, bytewise, and moved from 64-bit
+// values (two 32-bit stores read back by one 64-bit load would miss store-to-load forwarding).
+struct SixBit {
+  __m128i scales, mins;
+};
+
+inline SixBit six_bit_scales(const uint8_t* s) {
+  uint32_t w[3];
+  std::memcpy(w, s + 4, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  const uint64_t scales = (w[0] & six) | (static_cast<uint64_t>((w[2] & four) | (((w[0] >> 6) & two) << 4)) << 32);
+  const uint64_t mins = (w[1] & six) | (static_cast<uint64_t>(((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)) << 32);
+  return {_mm_cvtsi64_si128(static_cast<int64_t>(scales)), _mm_cvtsi64_si128(static_cast<int64_t>(mins))};
+}
+
 // 32 bits as 32 bytes, byte j 0xFF where bit j is set.
 inline __m256i bytes_of_bits(uint32_t bits) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -414,16 +430,9 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
       low_min = _mm256_mul_ps(_mm256_set1_ps(-32.f * d), int8x8_to_float(s + 192));
       high_min = _mm256_mul_ps(_mm256_set1_ps(-32.f * d), int8x8_to_float(s + 200));
     } else {
-      // The 8 six-bit scales and minimums (scale_min), four to a 32-bit word, bytewise.
-      uint32_t w[3];
-      std::memcpy(w, s + 4, 12);
-      const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-      const uint32_t sc_words[2] = {w[0] & six, (w[2] & four) | (((w[0] >> 6) & two) << 4)};
-      const uint32_t m_words[2] = {w[1] & six, ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)};
-      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(sc_words))));
-      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(m_words))));
+      const SixBit six = six_bit_scales(s);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(six.scales));
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(six.mins));
       scale = _mm256_mul_ps(_mm256_set1_ps(half_at(s)), sc);
       low_min = _mm256_mul_ps(_mm256_set1_ps(-half_at(s + 2)), m);
     }

@@ -117,17 +117,8 @@ inline SuperScales super_codes(const uint8_t* s, Use&& use) {
     }
     return {half_at(s + 208), _mm256_setzero_ps()};
   } else {
-    // The 8 six-bit scales and minimums (as scale_min), four to a 32-bit word, bytewise, as
-    // 64-bit values moved to vector registers (two 32-bit stores read back by one 64-bit load
-    // would miss store-to-load forwarding).
-    uint32_t words[3];
-    std::memcpy(words, s + 4, 12);
-    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-    const __m128i sc_bytes = _mm_cvtsi64_si128(static_cast<int64_t>(
-        (words[0] & six) | (static_cast<uint64_t>((words[2] & four) | (((words[0] >> 6) & two) << 4)) << 32)));
-    const __m128i m_bytes = _mm_cvtsi64_si128(static_cast<int64_t>(
-        (words[1] & six) | (static_cast<uint64_t>(((words[2] >> 4) & four) | (((words[1] >> 6) & two) << 4)) << 32)));
-    const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc_bytes));
+    const SixBit six = six_bit_scales(s);
+    const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(six.scales));
     __m512i fifth_bits = _mm512_setzero_si512();
     if constexpr (KIND == kQ5_K) fifth_bits = widen_bytes(s + 16);
 #pragma GCC unroll 4
@@ -145,7 +136,7 @@ inline SuperScales super_codes(const uint8_t* s, Use&& use) {
       }
     }
     return {half_at(s), _mm256_mul_ps(_mm256_set1_ps(-half_at(s + 2)),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m_bytes)))};
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(six.mins)))};
   }
 }
 
