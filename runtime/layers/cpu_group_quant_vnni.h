@@ -17,8 +17,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPMD_GGUF_VNNI 1
 
-// Independent float accumulators a row keeps: one chain of dependent FMAs a block would leave
-// a row or two waiting on the FMA's latency (Q4_K at one row: 1.0x of AVX2's speed with one).
+// Independent accumulators a row keeps, so that at one or two rows the dot products (or FMAs)
+// of consecutive blocks do not each wait on the one before.
 template <int R>
 constexpr int kChains = R >= 4 ? 1 : 4 / R;
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGML
+from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops, gguf_torch
 from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 
@@ -48,13 +49,18 @@ BF16_CHUNK_VALUES = 1 << 22
 # Kernel builds with AVX512-VNNI (cpu_group_quant_vnni.h): their K-quant products stay integer
 # up to DIRECT_ROWS rows with bfloat16 activations too (a decode batch of 32 on an 8B model's
 # 4096 x 14336 Q6_K and 4096 x 4096 Q4_K: ~0.6x the bf16 path's time, Zen 5, 2 cores).
-VNNI_LEVELS = ("avx512vnni", "amx")
 K_QUANT_TYPES = (GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)
+
+
+def vnni_kernels() -> bool:
+    """Whether the loaded C++ library is a build with AVX512-VNNI (its kernel level needs it)."""
+    level = cpu_ops.loaded().level
+    return level is not None and "avx512_vnni" in cpu_features.KERNEL_LEVELS[level][1]
 
 
 def bf16_gemm_rows(kind: GGML) -> int:
     """Past this many bfloat16 rows, a product of `kind`'s blocks takes the bf16 GEMM."""
-    if kind in K_QUANT_TYPES and cpu_ops.loaded().level in VNNI_LEVELS:
+    if kind in K_QUANT_TYPES and vnni_kernels():
         return DIRECT_ROWS
     return BF16_GEMM_ROWS
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cpu_library import needs_cpu_ops
 from gguf import GGMLQuantizationType as GGML
-from spmd_runtime.runtime.layers import cpu_ops
+from spmd_runtime.runtime.layers import group_quant
 from spmd_runtime.runtime.layers.group_quant import (
     GroupQuantWeight,
     from_gguf_blocks,
@@ -37,8 +37,7 @@ def activation_group(tensor_type: GGML) -> int:
     """How many of x's values share a 16-bit scale in the kernel's products with `tensor_type`:
     a K-quant's super-block of 256 where the loaded library has AVX512-VNNI (its integer
     sums run across the super-block), else a block of 32."""
-    vnni = cpu_ops.loaded().level in ("avx512vnni", "amx")
-    return 256 if vnni and tensor_type in K_QUANTS else 32
+    return 256 if group_quant.vnni_kernels() and tensor_type in K_QUANTS else 32
 
 
 def activations_as_multiplied(x: torch.Tensor, group: int = 32) -> torch.Tensor:
@@ -209,7 +208,6 @@ def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, mo
     products of float32 (the bf16 values widened), rounded to bfloat16; past it, the weight
     dequantized a chunk of output features at a time (chunks of 64 here, 5 of them), rounded
     to bfloat16, through the bf16 GEMM: F.linear of the rounded weight, as one product."""
-    from spmd_runtime.runtime.layers import group_quant
 
     monkeypatch.setattr(group_quant, "BF16_CHUNK_VALUES", 64 * 512)
     if tensor_type in K_QUANTS:
