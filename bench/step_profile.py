@@ -32,9 +32,10 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "gguf"))
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpp"))
+    parser.add_argument("--dtype", default="float32", help="the engine's --dtype (default float32)")
     args = parser.parse_args()
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
-    config = EngineConfig(model=args.model, dtype="float32", device="cpu",
+    config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu",
                           num_kv_blocks=args.num_kv_blocks,
                           quantization=args.quantization, attention_backend=args.attention_backend)
     ctx = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),

@@ -23,7 +23,8 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
                                     "cpu_decode_layers.cpp", "cpu_prefill_attention.cpp",
                                     "cpu_group_quant.cpp")]
-HEADERS = [HERE / "cpu_math.h", HERE / "cpu_bf16.h", HERE / "cpu_group_quant_vnni.h"]
+HEADERS = [HERE / "cpu_math.h", HERE / "cpu_bf16.h", HERE / "cpu_group_quant_vnni.h",
+           HERE / "cpu_bf16_dot.h"]
 LIBRARY = "libspmd_cpu_ops.so"
 DEFAULT_ROOT = HERE / "_kernels"
 

@@ -25,8 +25,9 @@ def cpu(flags: str) -> CpuFeatures:
 
 def test_cpuinfo_gives_the_flags_and_the_kernel_levels_a_cpu_runs() -> None:
     assert cpu(AMX).model == "Test CPU"
-    assert cpu(AMX).kernel_levels == ["amx", "avx512vnni", "avx512", "avx2"]
-    assert cpu(AVX512_BF16).kernel_levels == ["avx512vnni", "avx512", "avx2"]
+    assert cpu(AMX).kernel_levels == ["amx", "avx512bf16", "avx512vnni", "avx512", "avx2"]
+    assert cpu(AVX512_BF16).kernel_levels == ["avx512bf16", "avx512vnni", "avx512", "avx2"]
+    assert cpu(AVX512).kernel_levels == ["avx512vnni", "avx512", "avx2"]
     assert cpu(AVX512.replace(" avx512_vnni", "")).kernel_levels == ["avx512", "avx2"]
     assert cpu(AVX2).kernel_levels == ["avx2"]
     assert cpu("fpu sse sse2 avx").kernel_levels == []
@@ -86,9 +87,10 @@ def test_builds_are_keyed_by_the_sources(tmp_path, monkeypatch) -> None:
 
 
 def test_build_levels_and_a_bad_level_says_which_exist() -> None:
-    assert cpu_kernel_build.levels_to_build("all") == ["amx", "avx512vnni", "avx512", "avx2"]
+    assert cpu_kernel_build.levels_to_build("all") == ["amx", "avx512bf16", "avx512vnni", "avx512",
+                                                       "avx2"]
     assert cpu_kernel_build.levels_to_build("avx2,avx512") == ["avx2", "avx512"]
-    with pytest.raises(ValueError, match="amx, avx512vnni, avx512, avx2"):
+    with pytest.raises(ValueError, match="amx, avx512bf16, avx512vnni, avx512, avx2"):
         cpu_kernel_build.levels_to_build("avx9")
 
 

@@ -1,0 +1,114 @@
+// bfloat16 attention products with AVX512-BF16 dot products (VDPBF16PS): bf16 x bf16 pairs
+// summed into float32 lanes, 32 products an instruction, twice the float32 FMA's rate.
+//
+// Both products of prompt attention are register tiles of R query rows:
+// - scores (qk_tile): lanes are 16 keys; each step broadcasts a query row's next pair of
+//   dimensions against 16 keys' same pair, so the keys are first packed in groups of 16 as
+//   [dimension pair][key] 32-bit words (pack_keys).
+// - value sums (pv_tile): lanes are 16 dimensions; each step broadcasts a row's weights of two
+//   consecutive keys against both keys' values of 16 dimensions, so the values are packed as
+//   [key pair][dimension][2] (pack_values), and the weights are bf16 rows.
+// Each tile keeps R x 4 (scores) or R x D/16 (sums) accumulators in the 32 vector registers.
+// Keys past the end are packed as zeros, so tiles need no tail handling along the keys.
+#pragma once
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_bf16.h"
+
+namespace spmd_cpu {
+
+constexpr int64_t kKeyGroup = 16;            // keys in a packed group (one register's lanes)
+constexpr int64_t kKeyTile = 4 * kKeyGroup;  // keys in one score tile
+
+inline uint32_t load_pair(const bf16_bits* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+}
+
+// Keys [0, n) of one KV head (rows `stride` elements apart, D elements each) packed for
+// qk_tile: group g, pair p, key j at word (g * D/2 + p) * 16 + j; keys n .. n_pad - 1 zero.
+inline void pack_keys(const bf16_bits* k, int64_t stride, int64_t n, int64_t n_pad, int64_t D,
+                      uint32_t* packed) {
+  const int64_t pairs = D / 2;
+  for (int64_t key = 0; key < n_pad; ++key) {
+    uint32_t* dst = packed + (key / kKeyGroup) * pairs * kKeyGroup + key % kKeyGroup;
+    if (key < n) {
+      for (int64_t p = 0; p < pairs; ++p) dst[p * kKeyGroup] = load_pair(k + key * stride + 2 * p);
+    } else {
+      for (int64_t p = 0; p < pairs; ++p) dst[p * kKeyGroup] = 0;
+    }
+  }
+}
+
+// Values [0, n) of one KV head packed for pv_tile: key pair c, dimension d at elements
+// (c * D + d) * 2 + {0, 1} (keys 2c and 2c + 1); keys n .. n_pad - 1 zero (n_pad even).
+inline void pack_values(const bf16_bits* v, int64_t stride, int64_t n, int64_t n_pad, int64_t D,
+                        bf16_bits* packed) {
+  for (int64_t key = 0; key < n_pad; ++key) {
+    bf16_bits* dst = packed + (key / 2) * D * 2 + key % 2;
+    if (key < n) {
+      for (int64_t d = 0; d < D; ++d) dst[2 * d] = v[key * stride + d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[2 * d] = 0;
+    }
+  }
+}
+
+// Scores of R query rows (bf16, D each, `ldq` apart) against the kKeyTile keys packed at
+// `keys` (pack_keys' layout, from a group boundary), times `scale`, into float rows `lds` apart.
+template <int R>
+inline void qk_tile(const bf16_bits* q, int64_t ldq, const uint32_t* keys, int64_t D,
+                    float scale, float* s, int64_t lds) {
+  const int64_t pairs = D / 2, group = pairs * kKeyGroup;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh k[4];
+    for (int t = 0; t < 4; ++t)
+      k[t] = (__m512bh)_mm512_loadu_si512(keys + t * group + p * kKeyGroup);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qr = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(q + r * ldq + 2 * p)));
+      for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qr, k[t]);
+    }
+  }
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 4; ++t)
+      _mm512_storeu_ps(s + r * lds + t * kKeyGroup, _mm512_mul_ps(acc[r][t], scaled));
+}
+
+// Value sums of R rows of weights (bf16, `ldw` apart, `pairs` pairs of keys each) over the
+// values packed at `values` (pack_values' layout, from the same key), DV * 16 dimensions: row
+// r's sums times inverse[r] are rounded into out[r] (bf16).
+template <int R, int DV>
+inline void pv_tile(const bf16_bits* w, int64_t ldw, const bf16_bits* values, int64_t pairs,
+                    const float* inverse, bf16_bits* const* out) {
+  constexpr int64_t D = DV * 16;
+  __m512 acc[R][DV];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < DV; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < pairs; ++c) {
+    __m512bh v[DV];
+    for (int t = 0; t < DV; ++t)
+      v[t] = (__m512bh)_mm512_loadu_si512(values + (c * D + t * 16) * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wr = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(w + r * ldw + 2 * c)));
+      for (int t = 0; t < DV; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wr, v[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(inverse[r]);
+    for (int t = 0; t < DV; ++t) vstore_bf16(out[r] + t * 16, _mm512_mul_ps(acc[r][t], inv));
+  }
+}
+
+}  // namespace spmd_cpu
+
+#endif  // __AVX512BF16__
