@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_bf16.h"
+#include "cpu_bf16_dot.h"
 #include "cpu_math.h"
 
 namespace {
@@ -50,16 +51,7 @@ struct Layout {
 
 // Softmax weights of `length` scores in place; returns 1 / their sum.
 inline float softmax_weights(float* s, int64_t length) {
-  float peak = s[0];
-#pragma omp simd reduction(max : peak)
-  for (int64_t t = 0; t < length; ++t) peak = std::max(peak, s[t]);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < length; ++t) {
-    s[t] = spmd_cpu::exp_vectorisable(s[t] - peak);
-    total += s[t];
-  }
-  return 1.f / total;
+  return 1.f / spmd_cpu::exp_row(s, length, spmd_cpu::row_max(s, length));
 }
 
 // A cache row of n elements as float32: float32 rows are read in place; a bfloat16 row is
@@ -209,8 +201,114 @@ HeadFn<index_t, scalar_t> fixed_for_group(int64_t group) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// One KV head of one sequence on AVX512-BF16 dot products, bfloat16 caches: G query heads, NZ
+// registers of 32 dimensions a row (cpu_bf16_dot.h). Scores are summed 16 tokens at a time;
+// the value sums take the tokens in pairs, their softmax weights rounded to bfloat16 (their
+// float32 sum divides the result).
+template <int G, int NZ, typename index_t>
+void attend_head_dot(const Layout& L, const bf16_bits* q, const bf16_bits* k_cache,
+                     const bf16_bits* v_cache, const index_t* table, Span span, bf16_bits* out,
+                     float* scores) {
+  const int64_t length = span.count();
+  __m512bh query[G][NZ];
+  for (int g = 0; g < G; ++g)
+    for (int z = 0; z < NZ; ++z)
+      query[g][z] = (__m512bh)_mm512_loadu_si512(q + g * L.q_head_stride + 32 * z);
+  const bf16_bits* rows[16];
+  int64_t filled = 0, base = 0;
+  const auto score_rows = [&]() {
+    for (int64_t i = filled; i < 16; ++i) rows[i] = rows[0];    // a partial group's spare lanes
+    for (int g = 0; g < G; ++g) {
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        dots[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[g][0],
+                                   (__m512bh)_mm512_loadu_si512(rows[i]));
+        for (int z = 1; z < NZ; ++z)
+          dots[i] = _mm512_dpbf16_ps(dots[i], query[g][z],
+                                     (__m512bh)_mm512_loadu_si512(rows[i] + 32 * z));
+      }
+      const __m512 sums = _mm512_mul_ps(spmd_cpu::lane_sums(dots), _mm512_set1_ps(L.scale));
+      _mm512_mask_storeu_ps(scores + g * length + base, (__mmask16)((1u << filled) - 1), sums);
+    }
+    base += filled;
+    filled = 0;
+  };
+  for_each_row(L, k_cache, table, span, [&](int64_t, const bf16_bits* k_row) {
+    rows[filled++] = k_row;
+    if (filled == 16) score_rows();
+  }, v_cache);
+  if (filled > 0) score_rows();
+  // Each head's weights rounded to bfloat16 in place over the front of its float32 scores (a
+  // bf16 row is half as long, so each 16 floats are read before their bytes are written), with
+  // a zero after the last for an odd length's lone token.
+  float inv_sum[G];
+  const bf16_bits* weights[G];
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + g * length;
+    inv_sum[g] = softmax_weights(row, length);
+    bf16_bits* w = reinterpret_cast<bf16_bits*>(row);
+    int64_t t = 0;
+    for (; t + 16 <= length; t += 16) spmd_cpu::vstore_bf16(w + t, _mm512_loadu_ps(row + t));
+    for (; t < length; ++t) w[t] = spmd_cpu::float_to_bf16(row[t]);
+    w[length] = 0;
+    weights[g] = w;
+  }
+  __m512 acc[G][2 * NZ];
+  for (int g = 0; g < G; ++g)
+    for (int z = 0; z < 2 * NZ; ++z) acc[g][z] = _mm512_setzero_ps();
+  const auto add_pair = [&](int64_t t, const bf16_bits* a, const bf16_bits* b) {
+    for (int z = 0; z < NZ; ++z) {
+      __m512bh low, high;
+      spmd_cpu::pair_rows(a, b, 32 * z, low, high);
+      for (int g = 0; g < G; ++g) {
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(
+            static_cast<int>(spmd_cpu::load_pair(weights[g] + t)));
+        acc[g][2 * z] = _mm512_dpbf16_ps(acc[g][2 * z], pair, low);
+        acc[g][2 * z + 1] = _mm512_dpbf16_ps(acc[g][2 * z + 1], pair, high);
+      }
+    }
+  };
+  const bf16_bits* held = nullptr;
+  for_each_row(L, v_cache, table, span, [&](int64_t t, const bf16_bits* v_row) {
+    if (held == nullptr) {
+      held = v_row;
+    } else {
+      add_pair(t - 1, held, v_row);
+      held = nullptr;
+    }
+  });
+  if (held != nullptr) add_pair(length - 1, held, held);  // the lone last token: weight pair (w, 0)
+  for (int g = 0; g < G; ++g)
+    for (int z = 0; z < NZ; ++z)
+      spmd_cpu::store_paired(acc[g][2 * z], acc[g][2 * z + 1], inv_sum[g], out + g * L.head_dim + 32 * z);
+}
+
+// The dot-product kernel for this group and head size where its sums fit the registers.
+template <int NZ, typename index_t>
+HeadFn<index_t, bf16_bits> dot_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_head_dot<1, NZ, index_t>;
+    case 2: return attend_head_dot<2, NZ, index_t>;
+    case 3: return attend_head_dot<3, NZ, index_t>;
+    case 4: if constexpr (NZ <= 2) return attend_head_dot<4, NZ, index_t>; else return nullptr;
+    case 5: if constexpr (NZ <= 2) return attend_head_dot<5, NZ, index_t>; else return nullptr;
+    case 6: if constexpr (NZ <= 2) return attend_head_dot<6, NZ, index_t>; else return nullptr;
+    default: return nullptr;
+  }
+}
+#endif  // __AVX512BF16__
+
 template <typename index_t, typename scalar_t>
 HeadFn<index_t, scalar_t> fixed_head_fn(const Layout& L) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, bf16_bits>) {
+    HeadFn<index_t, scalar_t> dot = nullptr;
+    if (L.head_dim == 64) dot = dot_for_group<2, index_t>(L.group);
+    if (L.head_dim == 128) dot = dot_for_group<4, index_t>(L.group);
+    if (dot != nullptr) return dot;
+  }
+#endif
   if (L.head_dim == 64) return fixed_for_group<64, index_t, scalar_t>(L.group);
   if (L.head_dim == 128) return fixed_for_group<128, index_t, scalar_t>(L.group);
   return nullptr;

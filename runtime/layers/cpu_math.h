@@ -85,6 +85,47 @@ inline vfloat vexp(vfloat x) {
 }
 #endif
 
+// The largest of n scores (attention rows).
+inline float row_max(const float* s, int64_t n) {
+  float peak = s[0];
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (n >= kExpLanes) {
+    vfloat lanes = vload(s);
+    for (i = kExpLanes; i + kExpLanes <= n; i += kExpLanes)
+      lanes = vmax(lanes, vload(s + i));
+    alignas(64) float spill[kExpLanes];
+    vstore(spill, lanes);
+    for (float x : spill) peak = std::max(peak, x);
+  }
+#endif
+  for (; i < n; ++i) peak = std::max(peak, s[i]);
+  return peak;
+}
+
+// exp(s - peak) over a row of n scores in place; returns their sum.
+inline float exp_row(float* s, int64_t n, float peak) {
+  float total = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const vfloat shift = vset(-peak);
+  vfloat sums = vset(0.f);
+  for (; i + kExpLanes <= n; i += kExpLanes) {
+    const vfloat e = vexp(vadd(vload(s + i), shift));
+    vstore(s + i, e);
+    sums = vadd(sums, e);
+  }
+  alignas(64) float spill[kExpLanes];
+  vstore(spill, sums);
+  for (float x : spill) total += x;
+#endif
+  for (; i < n; ++i) {
+    s[i] = exp_vectorisable(s[i] - peak);
+    total += s[i];
+  }
+  return total;
+}
+
 // SiLU(gate) * up of one float, and of one register of them: the step cpu_layers.cpp's row loop
 // takes (rows of either storage type), so that both give the same bits for the same float32
 // values.

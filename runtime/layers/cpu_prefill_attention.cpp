@@ -61,47 +61,6 @@ void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha
 
 constexpr int64_t kBlock = 32;
 
-// The largest of n scores.
-inline float row_max(const float* s, int64_t n) {
-  float peak = s[0];
-  int64_t i = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  if (n >= spmd_cpu::kExpLanes) {
-    spmd_cpu::vfloat lanes = spmd_cpu::vload(s);
-    for (i = spmd_cpu::kExpLanes; i + spmd_cpu::kExpLanes <= n; i += spmd_cpu::kExpLanes)
-      lanes = spmd_cpu::vmax(lanes, spmd_cpu::vload(s + i));
-    alignas(64) float spill[spmd_cpu::kExpLanes];
-    spmd_cpu::vstore(spill, lanes);
-    for (float x : spill) peak = std::max(peak, x);
-  }
-#endif
-  for (; i < n; ++i) peak = std::max(peak, s[i]);
-  return peak;
-}
-
-// exp(s - peak) over a row of n scores in place; returns their sum.
-inline float exp_row(float* s, int64_t n, float peak) {
-  float total = 0.f;
-  int64_t i = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  const spmd_cpu::vfloat shift = spmd_cpu::vset(-peak);
-  spmd_cpu::vfloat sums = spmd_cpu::vset(0.f);
-  for (; i + spmd_cpu::kExpLanes <= n; i += spmd_cpu::kExpLanes) {
-    const spmd_cpu::vfloat e = spmd_cpu::vexp(spmd_cpu::vadd(spmd_cpu::vload(s + i), shift));
-    spmd_cpu::vstore(s + i, e);
-    sums = spmd_cpu::vadd(sums, e);
-  }
-  alignas(64) float spill[spmd_cpu::kExpLanes];
-  spmd_cpu::vstore(spill, sums);
-  for (float x : spill) total += x;
-#endif
-  for (; i < n; ++i) {
-    s[i] = spmd_cpu::exp_vectorisable(s[i] - peak);
-    total += s[i];
-  }
-  return total;
-}
-
 struct Shape {
   int64_t tokens, heads, kv_heads, group, dim;
   int64_t q_stride, k_stride, v_stride;     // elements between consecutive positions
@@ -180,7 +139,8 @@ void causal_softmax(const Shape& S, int64_t first, int64_t rows, int64_t key0, i
     float* row = s.scores.data() + r * keys;
     const int64_t position = first + r % rows, end = position + 1 - key0;
     const int64_t begin = S.window > 0 ? std::max<int64_t>(end - S.window, 0) : 0;
-    s.inverse[r] = 1.f / exp_row(row + begin, end - begin, row_max(row + begin, end - begin));
+    const int64_t n = end - begin;
+    s.inverse[r] = 1.f / spmd_cpu::exp_row(row + begin, n, spmd_cpu::row_max(row + begin, n));
     std::fill(row, row + begin, 0.f);
     std::fill(row + end, row + keys, 0.f);
   }
@@ -329,7 +289,8 @@ void softmax_weights(const Shape& S, int64_t first, int64_t rows, int64_t ks, in
     const int64_t position = first + m % rows;
     const int64_t lo = S.window > 0 ? std::max<int64_t>(position - S.window + 1, 0) : 0;
     const int64_t begin = lo - ks, end = position + 1 - ks;
-    s.inverse[m] = 1.f / exp_row(row + begin, end - begin, row_max(row + begin, end - begin));
+    const int64_t n = end - begin;
+    s.inverse[m] = 1.f / spmd_cpu::exp_row(row + begin, n, spmd_cpu::row_max(row + begin, n));
     std::fill(w, w + begin, bf16_bits{0});
 #pragma omp simd
     for (int64_t j = begin; j < end; ++j) w[j] = spmd_cpu::float_to_bf16(row[j]);
