@@ -201,7 +201,8 @@ class StepInputs:
                 mask &= context[None, :] > queries - window
             prefills.append(PrefillChunk(offset, length,
                                          torch.tensor(table[first_block:num_blocks], device=device),
-                                         mask.to(device)))
+                                         mask.to(device), first_key=first_block * block_size,
+                                         position=start))
         return prefills
 
     def prompt_rows(self, scheduled: list[tuple[int, int]], num_rows: int,

@@ -25,6 +25,8 @@ class PrefillChunk:
     # [length, num_blocks * block_size] True where a query may attend; for a fresh prompt, None
     # (causal) or, under a sliding window shorter than it, [length, length]
     mask: torch.Tensor | None
+    first_key: int = 0              # position of the first token of context_blocks' first block
+    position: int = 0               # position of the chunk's first token (its cached context)
 
     def to(self, device: torch.device) -> PrefillChunk:
         return replace(self, context_blocks=_to(self.context_blocks, device),
@@ -165,10 +167,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         query = q[rows].transpose(0, 1).unsqueeze(0)            # [1, heads, len, d]
-        fresh = (backend.fresh_prompt(q[rows], k[rows], v[rows], scale, batch.window)
-                 if chunk.context_blocks is None else None)
-        if fresh is not None:
-            out[rows] = fresh
+        if chunk.context_blocks is None:
+            attended = backend.fresh_prompt(q[rows], k[rows], v[rows], scale, batch.window)
+        else:
+            attended = backend.cached_prompt(q[rows], k_cache, v_cache, chunk, bs, scale,
+                                             batch.window)
+        if attended is not None:
+            out[rows] = attended
             continue
         if chunk.context_blocks is None:
             keys = k[rows].transpose(0, 1).unsqueeze(0)

@@ -6,14 +6,21 @@ the layers' element-wise chains run as the C++ library's fused passes.
     torch   index_copy_ writes, gathered context and SDPA; the torch layer chains
     triton  the Triton decode kernel reading the cache in place (CUDA, or interpreted on CPU)
     cpp     the C++ CPU library (runtime/layers/cpu_ops.py): KV write, decode and fresh-prompt
-            attention, fused norms / rotary / SiLU x up and the one-call decode stack; float32
-            and bfloat16, reading and writing the cache in place with float32 accumulation
+            attention (and, bf16 on AVX512-BF16, prompt chunks over cached context), fused
+            norms / rotary / SiLU x up and the one-call decode stack; float32 and bfloat16,
+            reading and writing the cache in place with float32 accumulation
 """
 from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
 
 import torch
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_attention, cpu_ops, triton_attention
+
+if TYPE_CHECKING:
+    from spmd_runtime.runtime.layers.attention import PrefillChunk
 
 
 class AttentionBackend:
@@ -48,6 +55,13 @@ class AttentionBackend:
         over its last `window` positions where given; None: SDPA."""
         return None
 
+    def cached_prompt(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      chunk: PrefillChunk, block_size: int, scale: float,
+                      window: int | None = None) -> torch.Tensor | None:
+        """Causal attention of a prompt chunk over its cached context and itself (its keys and
+        values already in the caches), [T, heads, dim]; None: SDPA over the gathered blocks."""
+        return None
+
     def __repr__(self) -> str:
         return f"AttentionBackend({self.name})"
 
@@ -80,6 +94,21 @@ class CppAttention(AttentionBackend):
         if not torch.backends.mkl.is_available():
             return None
         return torch.ops.spmd_cpu.prefill_attention(q, k, v, scale, window or 0)
+
+    def cached_prompt(self, q, k_cache, v_cache, chunk, block_size, scale, window=None):
+        # The bf16 tiles read the cache in place; other dtypes and builds gather for SDPA.
+        if q.dtype != torch.bfloat16 or not paged_prompt_supported(q.shape[-1]):
+            return None
+        return torch.ops.spmd_cpu.prefill_attention_paged(
+            q, k_cache, v_cache, chunk.context_blocks, block_size, chunk.first_key,
+            chunk.position, scale, window or 0)
+
+
+@functools.cache
+def paged_prompt_supported(head_dim: int) -> bool:
+    """Whether the loaded C++ library runs prompt chunks over cached context at this head
+    size (a build with AVX512-BF16; head sizes 64 and 128)."""
+    return bool(torch.ops.spmd_cpu.paged_prompt_supported(head_dim))
 
 
 TORCH, TRITON, CPP = AttentionBackend(), TritonAttention(), CppAttention()

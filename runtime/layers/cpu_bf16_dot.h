@@ -35,29 +35,31 @@ inline uint32_t load_pair(const bf16_bits* p) {
   return word;
 }
 
-// Keys [0, n) of one KV head (rows `stride` elements apart, D elements each) packed for
-// qk_tile: group g, pair p, key j at word (g * D/2 + p) * 16 + j; keys n .. n_pad - 1 zero.
-inline void pack_keys(const bf16_bits* k, int64_t stride, int64_t n, int64_t n_pad, int64_t D,
-                      uint32_t* packed) {
+// Keys [0, n) of one KV head (row_of(key): its D elements) packed for qk_tile: group g, pair p,
+// key j at word (g * D/2 + p) * 16 + j; keys n .. n_pad - 1 zero.
+template <typename RowOf>
+inline void pack_keys(RowOf row_of, int64_t n, int64_t n_pad, int64_t D, uint32_t* packed) {
   const int64_t pairs = D / 2;
   for (int64_t key = 0; key < n_pad; ++key) {
     uint32_t* dst = packed + (key / kKeyGroup) * pairs * kKeyGroup + key % kKeyGroup;
     if (key < n) {
-      for (int64_t p = 0; p < pairs; ++p) dst[p * kKeyGroup] = load_pair(k + key * stride + 2 * p);
+      const bf16_bits* row = row_of(key);
+      for (int64_t p = 0; p < pairs; ++p) dst[p * kKeyGroup] = load_pair(row + 2 * p);
     } else {
       for (int64_t p = 0; p < pairs; ++p) dst[p * kKeyGroup] = 0;
     }
   }
 }
 
-// Values [0, n) of one KV head packed for pv_tile: key pair c, dimension d at elements
-// (c * D + d) * 2 + {0, 1} (keys 2c and 2c + 1); keys n .. n_pad - 1 zero (n_pad even).
-inline void pack_values(const bf16_bits* v, int64_t stride, int64_t n, int64_t n_pad, int64_t D,
-                        bf16_bits* packed) {
+// Values [0, n) of one KV head (row_of(key)) packed for pv_tile: key pair c, dimension d at
+// elements (c * D + d) * 2 + {0, 1} (keys 2c and 2c + 1); keys n .. n_pad - 1 zero (n_pad even).
+template <typename RowOf>
+inline void pack_values(RowOf row_of, int64_t n, int64_t n_pad, int64_t D, bf16_bits* packed) {
   for (int64_t key = 0; key < n_pad; ++key) {
     bf16_bits* dst = packed + (key / 2) * D * 2 + key % 2;
     if (key < n) {
-      for (int64_t d = 0; d < D; ++d) dst[2 * d] = v[key * stride + d];
+      const bf16_bits* row = row_of(key);
+      for (int64_t d = 0; d < D; ++d) dst[2 * d] = row[d];
     } else {
       for (int64_t d = 0; d < D; ++d) dst[2 * d] = 0;
     }

@@ -66,6 +66,7 @@ struct Shape {
   int64_t q_stride, k_stride, v_stride;     // elements between consecutive positions
   float scale;
   int64_t window;                           // keys a query sees (itself included); 0: all
+  int64_t query0 = 0;                       // the key index of query 0 (its cached context)
 };
 
 template <typename scalar_t>
@@ -286,10 +287,9 @@ void softmax_weights(const Shape& S, int64_t first, int64_t rows, int64_t ks, in
   for (int64_t m = 0; m < M; ++m) {
     float* row = s.scores.data() + m * width;
     bf16_bits* w = s.weights.data() + m * width;
-    const int64_t position = first + m % rows;
-    const int64_t lo = S.window > 0 ? std::max<int64_t>(position - S.window + 1, 0) : 0;
-    const int64_t begin = lo - ks, end = position + 1 - ks;
-    const int64_t n = end - begin;
+    const int64_t own = S.query0 + first + m % rows;       // the query's own key
+    const int64_t lo = S.window > 0 ? std::max<int64_t>(own - S.window + 1, 0) : 0;
+    const int64_t begin = lo - ks, end = own + 1 - ks, n = end - begin;
     s.inverse[m] = 1.f / spmd_cpu::exp_row(row + begin, n, spmd_cpu::row_max(row + begin, n));
     std::fill(w, w + begin, bf16_bits{0});
 #pragma omp simd
@@ -298,16 +298,18 @@ void softmax_weights(const Shape& S, int64_t first, int64_t rows, int64_t ks, in
   }
 }
 
-// One task on the bf16 tiles: KV head `kv`, query positions [first, end).
+// One task on the bf16 tiles: KV head `kv`, queries [first, end) (keys from query0 + first
+// back to the window's start, or to key 0).
 template <int DV>
 void attend_block_dot(const Shape& S, const bf16_bits* q, bf16_bits* out, const PackedHead& head,
                       int64_t kv, int64_t first, int64_t end, DotScratch& s) {
   using spmd_cpu::kKeyGroup;
   using spmd_cpu::kKeyTile;
   const int64_t D = S.dim, G = S.group, rows = end - first, M = G * rows;
-  const int64_t key0 = S.window > 0 ? std::max<int64_t>(first - S.window + 1, 0) : 0;
+  const int64_t own0 = S.query0 + first, own_end = S.query0 + end;
+  const int64_t key0 = S.window > 0 ? std::max<int64_t>(own0 - S.window + 1, 0) : 0;
   const int64_t ks = key0 / kKeyTile * kKeyTile;
-  const int64_t width = (end + kKeyTile - 1) / kKeyTile * kKeyTile - ks;
+  const int64_t width = (own_end + kKeyTile - 1) / kKeyTile * kKeyTile - ks;
   s.queries.resize(M * D);
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < rows; ++i)
@@ -331,22 +333,23 @@ void attend_block_dot(const Shape& S, const bf16_bits* q, bf16_bits* out, const 
   }
 }
 
-template <int DV>
-void run_tasks_dot(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   at::Tensor& out) {
+// Packs each KV head's keys 0 .. query0 + tokens - 1 (key_row(kv, key) and value_row: their
+// rows), then runs the tasks.
+template <int DV, typename KeyRow, typename ValueRow>
+void run_tasks_dot(const Shape& S, const at::Tensor& q, at::Tensor& out, KeyRow key_row,
+                   ValueRow value_row) {
   const auto* qp = static_cast<const bf16_bits*>(q.const_data_ptr());
-  const auto* kp = static_cast<const bf16_bits*>(k.const_data_ptr());
-  const auto* vp = static_cast<const bf16_bits*>(v.const_data_ptr());
   auto* op = static_cast<bf16_bits*>(out.mutable_data_ptr());
-  const int64_t D = S.dim;
-  const int64_t n_pad = (S.tokens + spmd_cpu::kKeyTile - 1) / spmd_cpu::kKeyTile * spmd_cpu::kKeyTile;
+  const int64_t D = S.dim, keys = S.query0 + S.tokens;
+  const int64_t n_pad = (keys + spmd_cpu::kKeyTile - 1) / spmd_cpu::kKeyTile * spmd_cpu::kKeyTile;
   std::vector<PackedHead> heads(S.kv_heads);
   at::parallel_for(0, S.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t kv = begin; kv < end; ++kv) {
       heads[kv].keys.resize(n_pad * D / 2);
       heads[kv].values.resize(n_pad * D);
-      spmd_cpu::pack_keys(kp + kv * D, S.k_stride, S.tokens, n_pad, D, heads[kv].keys.data());
-      spmd_cpu::pack_values(vp + kv * D, S.v_stride, S.tokens, n_pad, D,
+      spmd_cpu::pack_keys([&](int64_t key) { return key_row(kv, key); }, keys, n_pad, D,
+                          heads[kv].keys.data());
+      spmd_cpu::pack_values([&](int64_t key) { return value_row(kv, key); }, keys, n_pad, D,
                             heads[kv].values.data());
     }
   });
@@ -360,6 +363,17 @@ void run_tasks_dot(const Shape& S, const at::Tensor& q, const at::Tensor& k, con
     }
   });
 }
+
+// run_tasks_dot for this head size (64 or 128); false for others.
+template <typename KeyRow, typename ValueRow>
+bool run_tiles(const Shape& S, const at::Tensor& q, at::Tensor& out, KeyRow key_row,
+               ValueRow value_row) {
+  switch (S.dim) {
+    case 64: run_tasks_dot<4>(S, q, out, key_row, value_row); return true;
+    case 128: run_tasks_dot<8>(S, q, out, key_row, value_row); return true;
+    default: return false;
+  }
+}
 #endif  // __AVX512BF16__
 
 // Runs a bfloat16 prompt on the VDPBF16PS tiles where the build and head size allow; false
@@ -367,13 +381,14 @@ void run_tasks_dot(const Shape& S, const at::Tensor& q, const at::Tensor& k, con
 bool run_bf16_tiles(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     at::Tensor& out) {
 #if defined(__AVX512BF16__)
-  switch (S.dim) {
-    case 64: run_tasks_dot<4>(S, q, k, v, out); return true;
-    case 128: run_tasks_dot<8>(S, q, k, v, out); return true;
-    default: break;
-  }
-#endif
+  const auto* kp = static_cast<const bf16_bits*>(k.const_data_ptr());
+  const auto* vp = static_cast<const bf16_bits*>(v.const_data_ptr());
+  return run_tiles(
+      S, q, out, [&](int64_t kv, int64_t key) { return kp + key * S.k_stride + kv * S.dim; },
+      [&](int64_t kv, int64_t key) { return vp + key * S.v_stride + kv * S.dim; });
+#else
   return false;
+#endif
 }
 
 // q [tokens, heads, dim], k and v [tokens, kv_heads, dim] (rows may be strided, as views of the
@@ -396,10 +411,108 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
+constexpr const char* kPaged = "prefill_attention_paged";
+
+// Whether prefill_attention_paged runs for this head size: a build with AVX512-BF16 and head
+// sizes 64 or 128 (bfloat16 caches only).
+bool paged_prompt_supported(int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return head_dim == 64 || head_dim == 128;
+#else
+  return false;
+#endif
+}
+
+template <typename index_t>
+void check_paged_blocks(const at::Tensor& blocks, int64_t used, int64_t num_blocks) {
+  const index_t* entry = static_cast<const index_t*>(blocks.const_data_ptr());
+  for (int64_t b = 0; b < used; ++b)
+    TORCH_CHECK(entry[b] >= 0 && entry[b] < num_blocks, kPaged, ": blocks[", b, "] = ",
+                entry[b], " is outside the cache's ", num_blocks, " blocks");
+}
+
+void check_paged_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& blocks, int64_t block_size, int64_t first_key,
+                      int64_t position, int64_t window) {
+  spmd_cpu::check_tensor(kPaged, "q", q, 3);
+  spmd_cpu::check_tensor(kPaged, "k_cache", k_cache, 3);
+  spmd_cpu::check_tensor(kPaged, "v_cache", v_cache, 3);
+  spmd_cpu::check_tensor(kPaged, "blocks", blocks, 1);
+  spmd_cpu::check_dtype(kPaged, "k_cache", k_cache, "q", q);
+  spmd_cpu::check_dtype(kPaged, "v_cache", v_cache, "q", q);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && paged_prompt_supported(q.size(2)), kPaged,
+              ": runs bfloat16 with head_dim 64 or 128 on a build with AVX512-BF16 (ask "
+              "paged_prompt_supported), got ", q.scalar_type(), " and head_dim ", q.size(2));
+  check_side_by_side("q", q);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes(), kPaged,
+              ": k_cache and v_cache must be contiguous and of the same shape, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(2) == q.size(2) && k_cache.size(1) >= 1 &&
+              q.size(1) % k_cache.size(1) == 0, kPaged, ": q ", q.sizes(),
+              " does not fit the caches' KV heads ", k_cache.sizes());
+  TORCH_CHECK(block_size >= 1 && k_cache.size(0) % block_size == 0, kPaged, ": block_size ",
+              block_size, " must be >= 1 and divide k_cache's ", k_cache.size(0), " slots");
+  TORCH_CHECK(blocks.scalar_type() == at::kInt || blocks.scalar_type() == at::kLong, kPaged,
+              ": blocks must be int32 or int64, got ", blocks.scalar_type());
+  TORCH_CHECK(blocks.is_contiguous(), kPaged, ": blocks must be contiguous");
+  TORCH_CHECK(first_key >= 0 && first_key % block_size == 0, kPaged, ": first_key ", first_key,
+              " must be >= 0 and a multiple of block_size ", block_size);
+  TORCH_CHECK(position >= first_key, kPaged, ": position ", position,
+              " is before first_key ", first_key);
+  TORCH_CHECK(window >= 0, kPaged, ": window ", window, " must be >= 0");
+  const int64_t keys = position + q.size(0) - first_key;
+  TORCH_CHECK(keys <= blocks.size(0) * block_size, kPaged, ": the chunk's keys reach ", keys,
+              " tokens past first_key but blocks holds ", blocks.size(0), " blocks of ",
+              block_size);
+  const int64_t used = (keys + block_size - 1) / block_size;
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  if (blocks.scalar_type() == at::kInt)
+    check_paged_blocks<int32_t>(blocks, used, num_blocks);
+  else
+    check_paged_blocks<int64_t>(blocks, used, num_blocks);
+}
+
+// A prompt chunk whose earlier tokens are cached: q [tokens, heads, dim] at positions
+// position .. position + tokens - 1, its own and earlier keys and values read from the paged
+// caches [slots, kv_heads, dim] (the chunk's own already written), key first_key + j in slot
+// blocks[j / block_size] * block_size + j % block_size. Causal, within the last `window`
+// positions where window > 0. bfloat16 on the VDPBF16PS tiles only (paged_prompt_supported).
+at::Tensor prefill_attention_paged(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& blocks,
+                                   int64_t block_size, int64_t first_key, int64_t position,
+                                   double scale, int64_t window) {
+  check_paged_args(q, k_cache, v_cache, blocks, block_size, first_key, position, window);
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(1), dim = q.size(2);
+  const int64_t slot_stride = kv_heads * dim;
+  Shape S{q.size(0),   heads,       kv_heads,    heads / kv_heads,         dim,
+          q.stride(0), slot_stride, slot_stride, static_cast<float>(scale), window};
+  S.query0 = position - first_key;
+  at::Tensor out = at::empty({S.tokens, heads, dim}, q.options());
+#if defined(__AVX512BF16__)
+  const at::Tensor table = blocks.to(at::kLong);
+  const int64_t* entry = table.const_data_ptr<int64_t>();
+  const auto* kp = static_cast<const bf16_bits*>(k_cache.const_data_ptr());
+  const auto* vp = static_cast<const bf16_bits*>(v_cache.const_data_ptr());
+  const auto slot = [&](int64_t key) {
+    return (entry[key / block_size] * block_size + key % block_size) * slot_stride;
+  };
+  run_tiles(S, q, out, [&](int64_t kv, int64_t key) { return kp + slot(key) + kv * dim; },
+            [&](int64_t kv, int64_t key) { return vp + slot(key) + kv * dim; });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window=0) -> Tensor");
+  m.def("prefill_attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
+        "int block_size, int first_key, int position, float scale, int window=0) -> Tensor");
+  m.def("paged_prompt_supported(int head_dim) -> bool", &paged_prompt_supported);
 }
 
-TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("prefill_attention_paged", &prefill_attention_paged);
+}

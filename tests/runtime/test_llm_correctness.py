@@ -92,6 +92,20 @@ def test_smollm2_bfloat16_answers_within_near_ties_of_transformers(
                            [ref[:BF16_TOKENS] for ref in smollm2_references], min_exact=5)
 
 
+@pytest.mark.timeout(600)
+def test_smollm2_bfloat16_in_prefill_chunks_answers_within_near_ties_of_transformers(
+        hf_smollm2, smollm2_prompts, smollm2_references, greedy_reference) -> None:
+    """bfloat16 with 16-token prefill chunks: every chunk after a prompt's first attends to its
+    cached context (on AVX512-BF16 CPUs through spmd_cpu::prefill_attention_paged, elsewhere
+    SDPA over the gathered blocks); as above, divergences must be near-ties."""
+    model, _ = hf_smollm2
+    with LLM("smollm2", dtype="bfloat16", max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(smollm2_prompts, SamplingParams(
+            max_tokens=BF16_TOKENS, temperature=0.0, ignore_eos=True))
+    greedy_reference.check(model, smollm2_prompts, [o.token_ids for o in outputs],
+                           [ref[:BF16_TOKENS] for ref in smollm2_references], min_exact=5)
+
+
 @pytest.mark.timeout(300)
 def test_smollm2_string_prompts_are_tokenized_like_transformers(smollm2_llm, hf_smollm2) -> None:
     _, tokenizer = hf_smollm2
