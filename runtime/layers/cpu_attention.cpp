@@ -202,6 +202,14 @@ HeadFn<index_t, scalar_t> fixed_for_group(int64_t group) {
 }
 
 #if defined(__AVX512BF16__)
+// Registers of 32 dimensions a value-sum pass covers: all NZ where G x 2 x NZ accumulators fit
+// in 24 registers, else the largest halving of NZ that does.
+constexpr int value_slice(int G, int NZ) {
+  int zs = NZ;
+  while (zs > 1 && G * 2 * zs > 24) zs /= 2;
+  return zs;
+}
+
 // One KV head of one sequence on AVX512-BF16 dot products, bfloat16 caches: G query heads, NZ
 // registers of 32 dimensions a row (cpu_bf16_dot.h). Scores are summed 16 tokens at a time;
 // the value sums take the tokens in pairs, their softmax weights rounded to bfloat16 (their
@@ -254,46 +262,54 @@ void attend_head_dot(const Layout& L, const bf16_bits* q, const bf16_bits* k_cac
     w[length] = 0;
     weights[g] = w;
   }
-  __m512 acc[G][2 * NZ];
-  for (int g = 0; g < G; ++g)
-    for (int z = 0; z < 2 * NZ; ++z) acc[g][z] = _mm512_setzero_ps();
-  const auto add_pair = [&](int64_t t, const bf16_bits* a, const bf16_bits* b) {
-    for (int z = 0; z < NZ; ++z) {
-      __m512bh low, high;
-      spmd_cpu::pair_rows(a, b, 32 * z, low, high);
-      for (int g = 0; g < G; ++g) {
-        const __m512bh pair = (__m512bh)_mm512_set1_epi32(
-            static_cast<int>(spmd_cpu::load_pair(weights[g] + t)));
-        acc[g][2 * z] = _mm512_dpbf16_ps(acc[g][2 * z], pair, low);
-        acc[g][2 * z + 1] = _mm512_dpbf16_ps(acc[g][2 * z + 1], pair, high);
+  // Value sums in slices of ZS registers of dimensions, each a pass over the value rows,
+  // so that G x 2 x ZS accumulators fit the registers (one pass for small groups).
+  constexpr int ZS = value_slice(G, NZ);
+  for (int z0 = 0; z0 < NZ; z0 += ZS) {
+    __m512 acc[G][2 * ZS];
+    for (int g = 0; g < G; ++g)
+      for (int z = 0; z < 2 * ZS; ++z) acc[g][z] = _mm512_setzero_ps();
+    const auto add_pair = [&](int64_t t, const bf16_bits* a, const bf16_bits* b) {
+      for (int z = 0; z < ZS; ++z) {
+        __m512bh low, high;
+        spmd_cpu::pair_rows(a, b, 32 * (z0 + z), low, high);
+        for (int g = 0; g < G; ++g) {
+          const __m512bh pair = (__m512bh)_mm512_set1_epi32(
+              static_cast<int>(spmd_cpu::load_pair(weights[g] + t)));
+          acc[g][2 * z] = _mm512_dpbf16_ps(acc[g][2 * z], pair, low);
+          acc[g][2 * z + 1] = _mm512_dpbf16_ps(acc[g][2 * z + 1], pair, high);
+        }
       }
-    }
-  };
-  const bf16_bits* held = nullptr;
-  for_each_row(L, v_cache, table, span, [&](int64_t t, const bf16_bits* v_row) {
-    if (held == nullptr) {
-      held = v_row;
-    } else {
-      add_pair(t - 1, held, v_row);
-      held = nullptr;
-    }
-  });
-  if (held != nullptr) add_pair(length - 1, held, held);  // the lone last token: weight pair (w, 0)
-  for (int g = 0; g < G; ++g)
-    for (int z = 0; z < NZ; ++z)
-      spmd_cpu::store_paired(acc[g][2 * z], acc[g][2 * z + 1], inv_sum[g], out + g * L.head_dim + 32 * z);
+    };
+    const bf16_bits* held = nullptr;
+    for_each_row(L, v_cache, table, span, [&](int64_t t, const bf16_bits* v_row) {
+      if (held == nullptr) {
+        held = v_row;
+      } else {
+        add_pair(t - 1, held, v_row);
+        held = nullptr;
+      }
+    });
+    if (held != nullptr) add_pair(length - 1, held, held);  // the lone last token: pair (w, 0)
+    for (int g = 0; g < G; ++g)
+      for (int z = 0; z < ZS; ++z)
+        spmd_cpu::store_paired(acc[g][2 * z], acc[g][2 * z + 1], inv_sum[g],
+                               out + g * L.head_dim + 32 * (z0 + z));
+  }
 }
 
-// The dot-product kernel for this group and head size where its sums fit the registers.
+// The dot-product kernel for groups of 1-8 query heads.
 template <int NZ, typename index_t>
 HeadFn<index_t, bf16_bits> dot_for_group(int64_t group) {
   switch (group) {
     case 1: return attend_head_dot<1, NZ, index_t>;
     case 2: return attend_head_dot<2, NZ, index_t>;
     case 3: return attend_head_dot<3, NZ, index_t>;
-    case 4: if constexpr (NZ <= 2) return attend_head_dot<4, NZ, index_t>; else return nullptr;
-    case 5: if constexpr (NZ <= 2) return attend_head_dot<5, NZ, index_t>; else return nullptr;
-    case 6: if constexpr (NZ <= 2) return attend_head_dot<6, NZ, index_t>; else return nullptr;
+    case 4: return attend_head_dot<4, NZ, index_t>;
+    case 5: return attend_head_dot<5, NZ, index_t>;
+    case 6: return attend_head_dot<6, NZ, index_t>;
+    case 7: return attend_head_dot<7, NZ, index_t>;
+    case 8: return attend_head_dot<8, NZ, index_t>;
     default: return nullptr;
   }
 }

@@ -31,10 +31,12 @@ def window_starts(lengths, window):
     return (lengths - window).clamp(min=0).to(torch.int32)
 
 
-# (block_size, heads, kv_heads, dim): fixed-size paths (dims 64 and 128, groups 1-8) and the
-# generic loop (dims 16, 32, 80).
+# (block_size, heads, kv_heads, dim): fixed-size paths (dims 64 and 128, groups 1-8; on
+# AVX512-BF16 builds bf16 value sums in one pass up to groups of 6 and 3, in slices beyond) and
+# the generic loop (dims 16, 32, 80).
 DECODE_SHAPES = [(4, 4, 2, 16), (16, 9, 3, 64), (16, 32, 8, 64), (8, 8, 8, 32), (16, 4, 1, 80),
-                 (16, 8, 2, 128), (16, 6, 1, 64), (4, 6, 3, 128)]
+                 (16, 8, 2, 128), (16, 6, 1, 64), (4, 6, 3, 128), (16, 14, 2, 64),
+                 (16, 16, 2, 128)]
 
 
 def decode_case(block_size, heads, kv_heads, dim, index_dtype, dtype=torch.float32):
