@@ -170,7 +170,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if chunk.context_blocks is None:
             attended = backend.fresh_prompt(q[rows], k[rows], v[rows], scale, batch.window)
         else:
-            attended = backend.cached_prompt(q[rows], k_cache, v_cache, chunk, bs, scale,
+            attended = backend.cached_prompt(q[rows], k_cache, v_cache, chunk.context_blocks,
+                                             chunk.first_key, chunk.position, bs, scale,
                                              batch.window)
         if attended is not None:
             out[rows] = attended

@@ -13,14 +13,10 @@ the layers' element-wise chains run as the C++ library's fused passes.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_attention, cpu_ops, triton_attention
-
-if TYPE_CHECKING:
-    from spmd_runtime.runtime.layers.attention import PrefillChunk
 
 
 class AttentionBackend:
@@ -56,10 +52,11 @@ class AttentionBackend:
         return None
 
     def cached_prompt(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      chunk: PrefillChunk, block_size: int, scale: float,
-                      window: int | None = None) -> torch.Tensor | None:
-        """Causal attention of a prompt chunk over its cached context and itself (its keys and
-        values already in the caches), [T, heads, dim]; None: SDPA over the gathered blocks."""
+                      blocks: torch.Tensor, first_key: int, position: int, block_size: int,
+                      scale: float, window: int | None = None) -> torch.Tensor | None:
+        """Causal attention of a prompt chunk at positions position.. over its cached context
+        and itself (its keys and values already in the caches; key first_key + j in block
+        blocks[j // block_size]), [T, heads, dim]; None: SDPA over the gathered blocks."""
         return None
 
     def __repr__(self) -> str:
@@ -95,13 +92,13 @@ class CppAttention(AttentionBackend):
             return None
         return torch.ops.spmd_cpu.prefill_attention(q, k, v, scale, window or 0)
 
-    def cached_prompt(self, q, k_cache, v_cache, chunk, block_size, scale, window=None):
+    def cached_prompt(self, q, k_cache, v_cache, blocks, first_key, position, block_size, scale,
+                      window=None):
         # The bf16 tiles read the cache in place; other dtypes and builds gather for SDPA.
         if q.dtype != torch.bfloat16 or not paged_prompt_supported(q.shape[-1]):
             return None
         return torch.ops.spmd_cpu.prefill_attention_paged(
-            q, k_cache, v_cache, chunk.context_blocks, block_size, chunk.first_key,
-            chunk.position, scale, window or 0)
+            q, k_cache, v_cache, blocks, block_size, first_key, position, scale, window or 0)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from spmd_runtime.runtime.cpu_features import KERNEL_LEVELS, detect
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
                                     "cpu_decode_layers.cpp", "cpu_prefill_attention.cpp",
-                                    "cpu_group_quant.cpp")]
+                                    "cpu_group_quant.cpp", "cpu_bf16_linear.cpp")]
 HEADERS = [HERE / "cpu_math.h", HERE / "cpu_bf16.h", HERE / "cpu_group_quant_vnni.h",
            HERE / "cpu_bf16_dot.h"]
 LIBRARY = "libspmd_cpu_ops.so"

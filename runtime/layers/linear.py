@@ -8,8 +8,10 @@ oneDNN's time on an AMD Zen 5 VM), so float32 weights are packed for oneDNN ther
 weights are packed once at load into oneDNN's layout for its linear primitive where oneDNN
 computes bf16 (PackedWeight too): the same bits as on the plain weight, which oneDNN would
 otherwise reorder on every call (on a 2-core AVX512-BF16 VM 1.3-1.8x faster at 1-32 rows,
-docs/BENCHMARKS.md). Otherwise (a torch without MKL, compiled layers, a tied bf16 LM head,
-which stays the embedding table) oneDNN's linear primitive on the plain weight, the one
+docs/BENCHMARKS.md). A plain bf16 weight (a tied LM head, which stays the embedding table)
+meets decode-sized inputs on the C++ library's AVX512-BF16 tiles where they run
+(plain_bf16.py). Otherwise (a torch without MKL, compiled layers, longer inputs on a plain
+bf16 weight) oneDNN's linear primitive on the plain weight, the one
 torch.compile's CPU backend emits, which beats the default GEMM path on an LLM's shapes;
 elsewhere (another device) the plain path. All compute the same product in float32
 accumulation.
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight, group_quant_linear
+from spmd_runtime.runtime.layers.plain_bf16 import plain_bf16_linear
 from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
     RescoredInt8Head,
@@ -216,6 +219,10 @@ def linear(x: torch.Tensor,
         return weight.logits(x)
     if isinstance(weight, GroupQuantWeight):
         return group_quant_linear(x, weight, bias)
+    tiled = plain_bf16_linear(x.reshape(-1, x.shape[-1]), weight)
+    if tiled is not None:
+        out = tiled if bias is None else tiled + bias
+        return out.view(*x.shape[:-1], out.shape[-1])
     # Under torch.compile the compiler picks its own GEMM (it cannot lower this op as called).
     if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
             and not torch.compiler.is_compiling()):

@@ -141,5 +141,6 @@ def test_cached_prompt_refuses_bad_arguments_naming_them(name) -> None:
 @needs_tiles
 def test_the_cpp_backend_takes_the_tiles_for_bf16_and_leaves_float32_to_sdpa() -> None:
     q, k_cache, v_cache, _, chunk = chunk_case(10, 20, 9, 3, 64, 16, 0)
-    assert CPP.cached_prompt(q, k_cache, v_cache, chunk, 16, 0.125) is not None
-    assert CPP.cached_prompt(q.float(), k_cache.float(), v_cache.float(), chunk, 16, 0.125) is None
+    where = (chunk.context_blocks, chunk.first_key, chunk.position, 16, 0.125)
+    assert CPP.cached_prompt(q, k_cache, v_cache, *where) is not None
+    assert CPP.cached_prompt(q.float(), k_cache.float(), v_cache.float(), *where) is None

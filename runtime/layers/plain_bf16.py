@@ -1,0 +1,42 @@
+"""Few-row bfloat16 products against a plain [out, in] bfloat16 weight on the C++ library's
+AVX512-BF16 dot products (spmd_cpu::bf16_linear, cpu_bf16_linear.cpp): the weights a worker
+does not hold in oneDNN's blocked layout, an LM head tied to the embedding table and GGUF blocks
+dequantized for one product, which oneDNN would reorder on every call. Measured on the 2-core
+Zen 5 VM (docs/BENCHMARKS.md): SmolLM2's tied head 0.89 against 2.2 ms at 1 row and 3.2 against
+4.7 ms at 32; its layers' shapes 0.5-0.7x oneDNN's time at 1-32 rows.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from spmd_runtime.runtime.layers import cpu_ops
+
+# Up to ALWAYS_ROWS rows the tiles beat oneDNN on every shape measured; up to PANEL_ROWS while a
+# task's panel of 8 weight rows (8 x in_features bf16) fits PANEL_BYTES of L1, so that the row
+# pairs reuse it (in_features 4096 at 32 rows: 1.2x oneDNN's time, so oneDNN keeps those).
+ALWAYS_ROWS = 8
+PANEL_ROWS = 32
+PANEL_BYTES = 32 * 1024
+
+
+@functools.cache
+def _supported(in_features: int, out_features: int) -> bool:
+    return cpu_ops.load() and bool(
+        torch.ops.spmd_cpu.bf16_linear_supported(in_features, out_features))
+
+
+def plain_bf16_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """rows [M, in] @ weight [out, in]^T -> [M, out], both bfloat16 on the CPU, on the tiles;
+    None where they do not run (another dtype or device, a build without AVX512-BF16, shapes
+    they do not take, under torch.compile) or oneDNN is the faster."""
+    if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or \
+            rows.device.type != "cpu" or weight.dim() != 2 or rows.dim() != 2 or \
+            weight.layout != torch.strided or torch.compiler.is_compiling():
+        return None
+    count, in_features = rows.shape
+    if count > ALWAYS_ROWS and (count > PANEL_ROWS or 8 * in_features * 2 > PANEL_BYTES):
+        return None
+    if not weight.is_contiguous() or not _supported(in_features, weight.shape[0]):
+        return None
+    return torch.ops.spmd_cpu.bf16_linear(rows.contiguous(), weight)
