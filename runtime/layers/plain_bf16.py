@@ -2,8 +2,9 @@
 AVX512-BF16 dot products (spmd_cpu::bf16_linear, cpu_bf16_linear.cpp): the weights a worker
 does not hold in oneDNN's blocked layout, an LM head tied to the embedding table and GGUF blocks
 dequantized for one product, which oneDNN would reorder on every call. Measured on the 2-core
-Zen 5 VM (docs/BENCHMARKS.md): SmolLM2's tied head 0.89 against 2.2 ms at 1 row and 3.2 against
-4.7 ms at 32; its layers' shapes 0.5-0.7x oneDNN's time at 1-32 rows.
+Zen 5 VM (docs/BENCHMARKS.md, medians of alternating repeats): SmolLM2's tied head 0.61x
+oneDNN's time at 1 row (1.08 against 1.78 ms), 0.87x at 8, on par at 16-32; its layers' shapes
+0.2-0.6x at 1 row, 0.7-1.0x at 32.
 """
 from __future__ import annotations
 
