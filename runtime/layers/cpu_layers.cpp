@@ -262,6 +262,69 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- Greedy tokens: the first index of each row's largest logit, as torch's max reduction
+// picks it (the first of equal maxima; the first NaN where a row has one; 0 for a row of -inf).
+// torch's reduction takes ~0.4-0.8 ms for 32 x 49,152 logits on 2 cores; two passes over a row
+// (its maximum and NaNs, then where they first occur) take a few microseconds.
+
+template <typename scalar_t>
+int64_t first_largest(const scalar_t* row, int64_t n) {
+  float peak = -INFINITY;
+  int64_t i = 0;
+  bool nan = false;
+#if defined(__AVX512F__)
+  __m512 peaks = _mm512_set1_ps(-INFINITY);
+  __mmask16 nans = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = spmd_cpu::vload_any(row + i);
+    nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    peaks = _mm512_max_ps(peaks, v);
+  }
+  peak = _mm512_reduce_max_ps(peaks);
+  nan = nans != 0;
+#endif
+  for (; i < n; ++i) {
+    const float x = load_as_float(row + i);
+    nan = nan || std::isnan(x);
+    peak = std::max(peak, x);
+  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(peak);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = spmd_cpu::vload_any(row + j);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                              : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit != 0) return j + __builtin_ctz(hit);
+  }
+#endif
+  for (; j < n; ++j) {
+    const float x = load_as_float(row + j);
+    if (nan ? std::isnan(x) : x == peak) return j;
+  }
+  return 0;
+}
+
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+  constexpr const char* op = "greedy_tokens";
+  check_rows(logits, op, "logits");
+  check_storage(logits, op, "logits");
+  TORCH_CHECK(logits.size(1) >= 1, op, ": logits has no columns");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* out = tokens.mutable_data_ptr<int64_t>();
+  const auto run = [&](auto* data) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) out[r] = first_largest(data + r * stride, n);
+    });
+  };
+  if (logits.scalar_type() == at::kBFloat16)
+    run(static_cast<const bf16_bits*>(logits.const_data_ptr()));
+  else
+    run(static_cast<const float*>(logits.const_data_ptr()));
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
@@ -269,6 +332,7 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) qkv, int rotated_heads, int head_dim, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("greedy_tokens(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
@@ -276,4 +340,5 @@ TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_", &rotary_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("greedy_tokens", &greedy_tokens);
 }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_library import needs_cpu_ops
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.worker_proc.sampler import _filtered_probs, greedy_tokens, sample
 
@@ -35,6 +36,36 @@ def test_greedy_picks_what_argmax_picks_on_ties_nan_and_infinities() -> None:
     logits[6, 4999] = float("inf")
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     assert greedy_tokens(logits)[[3, 5, 6]].tolist() == [17, 0, 2500]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_in_either_storage_dtype(dtype) -> None:
+    """float32 and bfloat16 logits (exact: a comparison, no arithmetic), rows of a length that
+    leaves a partial register, with the maximum, a tie or a NaN in the first, a middle and the
+    last (partial) 16 columns, and logits as a view with a row stride."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 1003, generator=g).to(dtype)
+    for row, column in enumerate([0, 15, 16, 500, 991, 1002]):
+        logits[row, column] = 50.0
+        logits[6 + row, column] = float("nan")
+    logits[3, 700] = 50.0          # a tie after the first maximum
+    logits[9, 1000] = float("nan")  # a second NaN after the first
+    expected = logits.float().argmax(-1)
+    assert torch.equal(greedy_tokens(logits), expected)
+    wide = torch.zeros(12, 1100, dtype=dtype)
+    wide[:, :1003] = logits
+    assert torch.equal(greedy_tokens(wide[:, :1003]), expected)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize(("logits", "match"), [
+    (torch.zeros(4, 8, dtype=torch.float16), "float32 or bfloat16"),
+    (torch.zeros(3, 4, 5), "dimensions"),
+    (torch.zeros(8, 4).t(), "column stride"),
+    (torch.zeros(4, 0), "no columns")])
+def test_the_greedy_kernel_refuses_bad_logits_naming_them(logits, match) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.spmd_cpu.greedy_tokens(logits)
 
 
 def test_greedy_rows_stay_argmax_in_a_mixed_batch() -> None:
