@@ -97,8 +97,8 @@ template <typename index_t, typename scalar_t, typename Visit>
 inline void for_each_row(const Layout& L, const scalar_t* cache, const index_t* table, Span span,
                          Visit visit, const scalar_t* also = nullptr) {
   const int64_t block_elems = L.block_size * L.slot_stride, length = span.length;
-  for (int64_t b = span.first / L.block_size, t0 = b * L.block_size; t0 < length;
-       t0 += L.block_size, ++b) {
+  const int64_t first_block = span.first / L.block_size;
+  for (int64_t b = first_block, t0 = b * L.block_size; t0 < length; t0 += L.block_size, ++b) {
     const int64_t offset = static_cast<int64_t>(table[b]) * block_elems;
     const scalar_t* block = cache + offset;
     const int64_t n = std::min(L.block_size, length - t0);
@@ -106,7 +106,7 @@ inline void for_each_row(const Layout& L, const scalar_t* cache, const index_t* 
     for (int64_t ahead = 1; ahead <= kBlocksAhead; ++ahead) {
       const int64_t next = t0 + ahead * L.block_size;
       if (next >= length) break;
-      if (ahead == kBlocksAhead || t0 == span.first / L.block_size * L.block_size)
+      if (ahead == kBlocksAhead || b == first_block)   // nearer ones: asked for already
         prefetch_rows(L, cache + static_cast<int64_t>(table[b + ahead]) * block_elems,
                       std::min(L.block_size, length - next));
     }
