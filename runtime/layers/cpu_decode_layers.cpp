@@ -2,7 +2,7 @@
 // LlamaForCausalLM.forward, the fused decode path): the same operators the Python layer loop
 // runs (this library's norms, rotary, KV write, decode attention and SiLU x up; MKL's or
 // oneDNN's packed GEMM for float32 projections, oneDNN's linear for bfloat16 ones, prepacked or
-// plain), in the same order on the same tensors, so the hidden states are identical to the bit.
+// plain, or this library's bf16 tiles where the loop takes them), in the same order on the same tensors, so the hidden states are identical to the bit.
 // What goes is the host time between them: per layer about a dozen Python-level operator calls
 // and twenty views (~7 ms of a 64-row step on a 2-core VM) become C++ calls through the
 // dispatcher.
@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_bf16_linear.h"
 #include "cpu_math.h"
 
 namespace {
@@ -64,17 +65,24 @@ const Ops& ops() {
   return handles;
 }
 
-// oneDNN's linear on a weight it prepacked (mkldnn::_reorder_linear_weight), as
+// oneDNN's linear on a weight it prepacked (mkldnn::_reorder_linear_weight) or a plain one, as
 // runtime/layers/linear.py calls it; looked up at its first use only (a torch without oneDNN
 // has no such operator, and then no prepacked weights either).
 using PointwiseLinear = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
                                c10::string_view, c10::List<std::optional<c10::Scalar>>,
                                std::optional<c10::string_view>);
 
-Tensor prepacked_linear(const Tensor& input, const Tensor& packed) {
+Tensor onednn_linear(const Tensor& input, const Tensor& weight) {
   static const auto handle = op<PointwiseLinear>("mkldnn::_linear_pointwise");
-  return handle.call(input, packed, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(),
+  return handle.call(input, weight, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(),
                      std::optional<c10::string_view>(""));
+}
+
+// Whether this torch has oneDNN's linear, which linear.py prefers for a plain bf16 weight.
+bool onednn_linear_available() {
+  static const bool found =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""}).has_value();
+  return found;
 }
 
 // Every weight slot named in messages, so a refusal says which tensor of which layer is wrong.
@@ -234,12 +242,16 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
   const bool plain = x_in.scalar_type() != at::kFloat;
   const std::optional<Tensor> no_bias;
   // float32 weights are MKL-packed (an opaque buffer) or oneDNN-packed (shaped as the weight);
-  // bf16 ones oneDNN-packed, or plain [out, in] tensors.
+  // bf16 ones oneDNN-packed, or plain [out, in] tensors, which the layer loop (linear.py)
+  // gives the bf16 tiles at decode row counts and oneDNN's linear otherwise.
   const auto project = [&](const Tensor& input, const Tensor* w) {
     if (!plain && w[0].sizes() != w[1].sizes())
       return f.linear.call(input, w[0], w[1], no_bias, n);
-    return w[0].is_mkldnn() ? prepacked_linear(input, w[0])
-                            : f.plain_linear.call(input, w[0], no_bias);
+    if (w[0].is_mkldnn()) return onednn_linear(input, w[0]);
+    if (spmd_cpu::bf16_linear_takes(n, w[0].size(1), w[0].size(0)))
+      return spmd_cpu::bf16_linear(input.contiguous(), w[0]);
+    return onednn_linear_available() ? onednn_linear(input, w[0])
+                                     : f.plain_linear.call(input, w[0], no_bias);
   };
   Tensor x = x_in;
   for (size_t l = 0; l < k_caches.size(); ++l) {

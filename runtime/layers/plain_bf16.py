@@ -13,18 +13,14 @@ import functools
 import torch
 from spmd_runtime.runtime.layers import cpu_ops
 
-# Up to ALWAYS_ROWS rows the tiles beat oneDNN on every shape measured; up to PANEL_ROWS while a
-# task's panel of 8 weight rows (8 x in_features bf16) fits PANEL_BYTES of L1, so that the row
-# pairs reuse it (in_features 4096 at 32 rows: 1.2x oneDNN's time, so oneDNN keeps those).
-ALWAYS_ROWS = 8
-PANEL_ROWS = 32
-PANEL_BYTES = 32 * 1024
 
-
+# The tiles take up to 8 rows of any shape they support, up to 32 while a task's panel of 8
+# weight rows fits 32 KiB of L1: the rule lives in cpu_bf16_linear.cpp (bf16_linear_takes), which
+# spmd_cpu::decode_layers follows too, so the one-call decode and the layer loop agree.
 @functools.cache
-def _supported(in_features: int, out_features: int) -> bool:
+def _takes(rows: int, in_features: int, out_features: int) -> bool:
     return cpu_ops.load() and bool(
-        torch.ops.spmd_cpu.bf16_linear_supported(in_features, out_features))
+        torch.ops.spmd_cpu.bf16_linear_takes(rows, in_features, out_features))
 
 
 def plain_bf16_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -36,8 +32,7 @@ def plain_bf16_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor 
             weight.layout != torch.strided or torch.compiler.is_compiling():
         return None
     count, in_features = rows.shape
-    if count > ALWAYS_ROWS and (count > PANEL_ROWS or 8 * in_features * 2 > PANEL_BYTES):
-        return None
-    if not weight.is_contiguous() or not _supported(in_features, weight.shape[0]):
+    if count > 32 or not weight.is_contiguous() or \
+            not _takes(count, in_features, weight.shape[0]):
         return None
     return torch.ops.spmd_cpu.bf16_linear(rows.contiguous(), weight)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from cpu_library import needs_cpu_ops as needs_ops
 from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
+from spmd_runtime.runtime.layers.linear import linear as runtime_linear
 from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
 from spmd_runtime.runtime.models import FAMILIES
 from spmd_runtime.runtime.models.gemma2 import Gemma2ForCausalLM
@@ -490,16 +491,17 @@ def _kernel_attention(q, k_cache, v_cache, a: dict) -> torch.Tensor:
 
 def _decode_layer_loop(a: dict, attention=_kernel_attention) -> torch.Tensor:
     """decode_layers' operators called one by one from Python, in its order, on its arguments
-    (a dict as _decode_args makes); torch's linear for plain bf16 projections, oneDNN's for
-    weights it packed (shaped as their stand-ins), MKL's for MKL-packed float32 ones (the calls
-    decode_layers makes), and `attention` for the decode attention."""
+    (a dict as _decode_args makes); the runtime's linear for plain bf16 projections (the bf16
+    tiles at decode row counts, oneDNN's linear beyond), oneDNN's for weights it packed (shaped as
+    their stand-ins), MKL's for MKL-packed float32 ones (the calls decode_layers makes), and
+    `attention` for the decode attention."""
     ops, plain = torch.ops.spmd_cpu, a["x"].dtype != torch.float32
     n, heads, kv_heads, head_dim = a["x"].shape[0], a["num_heads"], a["num_kv_heads"], a["head_dim"]
 
     def linear(rows, w, index):
         if w[index].is_mkldnn and w[index].shape == w[index + 1].shape:
             return torch.ops.mkldnn._linear_pointwise(rows, w[index], None, "none", [], "")
-        return torch.nn.functional.linear(rows, w[index]) if plain else \
+        return runtime_linear(rows, w[index]) if plain else \
             torch.ops.mkl._mkl_linear(rows, w[index], w[index + 1], None, n)
 
     x = a["x"]

@@ -81,7 +81,7 @@ def test_bf16_linear_refuses_bad_arguments_naming_them(name) -> None:
 @needs_cpu_ops
 @needs_tiles
 def test_decode_sizes_take_the_tiles_and_longer_inputs_do_not() -> None:
-    """Up to ALWAYS_ROWS rows any shape; up to PANEL_ROWS while 8 weight rows fit PANEL_BYTES."""
+    """Up to 8 rows any shape; up to 32 while 8 weight rows fit 32 KiB (bf16_linear_takes)."""
     _, w = operands(1, 64, 576)
     _, wide = operands(1, 64, 4096)
     for rows, weight, taken in [(1, w, True), (32, w, True), (33, w, False), (8, wide, True),
