@@ -13,10 +13,11 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
     python bench/quant_quality.py --dtype bfloat16 --quantization none   # bf16 alone
     python bench/quant_quality.py --quantization gguf     # the file's blocks kept, vs dequantised
 
-With `gguf`, every position's products take the path decode's few rows take (activations
-held as 16-bit fixed point per block of 32, integer dot products): a window's rows would otherwise go
-through the GEMM that prompts of more than group_quant.DIRECT_ROWS tokens take (with bfloat16
-activations, more than group_quant.BF16_GEMM_ROWS: weights rounded to bfloat16).
+With `gguf`, every position's products take the integer path (activations held as 16-bit fixed
+point per block of 32, integer dot products) that a lone decode row takes, and with float32
+activations up to group_quant.DIRECT_ROWS rows: a window's rows would otherwise go through the
+GEMM that longer prompts take (with bfloat16 activations, past group_quant.bf16_gemm_rows rows:
+weights rounded to bfloat16, as the dequantized bf16 model holds them).
 `--gguf-products gemm` measures that path instead.
 """
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.gguf_products == "integer":
         group_quant.DIRECT_ROWS = group_quant.BF16_GEMM_ROWS = 1 << 62
+        group_quant.FUSED_INTEGER_ROWS = 1 << 62
     torch.manual_seed(0)
     paths = args.text or sorted(SEEDS.glob("*.md"))
     ids = load_tokenizer(resolve_model(args.model)).encode(read_text(paths))

@@ -13,3 +13,9 @@ if BUILT_FOR_THIS_CPU:
 
 needs_cpu_ops = pytest.mark.skipif(not BUILT_FOR_THIS_CPU, reason="this CPU has no AVX2 with FMA "
                                    "and F16C: the C++ library is built for none of its levels")
+
+# Where the CPU has AVX512-BF16 the library's level has the bf16 tiles (plain_bf16.py, the fused
+# GGUF products): a build without them fails the tests that need them rather than skipping.
+CPU_HAS_BF16 = BUILT_FOR_THIS_CPU and "avx512_bf16" in cpu_features.detect().flags
+needs_bf16_tiles = pytest.mark.skipif(not CPU_HAS_BF16, reason="this CPU has no AVX512-BF16: "
+                                      "the library has no bf16 tiles for it")

@@ -29,8 +29,8 @@ namespace {
 using spmd_cpu::bf16_bits;
 
 constexpr const char* kOp = "bf16_linear";
-constexpr int64_t kPanel = 8;        // output features a task's accumulators hold
 constexpr int64_t kChunk = 32;       // in_features a dot-product instruction takes
+constexpr int64_t kPanel = spmd_cpu::kBf16Panel;
 
 // Up to kAlwaysRows rows the tiles beat oneDNN on every shape measured; up to kPanelRows while a
 // task's panel of kPanel weight rows fits kPanelBytes of L1, so that the row pairs reuse it
@@ -59,15 +59,11 @@ bool bf16_linear_takes(int64_t rows, int64_t in_features, int64_t out_features) 
   return rows > 0 && fits && bf16_linear_supported(in_features, out_features);
 }
 
-}  // namespace spmd_cpu
-
-namespace {
-
-using spmd_cpu::bf16_linear_supported;
-
 #if defined(__AVX512BF16__)
 // Rows a and b (in_features K each) against the kPanel weight rows from w (K apart): out_a and
 // out_b receive the panel's kPanel outputs, rounded to bf16.
+namespace {
+
 inline void panel_pair(const bf16_bits* a, const bf16_bits* b, const bf16_bits* w, int64_t K,
                        bf16_bits* out_a, bf16_bits* out_b) {
   __m512 acc[2 * kPanel];
@@ -86,7 +82,26 @@ inline void panel_pair(const bf16_bits* a, const bf16_bits* b, const bf16_bits* 
   std::copy_n(sums, kPanel, out_a);
   std::copy_n(sums + kPanel, kPanel, out_b);
 }
+
+}  // namespace
+
+void bf16_panel_rows(const bf16_bits* x, int64_t rows, int64_t K, const bf16_bits* panel,
+                     bf16_bits* out, int64_t ldo) {
+  alignas(64) bf16_bits spare[kPanel];
+  for (int64_t r = 0; r < rows; r += 2) {
+    const bool pair = r + 1 < rows;
+    panel_pair(x + r * K, x + (pair ? r + 1 : r) * K, panel, K, out + r * ldo,
+               pair ? out + (r + 1) * ldo : spare);
+  }
+}
 #endif
+
+}  // namespace spmd_cpu
+
+namespace {
+
+using spmd_cpu::bf16_linear_supported;
+
 
 void check_args(const at::Tensor& x, const at::Tensor& weight) {
   spmd_cpu::check_tensor(kOp, "x", x, 2);
@@ -117,14 +132,9 @@ at::Tensor spmd_cpu::bf16_linear(const at::Tensor& x, const at::Tensor& weight) 
   auto* op = static_cast<bf16_bits*>(out.mutable_data_ptr());
   const int64_t panels = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) bf16_bits spare[kPanel];
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = std::min(p * kPanel, N - kPanel);   // the last panel overlaps the one before
-      for (int64_t r = 0; r < rows; r += 2) {
-        const bool pair = r + 1 < rows;
-        panel_pair(xp + r * K, xp + (pair ? r + 1 : r) * K, wp + n0 * K, K, op + r * N + n0,
-                   pair ? op + (r + 1) * N + n0 : spare);
-      }
+      const int64_t n0 = spmd_cpu::bf16_panel_start(p, N);
+      spmd_cpu::bf16_panel_rows(xp, rows, K, wp + n0 * K, op + n0, N);
     }
   });
 #endif

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_bf16.h"
+#include "cpu_bf16_linear.h"
 #include "cpu_math.h"
 
 namespace {
@@ -618,6 +619,67 @@ void dequantize_rows(int64_t kind, const uint8_t* blocks, int64_t row_bytes, int
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 32 codes as 16-bit lanes (q - zero) * a + c, multiplied then added as store_weights, rounded
+// to bf16 (nearest, ties to even) into dst[0, 32): 16 weights a half.
+inline void store_bf16_weights(__m512i codes, float a_low, float a_high, int zero, float c,
+                               spmd_cpu::bf16_bits* dst) {
+  const __m512i q = _mm512_sub_epi16(codes, _mm512_set1_epi16(static_cast<int16_t>(zero)));
+  const __m512 offset = _mm512_set1_ps(c);
+  const __m512 low = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+      _mm512_castsi512_si256(q))), _mm512_set1_ps(a_low)), offset);
+  const __m512 high = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+      _mm512_extracti64x4_epi64(q, 1))), _mm512_set1_ps(a_high)), offset);
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+}
+
+// One output feature's K weights straight to bf16, the codes unpacked in registers: the bits
+// of dequantize_vector's float32 weights rounded, without them passing through memory.
+template <int64_t KIND>
+void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* w) {
+  constexpr Format fmt = block_format(KIND);
+  for (int64_t k = 0; k < K; k += fmt.weights) {
+    const uint8_t* s = row + (k / fmt.weights) * fmt.bytes;
+    prefetch<fmt.bytes>(s);
+    if constexpr (KIND >= kQ4_K) {
+      for (int b = 0; b < 8; ++b) {
+        Affine f;
+        super_affine(KIND, s, b, f);
+        const Wide codes = super_block_codes<KIND>(s, b);
+        store_bf16_weights(_mm512_inserti64x4(_mm512_castsi256_si512(codes.low), codes.high, 1),
+                           f.a * static_cast<float>(f.sub[0]), f.a * static_cast<float>(f.sub[1]),
+                           f.zero, f.c, w + k + 32 * b);
+      }
+    } else {
+      Affine f;
+      const __m256i bytes = unpack_block<KIND>(s, f);
+      const __m512i codes = KIND == kQ8_0 ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
+      store_bf16_weights(codes, f.a, f.a, f.zero, f.c, w + k);
+    }
+  }
+}
+#endif
+
+// Row n of W's blocks as bfloat16 into dst (nearest, ties to even), through `row` (K floats)
+// where the build has no AVX512-BF16.
+void dequantize_row_bf16(int64_t kind, const uint8_t* blocks, int64_t row_bytes, int64_t K,
+                         int64_t n, float* row, spmd_cpu::bf16_bits* dst) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  (void)row;
+  with_kind(kind, [&](auto k) {
+    dequantize_vector_bf16<decltype(k)::value>(blocks + n * row_bytes, K, dst);
+  });
+  return;
+#endif
+  dequantize_rows(kind, blocks, row_bytes, K, n, n + 1, row);
+  int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; k + spmd_cpu::kExpLanes <= K; k += spmd_cpu::kExpLanes)
+    spmd_cpu::vstore_bf16(dst + k, spmd_cpu::vload(row + k));
+#endif
+  for (; k < K; ++k) dst[k] = spmd_cpu::float_to_bf16(row[k]);
+}
+
 void tiled(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
            int64_t N, at::Tensor& out) {
   const int64_t K = x.size(1);
@@ -689,17 +751,47 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
   const int64_t K = in_features;
   at::parallel_for(0, blocks.size(0), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> row(K);
-    for (int64_t n = begin; n < end; ++n) {
-      dequantize_rows(kind, data, blocks.size(1), K, n, n + 1, row.data());
-      spmd_cpu::bf16_bits* dst = w + n * K;
-      int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      for (; k + spmd_cpu::kExpLanes <= K; k += spmd_cpu::kExpLanes)
-        spmd_cpu::vstore_bf16(dst + k, spmd_cpu::vload(row.data() + k));
-#endif
-      for (; k < K; ++k) dst[k] = spmd_cpu::float_to_bf16(row[k]);
+    for (int64_t n = begin; n < end; ++n)
+      dequantize_row_bf16(kind, data, blocks.size(1), K, n, row.data(), w + n * K);
+  });
+  return out;
+}
+
+// x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16, without W in memory
+// at any precision: each task dequantizes a panel of 8 output features to bfloat16 in a buffer
+// of its own (L1: 8 x K x 2 bytes), as gguf_dequantize_bf16 rounds them, and multiplies every
+// row of x by it on the bf16 tiles (cpu_bf16_linear.h), so the result is bit for bit
+// bf16_linear(x, gguf_dequantize_bf16(W)) without writing and reading back the dequantized W.
+at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            int64_t in_features) {
+  constexpr const char* op = "gguf_bf16_linear";
+  spmd_cpu::check_tensor(op, "x", x, 2);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
+              ": x must be a contiguous bfloat16 tensor, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == in_features, op, ": x has ", x.size(1), " features, the weight ",
+              in_features);
+  check_blocks(op, blocks, kind, in_features);
+  const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
+  TORCH_CHECK(spmd_cpu::bf16_linear_supported(K, N), op, ": runs where the build has "
+              "AVX512-BF16, in_features is a multiple of 32 and out_features >= ",
+              spmd_cpu::kBf16Panel, " (ask gguf_bf16_linear_supported), got [", N, ", ", K, "]");
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(__AVX512BF16__)
+  const uint8_t* data = blocks.data_ptr<uint8_t>();
+  const auto* xp = static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr());
+  auto* o = static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr());
+  const int64_t panels = (N + spmd_cpu::kBf16Panel - 1) / spmd_cpu::kBf16Panel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    std::vector<spmd_cpu::bf16_bits> panel(spmd_cpu::kBf16Panel * K);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = spmd_cpu::bf16_panel_start(p, N);
+      for (int64_t f = 0; f < spmd_cpu::kBf16Panel; ++f)
+        dequantize_row_bf16(kind, data, blocks.size(1), K, n0 + f, row.data(), panel.data() + f * K);
+      spmd_cpu::bf16_panel_rows(xp, M, K, panel.data(), o + n0, N);
     }
   });
+#endif
   return out;
 }
 
@@ -710,10 +802,14 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
         "int direct_rows=32) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("gguf_dequantize_bf16(Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_bf16_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_bf16_linear_supported(int in_features, int out_features) -> bool",
+        &spmd_cpu::bf16_linear_supported);
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_dequantize_bf16", &gguf_dequantize_bf16);
+  m.impl("gguf_bf16_linear", &gguf_bf16_linear);
 }

@@ -22,6 +22,7 @@ blocks are expanded a projection at a time by torch operations (runtime/layers/g
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -39,18 +40,35 @@ from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 # integer dot products; past it, float32 activations through the GEMM. bench/quant_quality.py raises it
 # to measure every position as decode computes it.
 DIRECT_ROWS = 32
-# bfloat16 activations past this many rows: the weights are dequantized BF16_CHUNK_VALUES
-# float32 values at a time (16 MiB), rounded to bfloat16 and multiplied by oneDNN's bf16 GEMM.
-# Measured on AVX512-BF16 (Zen 5, 2 cores): the two cost the same at ~12 rows, for SmolLM2's
-# Q4_1 and Q8_0 projections (integer dot products ~0.06 ms a row and layer, dequantising and
-# the GEMM ~0.55 ms + 0.01 a row) and an 8B model's Q4_K and Q6_K ones (4096 x 4096: 0.24 ms
-# a row, against 2.5 ms + 0.04 a row).
+# bfloat16 activations past this many rows (where the fused kernel below is not built): the
+# weights are dequantized BF16_CHUNK_VALUES values at a time (8 MiB of bf16) and multiplied by
+# oneDNN's bf16 GEMM. Measured on AVX512-BF16 (Zen 5, 2 cores): the two cost the same at ~12
+# rows, for SmolLM2's Q4_1 and Q8_0 projections (integer dot products ~0.06 ms a row and layer,
+# dequantising and the GEMM ~0.55 ms + 0.01 a row) and an 8B model's Q4_K and Q6_K ones (4096 x
+# 4096: 0.24 ms a row, against 2.5 ms + 0.04 a row).
 BF16_GEMM_ROWS = 12
 BF16_CHUNK_VALUES = 1 << 22
+# Builds with AVX512-BF16 dequantize 8 output features at a time into L1 and multiply them there
+# (spmd_cpu::gguf_bf16_linear): from 2 rows on for the blocks of 32 (SmolLM2's decode step of 12
+# rows 27 -> 16 ms, of 32 rows 34 -> 26 ms; an 8B-shaped Q4_0/Q4_1/Q8_0 projection 0.9-0.6x the
+# integer products' time at 2-16 rows), up to FUSED_BF16_ROWS rows while the 8 features' bf16
+# (16 x in_features bytes) fit FUSED_PANEL_BYTES, up to 8 rows past that; oneDNN beyond.
+FUSED_BF16_ROWS = 128
+FUSED_PANEL_BYTES = 32 * 1024
+FUSED_INTEGER_ROWS = 1           # with the fused kernel, a lone row stays integer (7.3 ms a
+                                 # SmolLM2 decode step against 8.3)
 # Kernel builds with AVX512-VNNI (cpu_group_quant_vnni.h): their K-quant products stay integer
 # up to DIRECT_ROWS rows with bfloat16 activations too (a decode batch of 32 on an 8B model's
-# 4096 x 14336 Q6_K and 4096 x 4096 Q4_K: ~0.6x the bf16 path's time, Zen 5, 2 cores).
+# 4096 x 14336 Q6_K and 4096 x 4096 Q4_K: ~0.6x the bf16 path's time, Zen 5, 2 cores; the fused
+# kernel 1.0-1.2x it at 16-32 rows).
 K_QUANT_TYPES = (GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)
+
+
+@functools.cache
+def _fused_bf16(in_features: int, out_features: int) -> bool:
+    """Whether the loaded library has spmd_cpu::gguf_bf16_linear for this shape."""
+    return cpu_ops.load() and bool(
+        torch.ops.spmd_cpu.gguf_bf16_linear_supported(in_features, out_features))
 
 
 def vnni_kernels() -> bool:
@@ -59,11 +77,12 @@ def vnni_kernels() -> bool:
     return level is not None and "avx512_vnni" in cpu_features.KERNEL_LEVELS[level][1]
 
 
-def bf16_gemm_rows(kind: GGML) -> int:
-    """Past this many bfloat16 rows, a product of `kind`'s blocks takes the bf16 GEMM."""
+def bf16_gemm_rows(kind: GGML, in_features: int, out_features: int) -> int:
+    """Past this many bfloat16 rows, a product of `kind`'s blocks takes bf16 products (fused or
+    through oneDNN) rather than the integer ones."""
     if kind in K_QUANT_TYPES and vnni_kernels():
         return DIRECT_ROWS
-    return BF16_GEMM_ROWS
+    return FUSED_INTEGER_ROWS if _fused_bf16(in_features, out_features) else BF16_GEMM_ROWS
 
 # The block formats kept quantized: (weights, bytes) per block.
 KEPT_TYPES = {kind: gguf.GGML_QUANT_SIZES[kind] for kind in KEPT_BLOCK_TYPES}
@@ -100,6 +119,11 @@ class Blocks:
         [M, out]: the weights dequantized a chunk of output features at a time, rounded to
         bfloat16, through oneDNN's bf16 GEMM (4-5x the float32 GEMM's speed on AVX512-BF16),
         or for decode-sized row counts the library's bf16 tiles (plain_bf16.py)."""
+        count = rows.shape[0]
+        if _fused_bf16(in_features, self.data.shape[0]) and (count <= 8 or (
+                count <= FUSED_BF16_ROWS and 16 * in_features <= FUSED_PANEL_BYTES)):
+            return torch.ops.spmd_cpu.gguf_bf16_linear(rows.contiguous(), self.data,
+                                                       int(self.kind), in_features)
         step = max(64, BF16_CHUNK_VALUES // in_features)
 
         def chunk(n: int) -> torch.Tensor:
@@ -238,7 +262,8 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
     wide = None
     outs = []
     for part in weight.parts:
-        if bf16 and rows.shape[0] > bf16_gemm_rows(part.kind):
+        if bf16 and rows.shape[0] > bf16_gemm_rows(part.kind, weight.in_features,
+                                                   part.data.shape[0]):
             outs.append(part.bf16_product(rows, weight.in_features))
         else:
             wide = rows.float().contiguous() if wide is None else wide

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from cpu_library import needs_cpu_ops
+from cpu_library import CPU_HAS_BF16, needs_bf16_tiles, needs_cpu_ops
 from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime.layers import group_quant
 from spmd_runtime.runtime.layers.group_quant import (
@@ -201,14 +201,15 @@ def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, ro
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", [GGML.Q4_1, GGML.Q8_0, GGML.Q6_K])
-@pytest.mark.parametrize("rows", [12, 13, 32, 33, 300])
+@pytest.mark.parametrize("rows", [1, 2, 12, 13, 32, 33, 129, 300])
 def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, monkeypatch) -> None:
-    """bfloat16 activations (assertions on bf16 products): up to bf16_gemm_rows rows (12; a
-    K-quant's with AVX512-VNNI 32), the integer
-    products of float32 (the bf16 values widened), rounded to bfloat16; past it, the weight
-    dequantized a chunk of output features at a time (chunks of 64 here, 5 of them), rounded
-    to bfloat16, through the bf16 GEMM: F.linear of the rounded weight, as one product."""
-
+    """bfloat16 activations (assertions on bf16 products): up to bf16_gemm_rows rows (1 where
+    the library has the fused bf16 kernel, 12 where not; a K-quant's with AVX512-VNNI 32), the
+    integer products of float32 (the bf16 values widened), rounded to bfloat16; past it, the
+    weight dequantized and rounded to bfloat16: into L1 a panel at a time (the fused kernel, up
+    to 128 rows here), bit for bit bf16_linear of the rounded weight, or a chunk of output
+    features at a time (chunks of 64 here, 5 of them) through the bf16 GEMM; F.linear of the
+    rounded weight, as one product, within bf16's rounding."""
     monkeypatch.setattr(group_quant, "BF16_CHUNK_VALUES", 64 * 512)
     if tensor_type in K_QUANTS:
         weight, expected = random_k_quant(tensor_type, 300, 512, seed=rows)
@@ -218,13 +219,52 @@ def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, mo
     out = group_quant_linear(x, weight, None)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
     dense = torch.from_numpy(expected)
-    if rows <= group_quant.bf16_gemm_rows(tensor_type):
+    if rows <= group_quant.bf16_gemm_rows(tensor_type, 512, 300):
         assert torch.equal(out, group_quant_linear(x.float(), weight, None).bfloat16())
     else:
+        if CPU_HAS_BF16 and rows <= group_quant.FUSED_BF16_ROWS:
+            rounded = torch.ops.spmd_cpu.gguf_dequantize_bf16(weight.parts[0].data,
+                                                              int(tensor_type), 512)
+            assert torch.equal(out, torch.ops.spmd_cpu.bf16_linear(x, rounded))
         reference = torch.nn.functional.linear(x, dense.bfloat16())
         torch.testing.assert_close(out, reference, rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(out.float(), x.float() @ dense.t(), rtol=0.05,
                                atol=0.05 * float((x.float() @ dense.t()).abs().mean()))
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("tensor_type", [*TYPES, *K_QUANTS])
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows) -> None:
+    """bfloat16 (assertions on bf16 bits): gguf_bf16_linear gives bf16_linear's bits on the
+    weight as gguf_dequantize_bf16 rounds it, for every block type, an odd row count and an
+    out_features (300) that is not a multiple of the 8-feature panels."""
+    weight, _ = (random_k_quant(tensor_type, 300, 512, seed=rows) if tensor_type in K_QUANTS
+                 else quantized(tensor_type, out_features=300, in_features=512, seed=rows))
+    blocks = weight.parts[0].data
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    rounded = torch.ops.spmd_cpu.gguf_dequantize_bf16(blocks, int(tensor_type), 512)
+    fused = torch.ops.spmd_cpu.gguf_bf16_linear(x, blocks, int(tensor_type), 512)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, torch.ops.spmd_cpu.bf16_linear(x, rounded))
+
+
+@needs_bf16_tiles
+def test_the_fused_bf16_product_refuses_bad_inputs_naming_them() -> None:
+    weight, _ = quantized(GGML.Q4_1, out_features=48, in_features=96)
+    blocks, q4_1 = weight.parts[0].data, int(GGML.Q4_1)
+    fused = torch.ops.spmd_cpu.gguf_bf16_linear
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        fused(torch.randn(2, 96), blocks, q4_1, 96)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        fused(torch.randn(96, 2).bfloat16().t(), blocks, q4_1, 96)
+    with pytest.raises(RuntimeError, match="x has 64 features, the weight 96"):
+        fused(torch.randn(2, 64).bfloat16(), blocks, q4_1, 96)
+    with pytest.raises(RuntimeError, match="60 bytes a row, 40 expected"):
+        fused(torch.randn(2, 64).bfloat16(), blocks, q4_1, 64)
+    with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):
+        fused(torch.randn(2, 96).bfloat16(), blocks, 1, 96)
+    with pytest.raises(RuntimeError, match="out_features >= 8"):
+        fused(torch.randn(2, 96).bfloat16(), blocks[:4], q4_1, 96)
 
 
 @needs_cpu_ops

@@ -7,16 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_library import needs_cpu_ops
-from spmd_runtime.runtime import cpu_features
+from cpu_library import CPU_HAS_BF16, needs_cpu_ops
+from cpu_library import needs_bf16_tiles as needs_tiles
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.plain_bf16 import plain_bf16_linear
-
-# Where the CPU has AVX512-BF16 the library's level has the tiles: a build without them fails
-# here rather than skipping.
-CPU_HAS_BF16 = "avx512_bf16" in cpu_features.detect().flags
-needs_tiles = pytest.mark.skipif(not CPU_HAS_BF16, reason="this CPU has no AVX512-BF16: the "
-                                 "library has no bf16 tiles for it")
 
 
 def operands(rows, out_features, in_features, seed=0):
