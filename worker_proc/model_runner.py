@@ -249,8 +249,12 @@ class ModelRunner:
         if not step.sample_rows:
             return None, None, token_slots, None
         rows = torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
-        raw_logits = self.model.compute_logits(hidden[rows])
         states = [self.requests[r] for r in step.sample_ids]
+        # Greedy rows without penalties or logprobs need no float32 logits (a mask's -inf is
+        # exact in any dtype): the largest logit is the same one.
+        greedy = all(s.params.temperature == 0.0 and not s.params.penalized and
+                     s.params.logprobs is None for s in states)
+        raw_logits = self.model.compute_logits(hidden[rows], float32=not greedy)
         logits = penalize_requests(raw_logits, states, in_flight.tokens if in_flight else None)
         logits = apply_token_masks(logits, step.sample_ids, step.token_masks)
         tokens = sample_on_device(logits, [s.params for s in states],

@@ -82,10 +82,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embed_scale
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Llama's logits, soft-capped (cap * tanh(logits / cap)) before any sampling."""
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Llama's logits, soft-capped (cap * tanh(logits / cap)) before any sampling, in float32
+        whenever they are capped (the cap in bf16 could tie what float32 tells apart)."""
         cap = self.config.final_logit_softcapping
+        logits = super().compute_logits(hidden, float32 or cap is not None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()

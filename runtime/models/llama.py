@@ -252,10 +252,14 @@ class LlamaForCausalLM(nn.Module):
         batch = fresh_prompt_batch(n, self.layer_windows)
         return self.compute_logits(self(torch.tensor(ids), torch.arange(n), caches, batch))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits on every rank (shards gathered), so all ranks sample alike."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Full-vocabulary logits on every rank (shards gathered), so all ranks sample alike:
+        float32, or with float32=False in the model's dtype, for greedy choices alone (widening
+        is exact, so the largest logit stays where it is; 64 x 49,152 bf16 logits took 2.3 ms to
+        widen, ~5% of a SmolLM2 decode step on 2 cores)."""
         logits = self.tp.gather_last_dim(linear(hidden, self.lm_head))
-        return logits[..., :self.config.vocab_size].float()
+        logits = logits[..., :self.config.vocab_size]
+        return logits.float() if float32 else logits
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -141,3 +141,19 @@ def test_engine_greedy_equals_transformers(checkpoint, tp) -> None:
         stats = llm.client.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
     assert [o.token_ids for o in outputs] == [transformers_greedy(hf, p) for p in family_prompts()]
+
+
+def test_greedy_logits_keep_the_models_dtype_unless_capped(checkpoint) -> None:
+    """bfloat16 (assertions on bf16 logits and their float32 widening): compute_logits(...,
+    float32=False), which a step of greedy rows asks for, is the bf16 logits themselves, whose
+    widening is exactly the float32 logits; Gemma 2's soft-capped ones stay float32."""
+    directory, _ = checkpoint
+    config = read_hf_config(directory)
+    model = build_model(config, torch.bfloat16)
+    model.load_hf_state_dict(load_hf_weights(directory, config, torch.bfloat16))
+    hidden = torch.randn(5, config.hidden_size).bfloat16()
+    with torch.inference_mode():
+        wide, kept = model.compute_logits(hidden), model.compute_logits(hidden, float32=False)
+    capped = config.final_logit_softcapping is not None
+    assert wide.dtype == torch.float32 and kept.dtype == (torch.float32 if capped else torch.bfloat16)
+    assert kept.shape == (5, config.vocab_size) and torch.equal(kept.float(), wide)
