@@ -9,7 +9,8 @@
 // scales are applied once per block to the integer sums, its zero points and minimums through
 // each row's sums of codes. Many rows (prefill): 64 output features at a time are dequantized
 // to float32 and multiplied by MKL's GEMM; with bfloat16 activations, group_quant.py instead
-// dequantizes chunks to bfloat16 (gguf_dequantize_bf16) for oneDNN's bf16 GEMM.
+// multiplies panels dequantized to bfloat16 inside the product (gguf_bf16_linear), or, built
+// without AVX512-BF16, dequantizes chunks to bfloat16 (gguf_dequantize_bf16) for oneDNN's GEMM.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "cpu_bf16.h"
+#include "cpu_bf16_gemm.h"
 #include "cpu_bf16_linear.h"
 #include "cpu_math.h"
 
@@ -36,6 +38,9 @@ enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 64;          // output features dequantized at a time for the GEMM
+constexpr int64_t kGemmFromRows = 16;  // gguf_bf16_linear: packed 32-feature panels from here
+                                       // (measured crossover 4-24 rows across SmolLM2's and
+                                       // an 8B model's shapes)
 
 struct Format {
   int64_t weights;   // weights per block (super-block for the K-quants)
@@ -758,10 +763,15 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
 }
 
 // x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16, without W in memory
-// at any precision: each task dequantizes a panel of 8 output features to bfloat16 in a buffer
-// of its own (L1: 8 x K x 2 bytes), as gguf_dequantize_bf16 rounds them, and multiplies every
-// row of x by it on the bf16 tiles (cpu_bf16_linear.h), so the result is bit for bit
-// bf16_linear(x, gguf_dequantize_bf16(W)) without writing and reading back the dequantized W.
+// at any precision: each task dequantizes a panel of output features to bfloat16 in buffers of
+// its own, as gguf_dequantize_bf16 rounds them, and multiplies every row of x by it.
+// - From kGemmFromRows rows: panels of 32 features, packed as [pair of inputs][feature] words
+//   (cpu_bf16_gemm.h) for register tiles of 12 rows x 32 features: at 128-512 rows SmolLM2's
+//   and an 8B model's shapes run at oneDNN's prepacked bf16 speed (~0.9 TFLOP/s on 2 Zen 5
+//   cores), dequantization included.
+// - Fewer rows: panels of 8 features row-major on the few-row tiles (cpu_bf16_linear.h), whose
+//   result is bit for bit bf16_linear(x, gguf_dequantize_bf16(W)); packing would cost more
+//   than it saves there (576 x 1536 at 2 rows: 0.053 ms packed against 0.031).
 at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                             int64_t in_features) {
   constexpr const char* op = "gguf_bf16_linear";
@@ -781,6 +791,22 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const auto* xp = static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr());
   auto* o = static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr());
   const int64_t panels = (N + spmd_cpu::kBf16Panel - 1) / spmd_cpu::kBf16Panel;
+  if (M >= kGemmFromRows && N >= spmd_cpu::kGemmPanel) {
+    constexpr int64_t P = spmd_cpu::kGemmPanel;
+    at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(K);
+      std::vector<spmd_cpu::bf16_bits> panel(P * K);
+      std::vector<uint32_t> packed(P * K / 2);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = std::min(p * P, N - P);   // the last panel overlaps the one before
+        for (int64_t f = 0; f < P; ++f)
+          dequantize_row_bf16(kind, data, blocks.size(1), K, n0 + f, row.data(), panel.data() + f * K);
+        spmd_cpu::pack_gemm_panel(panel.data(), K, packed.data());
+        spmd_cpu::gemm_panel_rows(xp, M, K, packed.data(), o + n0, N);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(K);
     std::vector<spmd_cpu::bf16_bits> panel(spmd_cpu::kBf16Panel * K);

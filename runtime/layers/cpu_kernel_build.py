@@ -23,8 +23,8 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
                                     "cpu_decode_layers.cpp", "cpu_prefill_attention.cpp",
                                     "cpu_group_quant.cpp", "cpu_bf16_linear.cpp")]
-HEADERS = [HERE / "cpu_math.h", HERE / "cpu_bf16.h", HERE / "cpu_group_quant_vnni.h",
-           HERE / "cpu_bf16_dot.h"]
+# Every header beside the sources, so that a new one is never left out of the digest.
+HEADERS = sorted(HERE.glob("cpu_*.h"))
 LIBRARY = "libspmd_cpu_ops.so"
 DEFAULT_ROOT = HERE / "_kernels"
 

@@ -14,9 +14,11 @@ The products (runtime/layers/cpu_group_quant.cpp): at decode's few rows the acti
 held as 16-bit fixed point per block of 32 (per super-block of 256 for the K-quants where the
 kernels are built with AVX512-VNNI) and multiplied by the block codes with integer dot
 products; at a prompt's many rows the weights are dequantized to float32 64 output features at a
-time for MKL's GEMM, or with bfloat16 activations (the CPU default where it has AVX512-BF16 or
-AMX), past bf16_gemm_rows rows, dequantized a chunk at a time, rounded to bfloat16 and
-multiplied by oneDNN's bf16 GEMM. `expand` is gguf's own dequantisation, bit for bit
+time for MKL's GEMM. With bfloat16 activations (the CPU default where it has AVX512-BF16 or
+AMX), past bf16_gemm_rows rows (a lone decode row stays integer), the weights are rounded to
+bfloat16: dequantized into a panel of 8 or 32 output features at a time inside the library's
+product and multiplied there with VDPBF16PS tiles (gguf_bf16_linear), or, in a build without
+AVX512-BF16, a chunk at a time for oneDNN's bf16 GEMM. `expand` is gguf's own dequantisation, bit for bit
 what `--quantization none` loads. On another device (CUDA), or without the C++ library, the
 blocks are expanded a projection at a time by torch operations (runtime/layers/gguf_torch.py).
 """
@@ -48,13 +50,12 @@ DIRECT_ROWS = 32
 # 4096: 0.24 ms a row, against 2.5 ms + 0.04 a row).
 BF16_GEMM_ROWS = 12
 BF16_CHUNK_VALUES = 1 << 22
-# Builds with AVX512-BF16 dequantize 8 output features at a time into L1 and multiply them there
-# (spmd_cpu::gguf_bf16_linear): from 2 rows on for the blocks of 32 (SmolLM2's decode step of 12
-# rows 27 -> 16 ms, of 32 rows 34 -> 26 ms; an 8B-shaped Q4_0/Q4_1/Q8_0 projection 0.9-0.6x the
-# integer products' time at 2-16 rows), up to FUSED_BF16_ROWS rows while the 8 features' bf16
-# (16 x in_features bytes) fit FUSED_PANEL_BYTES, up to 8 rows past that; oneDNN beyond.
-FUSED_BF16_ROWS = 128
-FUSED_PANEL_BYTES = 32 * 1024
+# Builds with AVX512-BF16 dequantize the weights a panel of output features at a time into L1/L2
+# and multiply them there (spmd_cpu::gguf_bf16_linear), at every row count past
+# FUSED_INTEGER_ROWS for the blocks of 32 (SmolLM2's decode step of 12 rows 27 -> 16 ms, of 32
+# rows 34.5 -> 26.4; an 8B-shaped Q4_0/Q4_1/Q8_0 projection 0.9-0.6x the integer products' time
+# at 2-16 rows) and past DIRECT_ROWS for the K-quants: the rounded weights' products at oneDNN's
+# prepacked bf16 speed from ~128 rows, 0.75-1.0x the time of the chunks below at 32-512 rows.
 FUSED_INTEGER_ROWS = 1           # with the fused kernel, a lone row stays integer (7.3 ms a
                                  # SmolLM2 decode step against 8.3)
 # Kernel builds with AVX512-VNNI (cpu_group_quant_vnni.h): their K-quant products stay integer
@@ -115,13 +116,12 @@ class Blocks:
         return F.linear(rows, gguf_torch.dequantize(self.data.to(rows.device), self.kind, in_features))
 
     def bf16_product(self, rows: torch.Tensor, in_features: int) -> torch.Tensor:
-        """bfloat16 rows [M, in] (a prompt's many, on the CPU) @ the weights^T -> bfloat16
-        [M, out]: the weights dequantized a chunk of output features at a time, rounded to
-        bfloat16, through oneDNN's bf16 GEMM (4-5x the float32 GEMM's speed on AVX512-BF16),
-        or for decode-sized row counts the library's bf16 tiles (plain_bf16.py)."""
-        count = rows.shape[0]
-        if _fused_bf16(in_features, self.data.shape[0]) and (count <= 8 or (
-                count <= FUSED_BF16_ROWS and 16 * in_features <= FUSED_PANEL_BYTES)):
+        """bfloat16 rows [M, in] on the CPU @ the weights^T -> bfloat16 [M, out], the weights
+        rounded to bfloat16: dequantized a panel at a time inside the library's product where
+        it is built with AVX512-BF16 (gguf_bf16_linear), else a chunk of output features at a
+        time through oneDNN's bf16 GEMM (4-5x the float32 GEMM's speed on AVX512-BF16), or for
+        decode-sized row counts the library's bf16 tiles (plain_bf16.py)."""
+        if _fused_bf16(in_features, self.data.shape[0]):
             return torch.ops.spmd_cpu.gguf_bf16_linear(rows.contiguous(), self.data,
                                                        int(self.kind), in_features)
         step = max(64, BF16_CHUNK_VALUES // in_features)

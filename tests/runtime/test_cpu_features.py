@@ -86,6 +86,15 @@ def test_builds_are_keyed_by_the_sources(tmp_path, monkeypatch) -> None:
     assert cpu_kernel_build.library_path("avx2", "1", tmp_path) != before
 
 
+def test_every_header_the_sources_include_is_in_the_digest() -> None:
+    """A header edited must make a new build: each `#include "..."` of the library's sources
+    and headers names one of HEADERS (an included header left out once kept a stale build)."""
+    import re
+    included = {name for path in cpu_kernel_build.SOURCES + cpu_kernel_build.HEADERS
+                for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert included and included <= {path.name for path in cpu_kernel_build.HEADERS}
+
+
 def test_build_levels_and_a_bad_level_says_which_exist() -> None:
     assert cpu_kernel_build.levels_to_build("all") == ["amx", "avx512bf16", "avx512vnni", "avx512",
                                                        "avx2"]

@@ -206,10 +206,10 @@ def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, mo
     """bfloat16 activations (assertions on bf16 products): up to bf16_gemm_rows rows (1 where
     the library has the fused bf16 kernel, 12 where not; a K-quant's with AVX512-VNNI 32), the
     integer products of float32 (the bf16 values widened), rounded to bfloat16; past it, the
-    weight dequantized and rounded to bfloat16: into L1 a panel at a time (the fused kernel, up
-    to 128 rows here), bit for bit bf16_linear of the rounded weight, or a chunk of output
-    features at a time (chunks of 64 here, 5 of them) through the bf16 GEMM; F.linear of the
-    rounded weight, as one product, within bf16's rounding."""
+    weight dequantized and rounded to bfloat16: a panel at a time inside the fused kernel
+    (the float32 product of the rounded weight, rounded once), or a chunk of output features
+    at a time (chunks of 64 here, 5 of them) through the bf16 GEMM; F.linear of the rounded
+    weight, as one product, within bf16's rounding."""
     monkeypatch.setattr(group_quant, "BF16_CHUNK_VALUES", 64 * 512)
     if tensor_type in K_QUANTS:
         weight, expected = random_k_quant(tensor_type, 300, 512, seed=rows)
@@ -222,30 +222,52 @@ def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, mo
     if rows <= group_quant.bf16_gemm_rows(tensor_type, 512, 300):
         assert torch.equal(out, group_quant_linear(x.float(), weight, None).bfloat16())
     else:
-        if CPU_HAS_BF16 and rows <= group_quant.FUSED_BF16_ROWS:
+        if CPU_HAS_BF16:
             rounded = torch.ops.spmd_cpu.gguf_dequantize_bf16(weight.parts[0].data,
                                                               int(tensor_type), 512)
-            assert torch.equal(out, torch.ops.spmd_cpu.bf16_linear(x, rounded))
+            assert torch.equal(out, torch.ops.spmd_cpu.gguf_bf16_linear(
+                x, weight.parts[0].data, int(tensor_type), 512))
+            assert_rounded_product(out, x, rounded)
         reference = torch.nn.functional.linear(x, dense.bfloat16())
         torch.testing.assert_close(out, reference, rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(out.float(), x.float() @ dense.t(), rtol=0.05,
                                atol=0.05 * float((x.float() @ dense.t()).abs().mean()))
 
 
+def assert_rounded_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """out (bf16) is x @ weight^T (bf16 operands) summed in float32 in some order and rounded
+    to bfloat16 once: within half a bf16 step of the exact product's rounding, plus the bound of
+    reordering a float32 sum (2 K eps of the sum of the terms' magnitudes)."""
+    exact = x.double() @ weight.double().t()
+    slack = 2 * x.shape[1] * torch.finfo(torch.float32).eps * (
+        x.double().abs() @ weight.double().abs().t())
+    bound = (exact.abs() + slack) * 2.0 ** -8 + slack
+    assert bool(((out.double() - exact).abs() <= bound).all()), \
+        float(((out.double() - exact).abs() - bound).max())
+
+
 @needs_bf16_tiles
 @pytest.mark.parametrize("tensor_type", [*TYPES, *K_QUANTS])
-@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 64, 130])
 def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows) -> None:
-    """bfloat16 (assertions on bf16 bits): gguf_bf16_linear gives bf16_linear's bits on the
-    weight as gguf_dequantize_bf16 rounds it, for every block type, an odd row count and an
-    out_features (300) that is not a multiple of the 8-feature panels."""
+    """bfloat16 (assertions on bf16 values): gguf_bf16_linear multiplies the weight as
+    gguf_dequantize_bf16 rounds it: below 16 rows with bf16_linear's bits (the same few-row
+    tiles), from 16 rows (packed 32-feature panels, tiles of 12 rows and their tails) the
+    float32 product rounded once, for every block type and an out_features (300) that is a
+    multiple of neither panel width (the last panel overlaps the one before)."""
     weight, _ = (random_k_quant(tensor_type, 300, 512, seed=rows) if tensor_type in K_QUANTS
                  else quantized(tensor_type, out_features=300, in_features=512, seed=rows))
     blocks = weight.parts[0].data
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
     rounded = torch.ops.spmd_cpu.gguf_dequantize_bf16(blocks, int(tensor_type), 512)
     fused = torch.ops.spmd_cpu.gguf_bf16_linear(x, blocks, int(tensor_type), 512)
-    assert fused.dtype == torch.bfloat16 and torch.equal(fused, torch.ops.spmd_cpu.bf16_linear(x, rounded))
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, 300)
+    if rows < 16:
+        assert torch.equal(fused, torch.ops.spmd_cpu.bf16_linear(x, rounded))
+    assert_rounded_product(fused, x, rounded)
+    # Each output is its own row's and feature's: a row or a feature moved would be caught.
+    assert torch.equal(torch.ops.spmd_cpu.gguf_bf16_linear(x.flip(0).contiguous(), blocks,
+                                                           int(tensor_type), 512), fused.flip(0))
 
 
 @needs_bf16_tiles

@@ -1,0 +1,112 @@
+// bfloat16 GEMM tiles for weights packed on the fly (a GGUF projection's blocks dequantized a
+// panel at a time, cpu_group_quant.cpp gguf_bf16_linear): the weights of 32 output features
+// packed as [pair of in_features][feature] 32-bit words, so that one VDPBF16PS multiplies a
+// row's pair of inputs (broadcast) by 16 features' same pair and a register tile of R rows x 32
+// features keeps 2R float32 accumulators with no sums across lanes (cf. cpu_bf16_linear.cpp,
+// whose few-row tiles read the weights row-major and sum lanes at the end).
+#pragma once
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_bf16.h"
+
+namespace spmd_cpu {
+
+constexpr int64_t kGemmPanel = 32;   // output features a packed panel holds (two registers)
+constexpr int64_t kGemmRows = 12;    // rows of a register tile: 24 accumulators
+
+// r[0..16) as 16 rows of 16 32-bit words -> r[c] = column c (word c of each row, in row order).
+inline void transpose_words(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + e]: in each 128-bit lane L, rows 4g .. 4g+3's word 4L + e.
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* q = t + 4 * g;
+    u[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i s0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+    const __m512i s1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// kGemmPanel weight rows of K bf16 (row j at rows + j * K; K a multiple of 32) packed: word
+// (p * kGemmPanel + j) holds row j's inputs 2p and 2p + 1.
+inline void pack_gemm_panel(const bf16_bits* rows, int64_t K, uint32_t* packed) {
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int64_t half = 0; half < kGemmPanel; half += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows + (half + j) * K + k);
+      transpose_words(r);
+      for (int c = 0; c < 16; ++c)
+        _mm512_storeu_si512(packed + (k / 2 + c) * kGemmPanel + half, r[c]);
+    }
+  }
+}
+
+// Rows x[0, R) (K apart) against a packed panel: out[r * ldo + f] (f < 32) receives row r's
+// output f, its float32 sum rounded to bf16 once.
+template <int R>
+inline void gemm_tile(const bf16_bits* x, int64_t K, const uint32_t* packed, bf16_bits* out,
+                      int64_t ldo) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  uint32_t word;
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(packed + p * kGemmPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(packed + p * kGemmPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(&word, x + r * K + 2 * p, sizeof word);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_si512(out + r * ldo, (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
+}
+
+// Every row of x [M, K] against a packed panel, kGemmRows at a time.
+inline void gemm_panel_rows(const bf16_bits* x, int64_t M, int64_t K, const uint32_t* packed,
+                            bf16_bits* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kGemmRows <= M; r += kGemmRows)
+    gemm_tile<kGemmRows>(x + r * K, K, packed, out + r * ldo, ldo);
+  const auto tail = [&](auto rows) {
+    gemm_tile<decltype(rows)::value>(x + r * K, K, packed, out + r * ldo, ldo);
+  };
+  switch (M - r) {
+    case 0: return;
+    case 1: return tail(std::integral_constant<int, 1>{});
+    case 2: return tail(std::integral_constant<int, 2>{});
+    case 3: return tail(std::integral_constant<int, 3>{});
+    case 4: return tail(std::integral_constant<int, 4>{});
+    case 5: return tail(std::integral_constant<int, 5>{});
+    case 6: return tail(std::integral_constant<int, 6>{});
+    case 7: return tail(std::integral_constant<int, 7>{});
+    case 8: return tail(std::integral_constant<int, 8>{});
+    case 9: return tail(std::integral_constant<int, 9>{});
+    case 10: return tail(std::integral_constant<int, 10>{});
+    default: return tail(std::integral_constant<int, 11>{});
+  }
+}
+
+}  // namespace spmd_cpu
+
+#endif
