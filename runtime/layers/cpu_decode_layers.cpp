@@ -58,6 +58,8 @@ struct Ops {
           "spmd_cpu::paged_decode_attention");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul =
       op<Tensor(const Tensor&)>("spmd_cpu::silu_mul");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> gguf_linear =
+      op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>("spmd_cpu::gguf_bf16_linear");
 };
 
 const Ops& ops() {
@@ -165,14 +167,45 @@ void check_norm(at::TensorList weights, size_t index, const LayerShapes& s) {
               ", [", s.hidden, "] in x's dtype ", s.dtype, " expected");
 }
 
+// A bf16 projection may also be a GGUF file's blocks (uint8 [out, bytes a row], group_quant.py)
+// with an int64 [GGML type, in_features] stand-in, multiplied by spmd_cpu::gguf_bf16_linear.
+bool gguf_blocks(const Tensor& weight) { return weight.scalar_type() == at::kByte; }
+
+// A GGUF projection's [out, in] from its blocks and stand-in.
+std::pair<int64_t, int64_t> gguf_shape(at::TensorList weights, size_t index) {
+  const Tensor& blocks = weights[index];
+  const Tensor& info = weights[index + 1];
+  TORCH_CHECK(blocks.dim() == 2 && info.scalar_type() == at::kLong && info.dim() == 1 &&
+                  info.numel() == 2 && info.device().is_cpu(),
+              "decode_layers: ", slot_name(index + 1), " is a ", info.scalar_type(), " ",
+              info.sizes(), " tensor beside the GGUF blocks ", blocks.sizes(), " of ",
+              slot_name(index), ", an int64 [GGML type, in_features] expected");
+  return {blocks.size(0), info.const_data_ptr<int64_t>()[1]};
+}
+
 // The slot holding a projection's [out, in] shape: a packed weight's stand-in (packed weights
 // are opaque), a plain bf16 weight itself.
 size_t shape_slot(at::TensorList weights, size_t index, at::ScalarType dtype) {
   return dtype == at::kFloat || weights[index].is_mkldnn() ? index + 1 : index;
 }
 
+// A projection's rows (output features); 0 where its shape is not one.
+int64_t projection_rows(at::TensorList weights, size_t index, at::ScalarType dtype) {
+  if (dtype != at::kFloat && gguf_blocks(weights[index])) return gguf_shape(weights, index).first;
+  const Tensor& shaped = weights[shape_slot(weights, index, dtype)];
+  return shaped.dim() == 2 ? shaped.size(0) : 0;
+}
+
 void check_projection(at::TensorList weights, size_t index, const LayerShapes& s, int64_t out,
                       int64_t in) {
+  if (s.dtype != at::kFloat && gguf_blocks(weights[index])) {
+    // The blocks' bytes and type are the operator's to check, at its call.
+    spmd_cpu::check_cpu_tensor(weights[index], "decode_layers", slot_name(index).c_str());
+    const auto [rows, columns] = gguf_shape(weights, index);
+    TORCH_CHECK(rows == out && columns == in, "decode_layers: ", slot_name(index), " holds GGUF "
+                "blocks of a [", rows, ", ", columns, "] weight, [", out, ", ", in, "] expected");
+    return;
+  }
   const size_t shape_index = shape_slot(weights, index, s.dtype);
   const Tensor& shaped = weights[shape_index];
   const std::string name = slot_name(shape_index);
@@ -200,11 +233,10 @@ void check_layer(at::TensorList weights, size_t layer, const LayerShapes& s) {
   check_projection(weights, base + 1, s, s.qkv_out, s.hidden);
   check_projection(weights, base + 3, s, s.hidden, s.q_size);
   // The intermediate size is the gate/up weight's: its rows are the gate's, then the up's.
-  const Tensor& gate_up = weights[shape_slot(weights, base + 6, s.dtype)];
-  const int64_t gate_up_rows = gate_up.dim() == 2 ? gate_up.size(0) : 0;
+  const int64_t gate_up_rows = projection_rows(weights, base + 6, s.dtype);
   TORCH_CHECK(gate_up_rows > 0 && gate_up_rows % 2 == 0, "decode_layers: ",
-              slot_name(shape_slot(weights, base + 6, s.dtype)), " has shape ", gate_up.sizes(),
-              ", [2 * intermediate, hidden] expected");
+              slot_name(shape_slot(weights, base + 6, s.dtype)), " has ", gate_up_rows,
+              " rows, [2 * intermediate, hidden] expected");
   check_projection(weights, base + 6, s, gate_up_rows, s.hidden);
   check_projection(weights, base + 8, s, s.hidden, gate_up_rows / 2);
 }
@@ -242,12 +274,16 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
   const bool plain = x_in.scalar_type() != at::kFloat;
   const std::optional<Tensor> no_bias;
   // float32 weights are MKL-packed (an opaque buffer) or oneDNN-packed (shaped as the weight);
-  // bf16 ones oneDNN-packed, or plain [out, in] tensors, which the layer loop (linear.py)
-  // gives the bf16 tiles at decode row counts and oneDNN's linear otherwise.
+  // bf16 ones oneDNN-packed, plain [out, in] tensors, which the layer loop (linear.py) gives
+  // the bf16 tiles at decode row counts and oneDNN's linear otherwise, or GGUF blocks.
   const auto project = [&](const Tensor& input, const Tensor* w) {
     if (!plain && w[0].sizes() != w[1].sizes())
       return f.linear.call(input, w[0], w[1], no_bias, n);
     if (w[0].is_mkldnn()) return onednn_linear(input, w[0]);
+    if (gguf_blocks(w[0])) {
+      const int64_t* info = w[1].const_data_ptr<int64_t>();
+      return f.gguf_linear.call(input.contiguous(), w[0], info[0], info[1]);
+    }
     if (spmd_cpu::bf16_linear_takes(n, w[0].size(1), w[0].size(0)))
       return spmd_cpu::bf16_linear(input.contiguous(), w[0]);
     return onednn_linear_available() ? onednn_linear(input, w[0])

@@ -274,6 +274,26 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
+def decode_layers_blocks(weight: GroupQuantWeight,
+                         rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (blocks, int64 [GGML type, in_features]) slot pair spmd_cpu::decode_layers takes for
+    a bf16 projection of one block type whose products at `rows` rows are gguf_bf16_linear's
+    (as group_quant_linear multiplies it); None for any other."""
+    if len(weight.parts) != 1 or weight.dtype != torch.bfloat16:
+        return None
+    part = weight.parts[0]
+    out_features = part.data.shape[0]
+    if part.data.device.type != "cpu" or not _fused_bf16(weight.in_features, out_features) or \
+            rows <= bf16_gemm_rows(part.kind, weight.in_features, out_features):
+        return None
+    return part.data, _block_info(int(part.kind), weight.in_features)
+
+
+@functools.cache
+def _block_info(kind: int, in_features: int) -> torch.Tensor:
+    return torch.tensor([kind, in_features], dtype=torch.int64)
+
+
 def from_gguf_blocks(raw: np.ndarray, tensor_type: GGML, shape: tuple[int, int],
                      dtype: torch.dtype = torch.float32) -> GroupQuantWeight:
     """A GGUF tensor's bytes (`shape` = [out, in], Hugging Face's order) as a GroupQuantWeight:

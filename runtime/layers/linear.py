@@ -23,7 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from spmd_runtime.runtime import cpu_features
-from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight, group_quant_linear
+from spmd_runtime.runtime.layers.group_quant import (
+    GroupQuantWeight,
+    decode_layers_blocks,
+    group_quant_linear,
+)
 from spmd_runtime.runtime.layers.plain_bf16 import plain_bf16_linear
 from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
@@ -131,11 +135,14 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def decode_layers_slots(weight: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A projection's (packed, stand-in) pair for spmd_cpu::decode_layers: MKL's or oneDNN's
-    packed form, or a plain bfloat16 weight in both places; None for any other form."""
+def decode_layers_slots(weight: object, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A projection's (packed, stand-in) pair for spmd_cpu::decode_layers at `rows` rows: MKL's
+    or oneDNN's packed form, a plain bfloat16 weight in both places, or a bf16 GGUF weight's
+    blocks and their type; None for any other form."""
     if isinstance(weight, PackedWeight):
         return weight.packed, weight.stand_in
+    if isinstance(weight, GroupQuantWeight):
+        return decode_layers_blocks(weight, rows)
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
         return weight, weight
     return None

@@ -201,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
                              num_tokens: int) -> list[torch.Tensor] | None:
         """The tensors spmd_cpu::decode_layers takes, where it can run this step: a batch of
         decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
-        for MKL (float32) or a plain bfloat16 weight (its slot pair holds it twice), without bias
+        for MKL (float32), a plain bfloat16 weight (its slot pair holds it twice) or bf16 GGUF
+        blocks past their integer rows (the blocks and their type), without bias
         or query/key norm, and one window on every layer or none (the kernel's starts apply to
         all); None otherwise (the layer loop runs)."""
         windows = set(self.layer_windows)
@@ -218,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.qkv_bias is not None or attn.o_bias is not None or attn.q_norm is not None:
                 return None
-            slots = [decode_layers_slots(p) for p in projections]
+            slots = [decode_layers_slots(p, num_tokens) for p in projections]
             if any(slot is None for slot in slots):
                 return None
             (qkv, o, gate_up, down) = slots

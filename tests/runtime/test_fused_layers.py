@@ -7,6 +7,7 @@ import importlib
 
 import pytest
 import torch
+from cpu_library import needs_bf16_tiles
 from cpu_library import needs_cpu_ops as needs_ops
 from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
 from spmd_runtime.runtime.layers.linear import linear as runtime_linear
@@ -178,6 +179,57 @@ def test_bf16_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(packed) 
         tiny_model(3, torch.bfloat16)
     assert isinstance(model.layers[0].mlp.gate_up_proj, torch.Tensor) != packed
     assert_one_call_is_the_layer_loop(model, config, 7)
+
+
+def gguf_tiny_model(tensor_type):
+    """tiny_model in bfloat16 with every projection held as `tensor_type`'s GGUF blocks."""
+    import gguf
+    import numpy as np
+    from spmd_runtime.runtime.layers.group_quant import from_gguf_blocks
+    from spmd_runtime.runtime.layers.quantization import swap_weight
+
+    model, config = tiny_model(3, torch.bfloat16)
+    for module, name in model.projection_slots():
+        weight = getattr(module, name).float().numpy()
+        raw = gguf.quants.quantize(np.ascontiguousarray(weight), tensor_type)
+        swap_weight(module, name, from_gguf_blocks(raw, tensor_type, weight.shape, torch.bfloat16))
+    return model, config
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("sequences", [7, 20])
+@pytest.mark.parametrize("tensor_type", ["Q4_1", "Q8_0"])
+def test_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(tensor_type,
+                                                                         sequences) -> None:
+    """bfloat16 (assertions on bf16 hidden states and caches): projections kept in GGUF blocks
+    (--quantization gguf) run in the one-call decode through gguf_bf16_linear, as the layer
+    loop multiplies them: the same bits at 7 rows (8-feature panels) and 20 (packed panels);
+    a lone row stays in the layer loop, whose products are integer."""
+    from gguf import GGMLQuantizationType as GGML
+
+    model, config = gguf_tiny_model(GGML[tensor_type])
+    assert_one_call_is_the_layer_loop(model, config, sequences)
+    _, batch, _ = decode_batch(config, 1)
+    assert model.fused_decode_weights(batch, 1) is None
+
+
+@needs_bf16_tiles
+def test_gguf_decode_layers_refuse_a_bad_block_type_slot_naming_it() -> None:
+    from gguf import GGMLQuantizationType as GGML
+
+    model, config = gguf_tiny_model(GGML.Q8_0)
+    caches, batch, positions = decode_batch(config, 7)
+    caches = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
+    weights = model.fused_decode_weights(batch, 7)
+    x = model.embed_tokens[torch.randint(0, config.vocab_size, (7,))]
+    rope = model.rotary.tables(positions)
+    for stand_in, match in [(torch.zeros(2), r"weights\[2\] \(layer 0 QKV stand-in\) is a Float"),
+                            (torch.tensor([int(GGML.Q8_0), 64]),
+                             r"weights\[1\] .* blocks of a \[640, 64\] weight, \[640, 128\] expected")]:
+        bad = list(weights)
+        bad[2] = stand_in
+        with pytest.raises(RuntimeError, match=match):
+            model._fused_decode(x, rope, caches, batch, bad)
 
 
 @needs_ops
