@@ -549,10 +549,11 @@ inline void store_weights(__m256i codes, float a, int zero, float c, float* w) {
   _mm256_storeu_ps(w + 8, _mm256_add_ps(_mm256_mul_ps(high, scale), offset));
 }
 
-// One output feature's K weights as float32, the codes unpacked in registers (dequantize_row's
-// values, for the GEMM's tiles).
-template <int64_t KIND>
-void dequantize_vector(const uint8_t* row, int64_t K, float* w) {
+// Each block of 32 of one output feature's K weights, the codes unpacked in registers:
+// visit(codes, a_low, a_high, zero, c, k) for the block at input k, its weights
+// w = a (q - zero) + c, a_low the first 16's and a_high the last 16's (Q6_K's sub-scales).
+template <int64_t KIND, class Visit>
+inline void walk_blocks(const uint8_t* row, int64_t K, Visit&& visit) {
   constexpr Format fmt = block_format(KIND);
   for (int64_t k = 0; k < K; k += fmt.weights) {
     const uint8_t* s = row + (k / fmt.weights) * fmt.bytes;
@@ -561,17 +562,25 @@ void dequantize_vector(const uint8_t* row, int64_t K, float* w) {
       for (int b = 0; b < 8; ++b) {
         Affine f;
         super_affine(KIND, s, b, f);
-        const Wide codes = super_block_codes<KIND>(s, b);
-        store_weights(codes.low, f.a * static_cast<float>(f.sub[0]), f.zero, f.c, w + k + 32 * b);
-        store_weights(codes.high, f.a * static_cast<float>(f.sub[1]), f.zero, f.c, w + k + 32 * b + 16);
+        visit(super_block_codes<KIND>(s, b), f.a * static_cast<float>(f.sub[0]),
+              f.a * static_cast<float>(f.sub[1]), f.zero, f.c, k + 32 * b);
       }
     } else {
       Affine f;
       const Wide codes = widen<KIND == kQ8_0>(unpack_block<KIND>(s, f));
-      store_weights(codes.low, f.a, f.zero, f.c, w + k);
-      store_weights(codes.high, f.a, f.zero, f.c, w + k + 16);
+      visit(codes, f.a, f.a, f.zero, f.c, k);
     }
   }
+}
+
+// One output feature's K weights as float32 (dequantize_row's values, for the GEMM's tiles).
+template <int64_t KIND>
+void dequantize_vector(const uint8_t* row, int64_t K, float* w) {
+  walk_blocks<KIND>(row, K, [&](const Wide& q, float a_low, float a_high, int zero, float c,
+                                int64_t k) {
+    store_weights(q.low, a_low, zero, c, w + k);
+    store_weights(q.high, a_high, zero, c, w + k + 16);
+  });
 }
 
 template <int64_t KIND>
@@ -638,30 +647,15 @@ inline void store_bf16_weights(__m512i codes, float a_low, float a_high, int zer
   _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
 }
 
-// One output feature's K weights straight to bf16, the codes unpacked in registers: the bits
-// of dequantize_vector's float32 weights rounded, without them passing through memory.
+// One output feature's K weights straight to bf16: the bits of dequantize_vector's float32
+// weights rounded, without them passing through memory.
 template <int64_t KIND>
 void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* w) {
-  constexpr Format fmt = block_format(KIND);
-  for (int64_t k = 0; k < K; k += fmt.weights) {
-    const uint8_t* s = row + (k / fmt.weights) * fmt.bytes;
-    prefetch<fmt.bytes>(s);
-    if constexpr (KIND >= kQ4_K) {
-      for (int b = 0; b < 8; ++b) {
-        Affine f;
-        super_affine(KIND, s, b, f);
-        const Wide codes = super_block_codes<KIND>(s, b);
-        store_bf16_weights(_mm512_inserti64x4(_mm512_castsi256_si512(codes.low), codes.high, 1),
-                           f.a * static_cast<float>(f.sub[0]), f.a * static_cast<float>(f.sub[1]),
-                           f.zero, f.c, w + k + 32 * b);
-      }
-    } else {
-      Affine f;
-      const __m256i bytes = unpack_block<KIND>(s, f);
-      const __m512i codes = KIND == kQ8_0 ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
-      store_bf16_weights(codes, f.a, f.a, f.zero, f.c, w + k);
-    }
-  }
+  walk_blocks<KIND>(row, K, [&](const Wide& q, float a_low, float a_high, int zero, float c,
+                                int64_t k) {
+    store_bf16_weights(_mm512_inserti64x4(_mm512_castsi256_si512(q.low), q.high, 1), a_low,
+                       a_high, zero, c, w + k);
+  });
 }
 #endif
 
