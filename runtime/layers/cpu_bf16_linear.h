@@ -15,10 +15,11 @@ namespace spmd_cpu {
 // Output features a task's accumulators hold: the weight rows of one panel.
 constexpr int64_t kBf16Panel = 8;
 
-// The first output feature of panel p of N (N >= kBf16Panel): the last panel overlaps the one
-// before rather than running short.
+// The first output feature of panel p of N, panels of WIDTH features (N >= WIDTH): the last
+// panel overlaps the one before rather than running short.
+template <int64_t WIDTH = kBf16Panel>
 inline int64_t bf16_panel_start(int64_t p, int64_t N) {
-  return std::min(p * kBf16Panel, N - kBf16Panel);
+  return std::min(p * WIDTH, N - WIDTH);
 }
 
 // Whether the build has the tiles (AVX512-BF16) and they take this weight's shape.

@@ -2,7 +2,8 @@
 // LlamaForCausalLM.forward, the fused decode path): the same operators the Python layer loop
 // runs (this library's norms, rotary, KV write, decode attention and SiLU x up; MKL's or
 // oneDNN's packed GEMM for float32 projections, oneDNN's linear for bfloat16 ones, prepacked or
-// plain, or this library's bf16 tiles where the loop takes them), in the same order on the same tensors, so the hidden states are identical to the bit.
+// plain, this library's bf16 tiles where the loop takes them, its GGUF bf16 products), in the
+// same order on the same tensors, so the hidden states are identical to the bit.
 // What goes is the host time between them: per layer about a dozen Python-level operator calls
 // and twenty views (~7 ms of a 64-row step on a 2-core VM) become C++ calls through the
 // dispatcher.

@@ -668,8 +668,7 @@ void dequantize_row_bf16(int64_t kind, const uint8_t* blocks, int64_t row_bytes,
   with_kind(kind, [&](auto k) {
     dequantize_vector_bf16<decltype(k)::value>(blocks + n * row_bytes, K, dst);
   });
-  return;
-#endif
+#else
   dequantize_rows(kind, blocks, row_bytes, K, n, n + 1, row);
   int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -677,6 +676,7 @@ void dequantize_row_bf16(int64_t kind, const uint8_t* blocks, int64_t row_bytes,
     spmd_cpu::vstore_bf16(dst + k, spmd_cpu::vload(row + k));
 #endif
   for (; k < K; ++k) dst[k] = spmd_cpu::float_to_bf16(row[k]);
+#endif
 }
 
 void tiled(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
@@ -756,6 +756,27 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
   return out;
 }
 
+#if defined(__AVX512BF16__)
+// W's output features in panels of P, each task's dequantized to bf16 (P x K, row-major, as
+// gguf_dequantize_bf16 rounds them) in buffers of its own and handed to
+// multiply(panel, first feature, scratch of scratch_words words).
+template <int64_t P, class Multiply>
+void dequantized_panels(int64_t kind, const uint8_t* data, int64_t row_bytes, int64_t K,
+                        int64_t N, int64_t scratch_words, Multiply&& multiply) {
+  at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    std::vector<spmd_cpu::bf16_bits> panel(P * K);
+    std::vector<uint32_t> scratch(scratch_words);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = spmd_cpu::bf16_panel_start<P>(p, N);
+      for (int64_t f = 0; f < P; ++f)
+        dequantize_row_bf16(kind, data, row_bytes, K, n0 + f, row.data(), panel.data() + f * K);
+      multiply(panel.data(), n0, scratch.data());
+    }
+  });
+}
+#endif
+
 // x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16, without W in memory
 // at any precision: each task dequantizes a panel of output features to bfloat16 in buffers of
 // its own, as gguf_dequantize_bf16 rounds them, and multiplies every row of x by it.
@@ -784,33 +805,21 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const uint8_t* data = blocks.data_ptr<uint8_t>();
   const auto* xp = static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr());
   auto* o = static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr());
-  const int64_t panels = (N + spmd_cpu::kBf16Panel - 1) / spmd_cpu::kBf16Panel;
+  const int64_t row_bytes = blocks.size(1);
   if (M >= kGemmFromRows && N >= spmd_cpu::kGemmPanel) {
-    constexpr int64_t P = spmd_cpu::kGemmPanel;
-    at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(K);
-      std::vector<spmd_cpu::bf16_bits> panel(P * K);
-      std::vector<uint32_t> packed(P * K / 2);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = std::min(p * P, N - P);   // the last panel overlaps the one before
-        for (int64_t f = 0; f < P; ++f)
-          dequantize_row_bf16(kind, data, blocks.size(1), K, n0 + f, row.data(), panel.data() + f * K);
-        spmd_cpu::pack_gemm_panel(panel.data(), K, packed.data());
-        spmd_cpu::gemm_panel_rows(xp, M, K, packed.data(), o + n0, N);
-      }
-    });
-    return out;
+    dequantized_panels<spmd_cpu::kGemmPanel>(
+        kind, data, row_bytes, K, N, spmd_cpu::kGemmPanel * K / 2,
+        [&](const spmd_cpu::bf16_bits* panel, int64_t n0, uint32_t* packed) {
+          spmd_cpu::pack_gemm_panel(panel, K, packed);
+          spmd_cpu::gemm_panel_rows(xp, M, K, packed, o + n0, N);
+        });
+  } else {
+    dequantized_panels<spmd_cpu::kBf16Panel>(
+        kind, data, row_bytes, K, N, 0,
+        [&](const spmd_cpu::bf16_bits* panel, int64_t n0, uint32_t*) {
+          spmd_cpu::bf16_panel_rows(xp, M, K, panel, o + n0, N);
+        });
   }
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
-    std::vector<spmd_cpu::bf16_bits> panel(spmd_cpu::kBf16Panel * K);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = spmd_cpu::bf16_panel_start(p, N);
-      for (int64_t f = 0; f < spmd_cpu::kBf16Panel; ++f)
-        dequantize_row_bf16(kind, data, blocks.size(1), K, n0 + f, row.data(), panel.data() + f * K);
-      spmd_cpu::bf16_panel_rows(xp, M, K, panel.data(), o + n0, N);
-    }
-  });
 #endif
   return out;
 }

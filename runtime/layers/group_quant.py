@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops, gguf_torch
-from spmd_runtime.runtime.layers.plain_bf16 import plain_bf16_linear
 from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 
 # Up to this many rows a product holds the activations as 16-bit fixed point and multiplies with
@@ -119,20 +118,14 @@ class Blocks:
         """bfloat16 rows [M, in] on the CPU @ the weights^T -> bfloat16 [M, out], the weights
         rounded to bfloat16: dequantized a panel at a time inside the library's product where
         it is built with AVX512-BF16 (gguf_bf16_linear), else a chunk of output features at a
-        time through oneDNN's bf16 GEMM (4-5x the float32 GEMM's speed on AVX512-BF16), or for
-        decode-sized row counts the library's bf16 tiles (plain_bf16.py)."""
+        time through oneDNN's bf16 GEMM."""
         if _fused_bf16(in_features, self.data.shape[0]):
             return torch.ops.spmd_cpu.gguf_bf16_linear(rows.contiguous(), self.data,
                                                        int(self.kind), in_features)
         step = max(64, BF16_CHUNK_VALUES // in_features)
-
-        def chunk(n: int) -> torch.Tensor:
-            weight = torch.ops.spmd_cpu.gguf_dequantize_bf16(self.data[n:n + step],
-                                                             int(self.kind), in_features)
-            tiled = plain_bf16_linear(rows, weight)
-            return F.linear(rows, weight) if tiled is None else tiled
-
-        return torch.cat([chunk(n) for n in range(0, self.data.shape[0], step)], dim=1)
+        return torch.cat([F.linear(rows, torch.ops.spmd_cpu.gguf_dequantize_bf16(
+            self.data[n:n + step], int(self.kind), in_features))
+            for n in range(0, self.data.shape[0], step)], dim=1)
 
 
 @dataclass(frozen=True)

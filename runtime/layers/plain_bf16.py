@@ -32,6 +32,7 @@ def plain_bf16_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor 
             weight.layout != torch.strided or torch.compiler.is_compiling():
         return None
     count, in_features = rows.shape
+    # 32: the rule's largest row count, checked here so the cache keeps 32 entries a shape.
     if count > 32 or not weight.is_contiguous() or \
             not _takes(count, in_features, weight.shape[0]):
         return None
