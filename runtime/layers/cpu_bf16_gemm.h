@@ -107,6 +107,60 @@ inline void gemm_panel_rows(const bf16_bits* x, int64_t M, int64_t K, const uint
   }
 }
 
+// Rows in the lanes, for 16 to kLanesMaxRows rows: the transpose of the tiles above, so the
+// weights need no packing. x is packed once per product as [pair of inputs][row] words (16 rows
+// a register, zero past the last row), and a tile of RV registers of rows x F output features
+// broadcasts each feature's pair of inputs from its bf16 row-major weights against the rows'
+// same pair. Each output is the same sum, in the same order, as gemm_tile's.
+constexpr int64_t kLanesMaxRows = 48;
+
+// Registers of 16 rows for M rows.
+inline int64_t lane_registers(int64_t M) { return (M + 15) / 16; }
+
+// x [M, K] (K a multiple of 32) packed for lanes_tile: word (p * RV + v) * 16 + j holds row
+// 16v + j's inputs 2p and 2p + 1 (zero for rows >= M), RV = lane_registers(M).
+inline void pack_lanes(const bf16_bits* x, int64_t M, int64_t K, uint32_t* packed) {
+  const int64_t RV = lane_registers(M);
+  for (int64_t v = 0; v < RV; ++v)
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = 16 * v + j < M ? _mm512_loadu_si512(x + (16 * v + j) * K + k) : _mm512_setzero_si512();
+      transpose_words(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(packed + ((k / 2 + c) * RV + v) * 16, r[c]);
+    }
+}
+
+// Rows [0, M) (M <= 16 * RV) packed by pack_lanes against F weight rows of K bf16 (row f at
+// w + f * K): out[r * ldo + f] receives row r's output f, its float32 sum rounded to bf16 once.
+template <int RV, int F>
+inline void lanes_tile(const uint32_t* packed, int64_t M, int64_t K, const bf16_bits* w,
+                       bf16_bits* out, int64_t ldo) {
+  static_assert(F <= 16 && RV * F <= 24);
+  __m512 acc[F][RV];
+  for (int f = 0; f < F; ++f)
+    for (int v = 0; v < RV; ++v) acc[f][v] = _mm512_setzero_ps();
+  uint32_t word;
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m512bh rows[RV];
+    for (int v = 0; v < RV; ++v) rows[v] = (__m512bh)_mm512_loadu_si512(packed + (p * RV + v) * 16);
+    for (int f = 0; f < F; ++f) {
+      std::memcpy(&word, w + f * K + 2 * p, sizeof word);
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      for (int v = 0; v < RV; ++v) acc[f][v] = _mm512_dpbf16_ps(acc[f][v], wb, rows[v]);
+    }
+  }
+  const __mmask16 features = static_cast<__mmask16>((1u << F) - 1);
+  for (int v = 0; v < RV; ++v) {
+    __m512i t[16];
+    for (int f = 0; f < 16; ++f) t[f] = f < F ? _mm512_castps_si512(acc[f < F ? f : 0][v]) : _mm512_setzero_si512();
+    transpose_words(t);   // t[j]: row 16v + j's F sums
+    for (int j = 0; j < 16 && 16 * v + j < M; ++j)
+      _mm256_mask_storeu_epi16(out + (16 * v + j) * ldo, features,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(t[j])));
+  }
+}
+
 }  // namespace spmd_cpu
 
 #endif

@@ -248,20 +248,26 @@ def assert_rounded_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
 
 @needs_bf16_tiles
 @pytest.mark.parametrize("tensor_type", [*TYPES, *K_QUANTS])
-@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 64, 130])
-def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows) -> None:
+@pytest.mark.parametrize("rows,out_features", [
+    (1, 300), (2, 300), (5, 300), (15, 300), (16, 300), (17, 300), (20, 20), (32, 300),
+    (33, 300), (48, 300), (49, 300), (64, 300), (130, 300)])
+def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows,
+                                                               out_features) -> None:
     """bfloat16 (assertions on bf16 values): gguf_bf16_linear multiplies the weight as
     gguf_dequantize_bf16 rounds it: below 16 rows with bf16_linear's bits (the same few-row
-    tiles), from 16 rows (packed 32-feature panels, tiles of 12 rows and their tails) the
-    float32 product rounded once, for every block type and an out_features (300) that is a
-    multiple of neither panel width (the last panel overlaps the one before)."""
-    weight, _ = (random_k_quant(tensor_type, 300, 512, seed=rows) if tensor_type in K_QUANTS
-                 else quantized(tensor_type, out_features=300, in_features=512, seed=rows))
+    tiles); from 16 rows the float32 product rounded once, through both kernels that take them
+    (16-48 rows: the rows in the lanes against 16-, 12- or 8-feature panels, whole and partial
+    registers of rows; from 49: packed 32-feature panels, tiles of 12 rows and their tails), for
+    every block type and an out_features (300, or 20 < 32) that is a multiple of no panel width
+    but 12 (the last panel overlaps the one before)."""
+    weight, _ = (random_k_quant(tensor_type, out_features, 512, seed=rows)
+                 if tensor_type in K_QUANTS else
+                 quantized(tensor_type, out_features=out_features, in_features=512, seed=rows))
     blocks = weight.parts[0].data
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
     rounded = torch.ops.spmd_cpu.gguf_dequantize_bf16(blocks, int(tensor_type), 512)
     fused = torch.ops.spmd_cpu.gguf_bf16_linear(x, blocks, int(tensor_type), 512)
-    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, 300)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, out_features)
     if rows < 16:
         assert torch.equal(fused, torch.ops.spmd_cpu.bf16_linear(x, rounded))
     assert_rounded_product(fused, x, rounded)
