@@ -262,11 +262,8 @@ void attend_head_dot(const Layout& L, const bf16_bits* q, const bf16_bits* k_cac
   const bf16_bits* weights[G];
   for (int g = 0; g < G; ++g) {
     float* row = scores + g * length;
-    inv_sum[g] = softmax_weights(row, length);
     bf16_bits* w = reinterpret_cast<bf16_bits*>(row);
-    int64_t t = 0;
-    for (; t + 16 <= length; t += 16) spmd_cpu::vstore_bf16(w + t, _mm512_loadu_ps(row + t));
-    for (; t < length; ++t) w[t] = spmd_cpu::float_to_bf16(row[t]);
+    inv_sum[g] = spmd_cpu::softmax_bf16_row(row, length, w);
     w[length] = 0;
     weights[g] = w;
   }

@@ -290,10 +290,8 @@ void softmax_weights(const Shape& S, int64_t first, int64_t rows, int64_t ks, in
     const int64_t own = S.query0 + first + m % rows;       // the query's own key
     const int64_t lo = S.window > 0 ? std::max<int64_t>(own - S.window + 1, 0) : 0;
     const int64_t begin = lo - ks, end = own + 1 - ks, n = end - begin;
-    s.inverse[m] = 1.f / spmd_cpu::exp_row(row + begin, n, spmd_cpu::row_max(row + begin, n));
     std::fill(w, w + begin, bf16_bits{0});
-#pragma omp simd
-    for (int64_t j = begin; j < end; ++j) w[j] = spmd_cpu::float_to_bf16(row[j]);
+    s.inverse[m] = spmd_cpu::softmax_bf16_row(row + begin, n, w + begin);
     std::fill(w + end, w + width, bf16_bits{0});
   }
 }
