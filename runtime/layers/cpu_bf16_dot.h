@@ -167,22 +167,6 @@ inline void store_paired(__m512 low, __m512 high, float scale, bf16_bits* out) {
   vstore_bf16(out + 16, _mm512_mul_ps(_mm512_load_ps(natural + 16), s));
 }
 
-// 2^t for softmax rows whose weights are then rounded to bfloat16: 2^round(t) (VSCALEFPS, which
-// underflows to zero by itself) times a degree-5 polynomial for 2^f on [-1/2, 1/2] (a Chebyshev
-// fit, within 2.6e-7 relative in float32, as close as vexp's Cephes form): about half vexp's
-// instructions, with no clamping.
-inline __m512 vexp2(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3400432653725147e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.676037356257439e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550327152013779e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402210682630539e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471824645996e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // A softmax row of n float32 scores as bfloat16 weights: exp(s - max) rounded into w[0, n)
 // (w may overlay s: each 16 floats are read before their bytes are written); returns 1 / the
 // float32 sum of the unrounded exps.

@@ -226,10 +226,24 @@ void rotary_(at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim, const at:
 }
 
 // SiLU(gate) * up over n values of either storage type, a register at a time where there are
-// vector registers (the step itself is cpu_math.h's silu_mul_one / vsilu_mul).
+// vector registers (the step itself is cpu_math.h's silu_mul_one / vsilu_mul; bf16 rows with
+// AVX-512 take vexp2 and a reciprocal instead, 1.6x faster, their float32 within ~1e-6 of it).
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, bf16_bits>) {   // rounded to bf16: the cheaper exp and 1 / x
+    for (; i + 16 <= n; i += 16) {
+      const __m512 g = spmd_cpu::vload_bf16(gate + i);
+      const __m512 sum = _mm512_add_ps(_mm512_set1_ps(1.f), spmd_cpu::vexp2(
+          _mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f))));
+      __m512 inverse = _mm512_rcp14_ps(sum);   // one Newton step: within ~1e-8
+      inverse = _mm512_mul_ps(inverse, _mm512_fnmadd_ps(sum, inverse, _mm512_set1_ps(2.f)));
+      spmd_cpu::vstore_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(g, spmd_cpu::vload_bf16(up + i)),
+                                                   inverse));
+    }
+  }
+#endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   for (; i + spmd_cpu::kExpLanes <= n; i += spmd_cpu::kExpLanes)
     spmd_cpu::vstore_any(out + i, spmd_cpu::vsilu_mul(spmd_cpu::vload_any(gate + i),
