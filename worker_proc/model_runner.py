@@ -8,6 +8,7 @@ import torch
 from spmd_runtime.protocol.messages import StepPlan
 from spmd_runtime.protocol.step_shape import Phase, StepShape
 from spmd_runtime.runtime.layers.attention_backend import TORCH, AttentionBackend
+from spmd_runtime.runtime.models.layer_pieces import LayerPieces
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.worker_proc.drafting import Drafter
 from spmd_runtime.worker_proc.graphs import BucketGraph, StaticInputs
@@ -202,22 +203,12 @@ class ModelRunner:
         if step.unread_positions and (in_flight is None or in_flight.tokens is None):
             raise RuntimeError("the step's inputs need the tokens of a step in flight: launch "
                                "it with in_flight=")
-        num_compilations = 0
-        if step.graph is not None:
-            step.graph.load(step.inputs)
-            self._fill_unread(step.graph.inputs.input_ids, step, in_flight)
-            hidden = step.graph.replay()
-        else:
-            inputs = step.inputs.to(self.device)
-            self._fill_unread(inputs.input_ids, step, in_flight)
-            pieces, num_compilations = self.graph_runner.pieces_for(step.bucket,
-                                                                    len(inputs.input_ids))
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
-                                pieces)
+        hidden, kept, num_compilations = self._forward(step, in_flight)
         row_length = (step.bucket.length if step.graph is not None
                       and step.bucket.phase is Phase.PROMPT else None)
         prompt = prompt_logprobs(self.model, hidden, step.scheduled, self.requests, row_length)
-        tokens, host_tokens, token_slots, sampled = self._sample(step, hidden, cuda, in_flight)
+        tokens, host_tokens, token_slots, sampled = self._sample(step, hidden, cuda, in_flight,
+                                                                 kept)
         verified, verified_records = (self._verify(step.spec, hidden, step.token_masks)
                                       if step.spec else ([], None))
         for request_id, num_tokens in step.scheduled:
@@ -242,19 +233,52 @@ class ModelRunner:
         self._last_launched = launched
         return launched
 
-    def _sample(self, step: PreparedStep, hidden: torch.Tensor, cuda: bool, in_flight: LaunchedStep | None):
+    def _forward(self, step: PreparedStep,
+                 in_flight: LaunchedStep | None) -> tuple[torch.Tensor, bool, int]:
+        """The step's hidden states (a captured graph replayed, or the model run eagerly),
+        whether they are the sampled rows alone (_kept_rows), and 1 if a shape compiled."""
+        if step.graph is not None:
+            step.graph.load(step.inputs)
+            self._fill_unread(step.graph.inputs.input_ids, step, in_flight)
+            return step.graph.replay(), False, 0
+        inputs = step.inputs.to(self.device)
+        self._fill_unread(inputs.input_ids, step, in_flight)
+        pieces, num_compilations = self.graph_runner.pieces_for(step.bucket,
+                                                                len(inputs.input_ids))
+        keep = self._kept_rows(step, len(inputs.input_ids), pieces)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.batch,
+                            pieces, keep)
+        return hidden, keep is not None, num_compilations
+
+    def _kept_rows(self, step: PreparedStep, num_tokens: int,
+                   pieces: LayerPieces) -> torch.Tensor | None:
+        """The rows the model's last layer finishes: the sampled ones, where the step reads no
+        other (no prompt logprobs, no proposals to verify), they are fewer than its tokens and
+        the layers run eagerly (a compiled piece would compile again for their count); None
+        for every row."""
+        if (step.spec or not step.sample_rows or len(step.sample_rows) >= num_tokens
+                or pieces is self.graph_runner.compiled
+                or any(self.requests[r].params.prompt_logprobs is not None
+                       for r, _ in step.scheduled)):
+            return None
+        return torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
+
+    def _sample(self, step: PreparedStep, hidden: torch.Tensor, cuda: bool,
+                in_flight: LaunchedStep | None, kept: bool = False):
         """Sample the rows that end a request's known tokens, on the device; each such request
-        gets an UNREAD_TOKEN placeholder until the step is finished."""
+        gets an UNREAD_TOKEN placeholder until the step is finished. kept: hidden holds those
+        rows alone, in order (the model ran with _kept_rows)."""
         token_slots: list[tuple[RequestState, int]] = []
         if not step.sample_rows:
             return None, None, token_slots, None
-        rows = torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
         states = [self.requests[r] for r in step.sample_ids]
         # Greedy rows without penalties or logprobs need no float32 logits (a mask's -inf is
         # exact in any dtype): the largest logit is the same one.
         greedy = all(s.params.temperature == 0.0 and not s.params.penalized and
                      s.params.logprobs is None for s in states)
-        raw_logits = self.model.compute_logits(hidden[rows], float32=not greedy)
+        if not kept:
+            hidden = hidden[torch.tensor(step.sample_rows).to(self.device, non_blocking=True)]
+        raw_logits = self.model.compute_logits(hidden, float32=not greedy)
         logits = penalize_requests(raw_logits, states, in_flight.tokens if in_flight else None)
         logits = apply_token_masks(logits, step.sample_ids, step.token_masks)
         tokens = sample_on_device(logits, [s.params for s in states],

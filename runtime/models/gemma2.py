@@ -48,10 +48,11 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
-                pieces: LayerPieces) -> torch.Tensor:
+                pieces: LayerPieces, keep: torch.Tensor | None = None) -> torch.Tensor:
         mlp, eps = self.mlp, self.pre_feedforward_layernorm.eps
-        attention_output = rms_norm(self.attend(x, rope, kv_cache, batch, pieces),
+        attention_output = rms_norm(self.attend(x, rope, kv_cache, batch, pieces, keep),
                                     self.post_attention_layernorm.weight, eps)
+        x = x if keep is None else x[keep]
         x, activation = pieces.mlp_inputs(x, attention_output,
                                           self.pre_feedforward_layernorm.weight, eps,
                                           mlp.gate_up_proj, mlp.intermediate_size)

@@ -84,9 +84,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
-                pieces: LayerPieces) -> torch.Tensor:
+                pieces: LayerPieces, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output rows: all of x's, or with `keep` (row indices) those rows alone,
+        in its order (every row's keys and values are still written to the cache)."""
         mlp = self.mlp
-        attention_output = self.attend(x, rope, kv_cache, batch, pieces)
+        attention_output = self.attend(x, rope, kv_cache, batch, pieces, keep)
+        x = x if keep is None else x[keep]
         x, activation = pieces.mlp_inputs(
             x, attention_output, self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.intermediate_size)
@@ -94,8 +97,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
-               pieces: LayerPieces) -> torch.Tensor:
-        """The attention block's output (all-reduced over the ranks), before the residual."""
+               pieces: LayerPieces, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output (all-reduced over the ranks), before the residual: of
+        every row, or of the rows `keep` indexes (projected out for them alone)."""
         attn = self.self_attn
         qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         q, k, v = pieces.attention_inputs(
@@ -103,8 +107,9 @@ class LlamaDecoderLayer(nn.Module):
             attn.qkv_bias, *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim, qk_norm)
         attended = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale,
                                    attn.softcap)
-        return row_parallel_linear(attended.reshape(x.shape[0], -1), attn.o_proj, attn.o_bias,
-                                   self.tp)
+        attended = attended.reshape(x.shape[0], -1)
+        attended = attended if keep is None else attended[keep]
+        return row_parallel_linear(attended, attn.o_proj, attn.o_bias, self.tp)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,19 +183,26 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                batch: AttentionBatch, pieces: LayerPieces | None = None) -> torch.Tensor:
+                batch: AttentionBatch, pieces: LayerPieces | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm. `pieces`
         computes the layers' dense parts (eager, or compiled for the batch's shape; by default
-        the family's eager `pieces`)."""
+        the family's eager `pieces`). keep: the row indices whose hidden states are read (the
+        rows sampled), or None for all: then the last layer's output projection and MLP run
+        for those rows alone, and the result is [len(keep), hidden] in keep's order (a
+        512-token prompt's last layer is ~1/36 of its step, all but its QKV and attention)."""
         pieces = pieces or self.pieces
         x = self.embed(input_ids)
         ropes = self.layer_ropes(positions)
         weights = self.fused_decode_weights(batch, x.shape[0]) if pieces is FUSED_CPU else None
         if weights is not None:
-            return self.norm(self._fused_decode(x, ropes[0], kv_caches, batch, weights))
-        for layer, kv_cache, rope, window in zip(self.layers, kv_caches, ropes,
-                                                 self.layer_windows, strict=True):
-            x = layer(x, rope, kv_cache, batch.for_window(window), pieces)
+            hidden = self.norm(self._fused_decode(x, ropes[0], kv_caches, batch, weights))
+            return hidden if keep is None else hidden[keep]
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache, rope, window) in enumerate(zip(
+                self.layers, kv_caches, ropes, self.layer_windows, strict=True)):
+            x = layer(x, rope, kv_cache, batch.for_window(window), pieces,
+                      keep if index == last else None)
         return self.norm(x)
 
     def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -101,13 +101,16 @@ class Harness:
             return prepare(inputs, scheduled, bucket, device)
 
         inputs.build = recording_prepare
+        # Every row's hidden state is read here: the last layer runs for all rows, not only
+        # the sampled ones (test_the_last_layer_finishes_the_sampled_rows_alone covers those).
+        runner._kept_rows = lambda *_: None
         hook = self.model.register_forward_hook(
             lambda _m, _i, out: hidden.append(out.detach().clone()))
         try:
             output = runner.execute(plan)
         finally:
             hook.remove()
-            del inputs.build
+            del inputs.build, runner._kept_rows
         if not new and not cached:
             assert hidden == [] and output.request_ids == []
             return {}, {}
@@ -309,3 +312,54 @@ def test_never_written_cache_slots_do_not_leak_into_attention(pair) -> None:
     d.append(sampled[3])
     logits, _ = h.run(cached=[(3, 1, [])])
     assert_close(logits[3], reference_logits(hf, d)[-1:], "decode after a prefix hit")
+
+
+def test_the_last_layer_finishes_the_sampled_rows_alone(pair) -> None:
+    """float32 (assertions on float32 logits within ATOL and on greedy tokens): the last layer's
+    output projection and MLP run for the sampled rows only, so the model returns those rows
+    (in the order the step samples them), each the reference's; the rows not finished still write the last
+    layer's keys and values, which the next chunk of a prompt and the decodes read."""
+    hf, model, config = pair
+    h = Harness(model, config)
+    a, b, c = prompt(30, 9), prompt(31, 18), prompt(32, 13)
+    outputs: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().clone()))
+
+    def step(new=(), cached=()) -> dict[int, int]:
+        plan = StepPlan(step_id=h.steps, new_requests=[
+            NewRequestData(rid, list(tokens), list(blocks), 0, scheduled, GREEDY)
+            for rid, tokens, blocks, scheduled in new],
+            cached_request_ids=[r for r, _, _ in cached],
+            cached_num_scheduled_tokens=[n for _, n, _ in cached],
+            cached_new_block_ids=[list(blocks) for _, _, blocks in cached],
+            dropped_request_ids=[])
+        h.steps += 1
+        output = h.runner.execute(plan)
+        order[:] = output.request_ids      # the sampled rows' order, as the model returns them
+        return dict(zip(output.request_ids, output.sampled_token_ids, strict=True))
+
+    order: list[int] = []
+    try:
+        # A and C whole (sampled), B's first 6 tokens (not sampled): 28 rows, 2 finished.
+        sampled = step(new=[(0, a, [0, 1, 2], 9), (1, b, [3, 4, 5, 6, 7], 6),
+                            (2, c, [8, 9, 10, 11], 13)])
+        assert outputs[-1].shape == (2, config.hidden_size) and order == [0, 2]
+        logits = model.compute_logits(outputs[-1])
+        for row, tokens in enumerate((a, c)):
+            ref = reference_logits(hf, tokens)[-1]
+            assert_close(logits[row], ref, f"row {row}")
+        assert sampled == {0: int(reference_logits(hf, a)[-1].argmax()),
+                           2: int(reference_logits(hf, c)[-1].argmax())}
+        a.append(sampled[0])
+        # B's last 12 tokens over the keys and values its first chunk left in the last layer,
+        # with A's decode: 13 rows, 2 finished.
+        sampled = step(cached=[(1, 12, []), (0, 1, [])])
+        assert outputs[-1].shape == (2, config.hidden_size)
+        logits = model.compute_logits(outputs[-1])
+        assert order == [0, 1]         # the decode's row comes first in the step
+        assert_close(logits[0], reference_logits(hf, a)[-1], "A's decode")
+        assert_close(logits[1], reference_logits(hf, b)[-1], "B's last row")
+        assert sampled == {1: int(reference_logits(hf, b)[-1].argmax()),
+                           0: int(reference_logits(hf, a)[-1].argmax())}
+    finally:
+        hook.remove()
