@@ -66,27 +66,28 @@ inline void pack_values(RowOf row_of, int64_t n, int64_t n_pad, int64_t D, bf16_
   }
 }
 
-// Scores of R query rows (bf16, D each, `ldq` apart) against the kKeyTile keys packed at
-// `keys` (pack_keys' layout, from a group boundary), times `scale`, into float rows `lds` apart.
-template <int R>
+// Scores of R query rows (bf16, D each, `ldq` apart) against T groups of 16 keys (T <= 4, a
+// score tile's kKeyTile keys or its first groups) packed at `keys` (pack_keys' layout, from a
+// group boundary), times `scale`, into float rows `lds` apart.
+template <int R, int T = 4>
 inline void qk_tile(const bf16_bits* q, int64_t ldq, const uint32_t* keys, int64_t D,
                     float scale, float* s, int64_t lds) {
   const int64_t pairs = D / 2, group = pairs * kKeyGroup;
-  __m512 acc[R][4];
+  __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh k[4];
-    for (int t = 0; t < 4; ++t)
+    __m512bh k[T];
+    for (int t = 0; t < T; ++t)
       k[t] = (__m512bh)_mm512_loadu_si512(keys + t * group + p * kKeyGroup);
     for (int r = 0; r < R; ++r) {
       const __m512bh qr = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(q + r * ldq + 2 * p)));
-      for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qr, k[t]);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qr, k[t]);
     }
   }
   const __m512 scaled = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < 4; ++t)
+    for (int t = 0; t < T; ++t)
       _mm512_storeu_ps(s + r * lds + t * kKeyGroup, _mm512_mul_ps(acc[r][t], scaled));
 }
 

@@ -249,16 +249,28 @@ struct DotScratch {
 
 constexpr int kTileRows = 6;   // query rows per score tile: 6 x 4 accumulators
 
-void score_tile(int64_t rows, const bf16_bits* q, int64_t D, const uint32_t* keys, float scale,
+// Scores of `rows` (<= kTileRows) query rows against `groups` (1-4) groups of 16 keys.
+template <int T>
+void score_rows(int64_t rows, const bf16_bits* q, int64_t D, const uint32_t* keys, float scale,
                 float* s, int64_t lds) {
   using spmd_cpu::qk_tile;
   switch (rows) {
-    case 6: qk_tile<6>(q, D, keys, D, scale, s, lds); break;
-    case 5: qk_tile<5>(q, D, keys, D, scale, s, lds); break;
-    case 4: qk_tile<4>(q, D, keys, D, scale, s, lds); break;
-    case 3: qk_tile<3>(q, D, keys, D, scale, s, lds); break;
-    case 2: qk_tile<2>(q, D, keys, D, scale, s, lds); break;
-    default: qk_tile<1>(q, D, keys, D, scale, s, lds); break;
+    case 6: qk_tile<6, T>(q, D, keys, D, scale, s, lds); break;
+    case 5: qk_tile<5, T>(q, D, keys, D, scale, s, lds); break;
+    case 4: qk_tile<4, T>(q, D, keys, D, scale, s, lds); break;
+    case 3: qk_tile<3, T>(q, D, keys, D, scale, s, lds); break;
+    case 2: qk_tile<2, T>(q, D, keys, D, scale, s, lds); break;
+    default: qk_tile<1, T>(q, D, keys, D, scale, s, lds); break;
+  }
+}
+
+void score_tile(int64_t rows, int64_t groups, const bf16_bits* q, int64_t D,
+                const uint32_t* keys, float scale, float* s, int64_t lds) {
+  switch (groups) {
+    case 4: return score_rows<4>(rows, q, D, keys, scale, s, lds);
+    case 3: return score_rows<3>(rows, q, D, keys, scale, s, lds);
+    case 2: return score_rows<2>(rows, q, D, keys, scale, s, lds);
+    default: return score_rows<1>(rows, q, D, keys, scale, s, lds);
   }
 }
 
@@ -313,12 +325,22 @@ void attend_block_dot(const Shape& S, const bf16_bits* q, bf16_bits* out, const 
     for (int64_t i = 0; i < rows; ++i)
       std::copy_n(q + (first + i) * S.q_stride + (kv * G + h) * D, D,
                   s.queries.data() + (h * rows + i) * D);
+  // Stacked rows m .. m + n - 1 (query (m + r) % rows of head (m + r) / rows) attend keys up
+  // to their latest query's own: the keys from ks a tile of them reads (later scores are not
+  // made, later weights are zero).
+  const auto tile_keys = [&](int64_t m, int64_t n) {
+    const int64_t latest = m / rows == (m + n - 1) / rows ? (m + n - 1) % rows : rows - 1;
+    return own0 + latest + 1 - ks;
+  };
   s.scores.resize(M * width);
-  for (int64_t m = 0; m < M; m += kTileRows)
-    for (int64_t key = 0; key < width; key += kKeyTile)
-      score_tile(std::min<int64_t>(kTileRows, M - m), s.queries.data() + m * D, D,
+  for (int64_t m = 0; m < M; m += kTileRows) {
+    const int64_t n = std::min<int64_t>(kTileRows, M - m), keys = tile_keys(m, n);
+    for (int64_t key = 0; key < keys; key += kKeyTile)
+      score_tile(n, std::min<int64_t>(4, (keys - key + kKeyGroup - 1) / kKeyGroup),
+                 s.queries.data() + m * D, D,
                  head.keys.data() + (ks + key) / kKeyGroup * (D / 2) * kKeyGroup, S.scale,
                  s.scores.data() + m * width + key, width);
+  }
   softmax_weights(S, first, rows, ks, width, s);
   constexpr int64_t kSumRows = 24 / DV;
   bf16_bits* targets[kSumRows];
@@ -326,8 +348,8 @@ void attend_block_dot(const Shape& S, const bf16_bits* q, bf16_bits* out, const 
     const int64_t n = std::min<int64_t>(kSumRows, M - m);
     for (int64_t r = 0; r < n; ++r)
       targets[r] = out + (first + (m + r) % rows) * S.heads * D + (kv * G + (m + r) / rows) * D;
-    sum_tile<DV>(n, s.weights.data() + m * width, width, head.values.data() + ks * D, width / 2,
-                 s.inverse.data() + m, targets);
+    sum_tile<DV>(n, s.weights.data() + m * width, width, head.values.data() + ks * D,
+                 (tile_keys(m, n) + 1) / 2, s.inverse.data() + m, targets);
   }
 }
 
