@@ -69,6 +69,7 @@ def main() -> int:
     if args.gguf_products == "integer":
         group_quant.DIRECT_ROWS = group_quant.BF16_GEMM_ROWS = 1 << 62
         group_quant.FUSED_INTEGER_ROWS = 1 << 62
+        group_quant.K_QUANT_INTEGER_ROWS = dict.fromkeys(group_quant.K_QUANT_TYPES, 1 << 62)
     torch.manual_seed(0)
     paths = args.text or sorted(SEEDS.glob("*.md"))
     ids = load_tokenizer(resolve_model(args.model)).encode(read_text(paths))

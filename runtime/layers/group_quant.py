@@ -58,10 +58,14 @@ BF16_CHUNK_VALUES = 1 << 22
 FUSED_INTEGER_ROWS = 1           # with the fused kernel, a lone row stays integer (7.3 ms a
                                  # SmolLM2 decode step against 8.3)
 # Kernel builds with AVX512-VNNI (cpu_group_quant_vnni.h): their K-quant products stay integer
-# up to DIRECT_ROWS rows with bfloat16 activations too (a decode batch of 32 on an 8B model's
-# 4096 x 14336 Q6_K and 4096 x 4096 Q4_K: ~0.6x the bf16 path's time, Zen 5, 2 cores; the fused
-# kernel 1.0-1.2x it at 16-32 rows).
+# with bfloat16 activations up to these rows where the fused kernel is built (DIRECT_ROWS where
+# it is not): past them the fused kernel's rows-in-lanes tiles are faster. Measured on an 8B
+# model's 6144 x 4096, 4096 x 4096 and 4096 x 14336 projections (Zen 5, 2 cores): the integer
+# products' time over the fused kernel's is 0.80-0.83 at 16 rows, 0.96-1.13 at 20 and 1.43-1.85
+# at 32 for Q4_K (whose 16 levels the fused kernel looks up in a table); Q5_K 1.04-1.19 at 24,
+# Q6_K 0.91-1.03 at 24 and 1.06-1.29 at 28.
 K_QUANT_TYPES = (GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)
+K_QUANT_INTEGER_ROWS = {GGML.Q4_K: 19, GGML.Q5_K: 23, GGML.Q6_K: 25}
 
 
 @functools.cache
@@ -80,9 +84,10 @@ def vnni_kernels() -> bool:
 def bf16_gemm_rows(kind: GGML, in_features: int, out_features: int) -> int:
     """Past this many bfloat16 rows, a product of `kind`'s blocks takes bf16 products (fused or
     through oneDNN) rather than the integer ones."""
+    fused = _fused_bf16(in_features, out_features)
     if kind in K_QUANT_TYPES and vnni_kernels():
-        return DIRECT_ROWS
-    return FUSED_INTEGER_ROWS if _fused_bf16(in_features, out_features) else BF16_GEMM_ROWS
+        return min(K_QUANT_INTEGER_ROWS[kind], DIRECT_ROWS) if fused else DIRECT_ROWS
+    return FUSED_INTEGER_ROWS if fused else BF16_GEMM_ROWS
 
 # The block formats kept quantized: (weights, bytes) per block.
 KEPT_TYPES = {kind: gguf.GGML_QUANT_SIZES[kind] for kind in KEPT_BLOCK_TYPES}

@@ -201,10 +201,11 @@ def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, ro
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", [GGML.Q4_1, GGML.Q8_0, GGML.Q6_K])
-@pytest.mark.parametrize("rows", [1, 2, 12, 13, 32, 33, 129, 300])
+@pytest.mark.parametrize("rows", [1, 2, 12, 13, 25, 26, 32, 33, 129, 300])
 def test_bf16_prompts_multiply_the_weights_rounded_to_bf16(tensor_type, rows, monkeypatch) -> None:
     """bfloat16 activations (assertions on bf16 products): up to bf16_gemm_rows rows (1 where
-    the library has the fused bf16 kernel, 12 where not; a K-quant's with AVX512-VNNI 32), the
+    the library has the fused bf16 kernel, 12 where not; a K-quant's with AVX512-VNNI 19-25
+    with the fused kernel, K_QUANT_INTEGER_ROWS, and 32 without), the
     integer products of float32 (the bf16 values widened), rounded to bfloat16; past it, the
     weight dequantized and rounded to bfloat16: a panel at a time inside the fused kernel
     (the float32 product of the rounded weight, rounded once), or a chunk of output features
