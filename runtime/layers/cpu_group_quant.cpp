@@ -665,10 +665,34 @@ void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* 
     }
     return;
   }
+  if constexpr (KIND == kQ4_K) {   // super_affine's maps with d and dmin read once a super-block
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t k = 0; k < K; k += 256) {
+      const uint8_t* s = row + k / 256 * 144;
+      prefetch<144>(s);
+      const float d = half_at(s), dmin = half_at(s + 2);
+      for (int b = 0; b < 8; b += 2) {   // blocks b and b + 1: the low and high nibbles of
+        const __m512i bytes = _mm512_cvtepu8_epi16(   // the same 32 bytes, widened once
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 + 16 * b)));
+        const __m512i codes[2] = {_mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)),
+                                  _mm512_srli_epi16(bytes, 4)};
+        for (int h = 0; h < 2; ++h) {
+          int sc, m;
+          scale_min(s + 4, b + h, sc, m);
+          const __m512 table = _mm512_add_ps(
+              _mm512_mul_ps(levels, _mm512_set1_ps(d * static_cast<float>(sc))),
+              _mm512_set1_ps(-dmin * static_cast<float>(m)));
+          _mm512_storeu_si512(w + k + 32 * (b + h), _mm512_permutexvar_epi16(
+              codes[h], _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table))));
+        }
+      }
+    }
+    return;
+  }
   walk_blocks<KIND>(row, K, [&](const Wide& q, float a_low, float a_high, int zero, float c,
                                 int64_t k) {
     const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(q.low), q.high, 1);
-    if constexpr (KIND == kQ4_0 || KIND == kQ4_1 || KIND == kQ4_K) {
+    if constexpr (KIND == kQ4_0 || KIND == kQ4_1) {
       (void)a_high;
       const __m512 levels = _mm512_sub_ps(
           _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
