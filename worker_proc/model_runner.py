@@ -261,6 +261,10 @@ class ModelRunner:
                 or any(self.requests[r].params.prompt_logprobs is not None
                        for r, _ in step.scheduled)):
             return None
+        return self._sample_rows(step)
+
+    def _sample_rows(self, step: PreparedStep) -> torch.Tensor:
+        """The step's sampled rows as an index tensor on the device."""
         return torch.tensor(step.sample_rows).to(self.device, non_blocking=True)
 
     def _sample(self, step: PreparedStep, hidden: torch.Tensor, cuda: bool,
@@ -277,7 +281,7 @@ class ModelRunner:
         greedy = all(s.params.temperature == 0.0 and not s.params.penalized and
                      s.params.logprobs is None for s in states)
         if not kept:
-            hidden = hidden[torch.tensor(step.sample_rows).to(self.device, non_blocking=True)]
+            hidden = hidden[self._sample_rows(step)]
         raw_logits = self.model.compute_logits(hidden, float32=not greedy)
         logits = penalize_requests(raw_logits, states, in_flight.tokens if in_flight else None)
         logits = apply_token_masks(logits, step.sample_ids, step.token_masks)

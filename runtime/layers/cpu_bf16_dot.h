@@ -172,7 +172,6 @@ inline void store_paired(__m512 low, __m512 high, float scale, bf16_bits* out) {
 // (w may overlay s: each 16 floats are read before their bytes are written); returns 1 / the
 // float32 sum of the unrounded exps.
 inline float softmax_bf16_row(const float* s, int64_t n, bf16_bits* w) {
-  constexpr float kLog2e = 1.44269504088896341f;
   const __m512 log2e = _mm512_set1_ps(kLog2e);
   const __m512 shift = _mm512_set1_ps(-row_max(s, n) * kLog2e);
   __m512 sums = _mm512_setzero_ps();

@@ -153,7 +153,8 @@ inline void lanes_tile(const uint32_t* packed, int64_t M, int64_t K, const bf16_
   const __mmask16 features = static_cast<__mmask16>((1u << F) - 1);
   for (int v = 0; v < RV; ++v) {
     __m512i t[16];
-    for (int f = 0; f < 16; ++f) t[f] = f < F ? _mm512_castps_si512(acc[f < F ? f : 0][v]) : _mm512_setzero_si512();
+    for (int f = 0; f < F; ++f) t[f] = _mm512_castps_si512(acc[f][v]);
+    for (int f = F; f < 16; ++f) t[f] = _mm512_setzero_si512();
     transpose_words(t);   // t[j]: row 16v + j's F sums
     for (int j = 0; j < 16 && 16 * v + j < M; ++j)
       _mm256_mask_storeu_epi16(out + (16 * v + j) * ldo, features,

@@ -647,15 +647,29 @@ inline void store_bf16_weights(__m512i codes, float a_low, float a_high, int zer
   _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
 }
 
+// 32 codes of 16 levels (16-bit lanes, < 16) as bf16 weights (q - zero) * a + c into
+// dst[0, 32): the 16 possible weights computed as store_bf16_weights computes them, rounded to
+// bf16 once, and looked up by the codes (VPERMW).
+inline void store_bf16_by_table(__m512i codes, float a, int zero, float c,
+                                spmd_cpu::bf16_bits* dst) {
+  const __m512 levels = _mm512_sub_ps(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_ps(static_cast<float>(zero)));
+  const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(a)), _mm512_set1_ps(c));
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(
+      codes, _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table))));
+}
+
 // One output feature's K weights straight to bf16: the bits of dequantize_vector's float32
 // weights rounded, without them passing through memory.
 template <int64_t KIND>
 void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* w) {
+  constexpr Format fmt = block_format(KIND);
   if constexpr (KIND == kQ8_0) {   // signed bytes widened to float32 lanes directly: a q + 0
     const __m512 zero = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += kBlock) {
-      const uint8_t* s = row + k / kBlock * 34;
-      prefetch<34>(s);
+    for (int64_t k = 0; k < K; k += fmt.weights) {
+      const uint8_t* s = row + k / fmt.weights * fmt.bytes;
+      prefetch<fmt.bytes>(s);
       const __m512 a = _mm512_set1_ps(half_at(s));
       const auto part = [&](int at) {
         return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -666,10 +680,9 @@ void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* 
     return;
   }
   if constexpr (KIND == kQ4_K) {   // super_affine's maps with d and dmin read once a super-block
-    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t k = 0; k < K; k += 256) {
-      const uint8_t* s = row + k / 256 * 144;
-      prefetch<144>(s);
+    for (int64_t k = 0; k < K; k += fmt.weights) {
+      const uint8_t* s = row + k / fmt.weights * fmt.bytes;
+      prefetch<fmt.bytes>(s);
       const float d = half_at(s), dmin = half_at(s + 2);
       for (int b = 0; b < 8; b += 2) {   // blocks b and b + 1: the low and high nibbles of
         const __m512i bytes = _mm512_cvtepu8_epi16(   // the same 32 bytes, widened once
@@ -679,11 +692,8 @@ void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* 
         for (int h = 0; h < 2; ++h) {
           int sc, m;
           scale_min(s + 4, b + h, sc, m);
-          const __m512 table = _mm512_add_ps(
-              _mm512_mul_ps(levels, _mm512_set1_ps(d * static_cast<float>(sc))),
-              _mm512_set1_ps(-dmin * static_cast<float>(m)));
-          _mm512_storeu_si512(w + k + 32 * (b + h), _mm512_permutexvar_epi16(
-              codes[h], _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table))));
+          store_bf16_by_table(codes[h], d * static_cast<float>(sc), 0,
+                              -dmin * static_cast<float>(m), w + k + 32 * (b + h));
         }
       }
     }
@@ -694,13 +704,7 @@ void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* 
     const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(q.low), q.high, 1);
     if constexpr (KIND == kQ4_0 || KIND == kQ4_1) {
       (void)a_high;
-      const __m512 levels = _mm512_sub_ps(
-          _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-          _mm512_set1_ps(static_cast<float>(zero)));
-      const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(a_low)),
-                                         _mm512_set1_ps(c));
-      _mm512_storeu_si512(w + k, _mm512_permutexvar_epi16(
-          codes, _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table))));
+      store_bf16_by_table(codes, a_low, zero, c, w + k);
     } else {
       store_bf16_weights(codes, a_low, a_high, zero, c, w + k);
     }
@@ -813,15 +817,17 @@ template <int64_t P, class Multiply>
 void dequantized_panels(int64_t kind, const uint8_t* data, int64_t row_bytes, int64_t K,
                         int64_t N, int64_t scratch_words, Multiply&& multiply) {
   at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
     std::vector<spmd_cpu::bf16_bits> panel(P * K);
     std::vector<uint32_t> scratch(scratch_words);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = spmd_cpu::bf16_panel_start<P>(p, N);
-      for (int64_t f = 0; f < P; ++f)
-        dequantize_row_bf16(kind, data, row_bytes, K, n0 + f, row.data(), panel.data() + f * K);
-      multiply(panel.data(), n0, scratch.data());
-    }
+    with_kind(kind, [&](auto k) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = spmd_cpu::bf16_panel_start<P>(p, N);
+        for (int64_t f = 0; f < P; ++f)
+          dequantize_vector_bf16<decltype(k)::value>(data + (n0 + f) * row_bytes, K,
+                                                     panel.data() + f * K);
+        multiply(panel.data(), n0, scratch.data());
+      }
+    });
   });
 }
 #endif

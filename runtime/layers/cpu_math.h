@@ -86,10 +86,12 @@ inline vfloat vexp(vfloat x) {
 #endif
 
 #if defined(__AVX512F__)
-// 2^t where float32 within a few ulp is enough (softmax weights and SiLU rounded to bf16): 2^round(t) (VSCALEFPS, which
-// underflows to zero by itself) times a degree-5 polynomial for 2^f on [-1/2, 1/2] (a Chebyshev
-// fit, within 2.6e-7 relative in float32, as close as vexp's Cephes form): about half vexp's
-// instructions, with no clamping.
+constexpr float kLog2e = 1.44269504088896341f;   // exp(x) = 2^(x kLog2e)
+
+// 2^t where float32 within a few ulp is enough (softmax weights and SiLU rounded to bf16):
+// 2^round(t) (VSCALEFPS, which underflows to zero by itself) times a degree-5 polynomial for
+// 2^f on [-1/2, 1/2] (a Chebyshev fit, within 2.6e-7 relative in float32, as close as vexp's
+// Cephes form): about half vexp's instructions, with no clamping.
 inline __m512 vexp2(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
