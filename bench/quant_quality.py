@@ -15,9 +15,10 @@ model's perplexity is exp(mean negative log-likelihood of the true next token).
 
 With `gguf`, every position's products take the integer path (activations held as 16-bit fixed
 point per block of 32, integer dot products) that a lone decode row takes, and with float32
-activations up to group_quant.DIRECT_ROWS rows: a window's rows would otherwise go through the
-GEMM that longer prompts take (with bfloat16 activations, past group_quant.bf16_gemm_rows rows:
-weights rounded to bfloat16, as the dequantized bf16 model holds them).
+activations up to group_quant.f32_integer_rows rows: a window's rows would otherwise go through
+the float32 panels (or the GEMM) that longer prompts take (with bfloat16 activations, past
+group_quant.bf16_gemm_rows rows: weights rounded to bfloat16, as the dequantized bf16 model
+holds them).
 `--gguf-products gemm` measures that path instead.
 """
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> int:
         group_quant.DIRECT_ROWS = group_quant.BF16_GEMM_ROWS = 1 << 62
         group_quant.FUSED_INTEGER_ROWS = 1 << 62
         group_quant.K_QUANT_INTEGER_ROWS = dict.fromkeys(group_quant.K_QUANT_TYPES, 1 << 62)
+        group_quant.F32_INTEGER_ROWS = dict.fromkeys(group_quant.F32_INTEGER_ROWS, 1 << 62)
+        group_quant.F32_K_QUANT_VNNI_INTEGER_ROWS = 1 << 62
     torch.manual_seed(0)
     paths = args.text or sorted(SEEDS.glob("*.md"))
     ids = load_tokenizer(resolve_model(args.model)).encode(read_text(paths))

@@ -19,3 +19,8 @@ needs_cpu_ops = pytest.mark.skipif(not BUILT_FOR_THIS_CPU, reason="this CPU has 
 CPU_HAS_BF16 = BUILT_FOR_THIS_CPU and "avx512_bf16" in cpu_features.detect().flags
 needs_bf16_tiles = pytest.mark.skipif(not CPU_HAS_BF16, reason="this CPU has no AVX512-BF16: "
                                       "the library has no bf16 tiles for it")
+
+# Where the CPU has AVX-512 the library's level has gguf_linear's float32 panels.
+CPU_HAS_AVX512 = BUILT_FOR_THIS_CPU and "avx512f" in cpu_features.detect().flags
+needs_f32_panels = pytest.mark.skipif(not CPU_HAS_AVX512, reason="this CPU has no AVX-512: the "
+                                      "library has no float32 panels for GGUF blocks")

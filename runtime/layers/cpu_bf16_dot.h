@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_avx512.h"
 #include "cpu_bf16.h"
 
 namespace spmd_cpu {
@@ -114,34 +115,6 @@ inline void pv_tile(const bf16_bits* w, int64_t ldw, const bf16_bits* values, in
     const __m512 inv = _mm512_set1_ps(inverse[r]);
     for (int t = 0; t < DV; ++t) vstore_bf16(out[r] + t * 16, _mm512_mul_ps(acc[r][t], inv));
   }
-}
-
-// The lane sums of 16 registers: lane i of the result is the sum of a[i]'s lanes. Four rounds
-// each add two registers' halves side by side (two-source permutes), halving the lanes per
-// register and doubling the registers per vector: 45 instructions for 16 sums. a is clobbered.
-inline __m512 lane_sums(__m512* a) {
-  static const struct Indices {
-    __m512i low[4], high[4];
-    Indices() {
-      for (int round = 0; round < 4; ++round) {
-        const int width = 8 >> round, per = 1 << round;     // lanes a token keeps; tokens a row
-        alignas(64) int32_t low_at[16], high_at[16];
-        for (int i = 0; i < 16; ++i) {
-          const int token = i / width, lane = i % width;
-          const int from = (token % per) * 2 * width + lane + (token >= per ? 16 : 0);
-          low_at[i] = from;
-          high_at[i] = from + width;
-        }
-        low[round] = _mm512_load_si512(low_at);
-        high[round] = _mm512_load_si512(high_at);
-      }
-    }
-  } idx;
-  for (int round = 0, n = 16; round < 4; ++round, n /= 2)
-    for (int i = 0; i < n / 2; ++i)
-      a[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], idx.low[round], a[2 * i + 1]),
-                           _mm512_permutex2var_ps(a[2 * i], idx.high[round], a[2 * i + 1]));
-  return a[0];
 }
 
 // Two value rows' 32 dimensions from `offset` interleaved for VDPBF16PS: lane 4j + e of `low`

@@ -12,39 +12,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_avx512.h"
 #include "cpu_bf16.h"
 
 namespace spmd_cpu {
 
 constexpr int64_t kGemmPanel = 32;   // output features a packed panel holds (two registers)
 constexpr int64_t kGemmRows = 12;    // rows of a register tile: 24 accumulators
-
-// r[0..16) as 16 rows of 16 32-bit words -> r[c] = column c (word c of each row, in row order).
-inline void transpose_words(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // u[4g + e]: in each 128-bit lane L, rows 4g .. 4g+3's word 4L + e.
-  for (int g = 0; g < 4; ++g) {
-    const __m512i* q = t + 4 * g;
-    u[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i s0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
-    const __m512i s1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-    const __m512i s2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
-    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-    r[e] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-    r[4 + e] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
-    r[8 + e] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
-  }
-}
 
 // kGemmPanel weight rows of K bf16 (row j at rows + j * K; K a multiple of 32) packed: word
 // (p * kGemmPanel + j) holds row j's inputs 2p and 2p + 1.
@@ -88,23 +62,9 @@ inline void gemm_panel_rows(const bf16_bits* x, int64_t M, int64_t K, const uint
   int64_t r = 0;
   for (; r + kGemmRows <= M; r += kGemmRows)
     gemm_tile<kGemmRows>(x + r * K, K, packed, out + r * ldo, ldo);
-  const auto tail = [&](auto rows) {
+  with_row_count<1, kGemmRows - 1>(M - r, [&](auto rows) {
     gemm_tile<decltype(rows)::value>(x + r * K, K, packed, out + r * ldo, ldo);
-  };
-  switch (M - r) {
-    case 0: return;
-    case 1: return tail(std::integral_constant<int, 1>{});
-    case 2: return tail(std::integral_constant<int, 2>{});
-    case 3: return tail(std::integral_constant<int, 3>{});
-    case 4: return tail(std::integral_constant<int, 4>{});
-    case 5: return tail(std::integral_constant<int, 5>{});
-    case 6: return tail(std::integral_constant<int, 6>{});
-    case 7: return tail(std::integral_constant<int, 7>{});
-    case 8: return tail(std::integral_constant<int, 8>{});
-    case 9: return tail(std::integral_constant<int, 9>{});
-    case 10: return tail(std::integral_constant<int, 10>{});
-    default: return tail(std::integral_constant<int, 11>{});
-  }
+  });
 }
 
 // Rows in the lanes, for 16 to kLanesMaxRows rows: the transpose of the tiles above, so the

@@ -59,8 +59,11 @@ struct Ops {
           "spmd_cpu::paged_decode_attention");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul =
       op<Tensor(const Tensor&)>("spmd_cpu::silu_mul");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> gguf_linear =
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> gguf_bf16_linear =
       op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>("spmd_cpu::gguf_bf16_linear");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>
+      gguf_linear = op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>(
+          "spmd_cpu::gguf_linear");
 };
 
 const Ops& ops() {
@@ -168,8 +171,10 @@ void check_norm(at::TensorList weights, size_t index, const LayerShapes& s) {
               ", [", s.hidden, "] in x's dtype ", s.dtype, " expected");
 }
 
-// A bf16 projection may also be a GGUF file's blocks (uint8 [out, bytes a row], group_quant.py)
-// with an int64 [GGML type, in_features] stand-in, multiplied by spmd_cpu::gguf_bf16_linear.
+// A projection may also be a GGUF file's blocks (uint8 [out, bytes a row], group_quant.py) with
+// an int64 [GGML type, in_features] stand-in, multiplied by spmd_cpu::gguf_bf16_linear (bf16) or
+// by spmd_cpu::gguf_linear's float32 panels (float32: group_quant.py hands the blocks over only
+// at row counts past its integer products).
 bool gguf_blocks(const Tensor& weight) { return weight.scalar_type() == at::kByte; }
 
 // A GGUF projection's [out, in] from its blocks and stand-in.
@@ -192,14 +197,14 @@ size_t shape_slot(at::TensorList weights, size_t index, at::ScalarType dtype) {
 
 // A projection's rows (output features); 0 where its shape is not one.
 int64_t projection_rows(at::TensorList weights, size_t index, at::ScalarType dtype) {
-  if (dtype != at::kFloat && gguf_blocks(weights[index])) return gguf_shape(weights, index).first;
+  if (gguf_blocks(weights[index])) return gguf_shape(weights, index).first;
   const Tensor& shaped = weights[shape_slot(weights, index, dtype)];
   return shaped.dim() == 2 ? shaped.size(0) : 0;
 }
 
 void check_projection(at::TensorList weights, size_t index, const LayerShapes& s, int64_t out,
                       int64_t in) {
-  if (s.dtype != at::kFloat && gguf_blocks(weights[index])) {
+  if (gguf_blocks(weights[index])) {
     // The blocks' bytes and type are the operator's to check, at its call.
     spmd_cpu::check_cpu_tensor(weights[index], "decode_layers", slot_name(index).c_str());
     const auto [rows, columns] = gguf_shape(weights, index);
@@ -274,17 +279,19 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
   const Ops& f = ops();
   const bool plain = x_in.scalar_type() != at::kFloat;
   const std::optional<Tensor> no_bias;
-  // float32 weights are MKL-packed (an opaque buffer) or oneDNN-packed (shaped as the weight);
-  // bf16 ones oneDNN-packed, plain [out, in] tensors, which the layer loop (linear.py) gives
-  // the bf16 tiles at decode row counts and oneDNN's linear otherwise, or GGUF blocks.
+  // GGUF blocks in either dtype; float32 weights otherwise MKL-packed (an opaque buffer) or
+  // oneDNN-packed (shaped as the weight); bf16 ones oneDNN-packed or plain [out, in] tensors,
+  // which the layer loop (linear.py) gives the bf16 tiles at decode row counts and oneDNN's
+  // linear otherwise.
   const auto project = [&](const Tensor& input, const Tensor* w) {
+    if (gguf_blocks(w[0])) {
+      const int64_t* info = w[1].const_data_ptr<int64_t>();
+      return plain ? f.gguf_bf16_linear.call(input.contiguous(), w[0], info[0], info[1])
+                   : f.gguf_linear.call(input.contiguous(), w[0], info[0], info[1], 0);
+    }
     if (!plain && w[0].sizes() != w[1].sizes())
       return f.linear.call(input, w[0], w[1], no_bias, n);
     if (w[0].is_mkldnn()) return onednn_linear(input, w[0]);
-    if (gguf_blocks(w[0])) {
-      const int64_t* info = w[1].const_data_ptr<int64_t>();
-      return f.gguf_linear.call(input.contiguous(), w[0], info[0], info[1]);
-    }
     if (spmd_cpu::bf16_linear_takes(n, w[0].size(1), w[0].size(0)))
       return spmd_cpu::bf16_linear(input.contiguous(), w[0]);
     return onednn_linear_available() ? onednn_linear(input, w[0])

@@ -28,6 +28,7 @@
 #include "cpu_bf16.h"
 #include "cpu_bf16_gemm.h"
 #include "cpu_bf16_linear.h"
+#include "cpu_f32_gemm.h"
 #include "cpu_math.h"
 
 namespace {
@@ -732,6 +733,82 @@ void dequantize_row_bf16(int64_t kind, const uint8_t* blocks, int64_t row_bytes,
 #endif
 }
 
+#if defined(__AVX512F__)
+// One output feature's K weights into w, float32 (dequantize_vector's) or bf16 (those rounded).
+template <int64_t KIND>
+inline void dequantize_into(const uint8_t* row, int64_t K, float* w) {
+  dequantize_vector<KIND>(row, K, w);
+}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+template <int64_t KIND>
+inline void dequantize_into(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* w) {
+  dequantize_vector_bf16<KIND>(row, K, w);
+}
+#endif
+
+// W's output features in panels of P, each task's dequantized to T (P x K, row-major: float32
+// as gguf_dequantize makes them, bf16 as gguf_dequantize_bf16 rounds them) in buffers of its
+// own and handed to multiply(panel, first feature, scratch of scratch_words words).
+template <int64_t P, class T, class Scratch, class Multiply>
+void dequantized_panels(int64_t kind, const uint8_t* data, int64_t row_bytes, int64_t K,
+                        int64_t N, int64_t scratch_words, Multiply&& multiply) {
+  at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> panel(P * K);
+    std::vector<Scratch> scratch(scratch_words);
+    with_kind(kind, [&](auto k) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = spmd_cpu::bf16_panel_start<P>(p, N);
+        for (int64_t f = 0; f < P; ++f)
+          dequantize_into<decltype(k)::value>(data + (n0 + f) * row_bytes, K,
+                                              panel.data() + f * K);
+        multiply(panel.data(), n0, scratch.data());
+      }
+    });
+  });
+}
+
+// x [M, K] float32 @ W^T into out [M, N] with W's panels dequantized to float32 in cache
+// (cpu_f32_gemm.h's tiles): few rows against row-major panels of 8, 16-48 rows in the lanes,
+// more against packed panels of 32. N >= 8.
+void fused_f32(const at::Tensor& x, int64_t kind, const uint8_t* data, int64_t row_bytes,
+               int64_t N, at::Tensor& out) {
+  namespace s = spmd_cpu;
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* xp = x.const_data_ptr<float>();
+  float* o = out.mutable_data_ptr<float>();
+  const auto lanes = [&](auto registers, auto features) {
+    constexpr int RV = decltype(registers)::value, F = decltype(features)::value;
+    std::vector<float> packed(K * RV * 16);
+    s::f32_pack_lanes(xp, M, K, packed.data());
+    dequantized_panels<F, float, float>(kind, data, row_bytes, K, N, 0,
+                                        [&](const float* panel, int64_t n0, float*) {
+                                          s::f32_lanes_tile<RV, F>(packed.data(), M, K, panel,
+                                                                   o + n0, N);
+                                        });
+  };
+  using std::integral_constant;
+  if (M >= s::kF32LanesFromRows && M <= s::kF32LanesMaxRows && N >= 16) {
+    switch (s::f32_lane_registers(M)) {
+      case 1: return lanes(integral_constant<int, 1>{}, integral_constant<int, 16>{});
+      case 2: return lanes(integral_constant<int, 2>{}, integral_constant<int, 12>{});
+      default: return lanes(integral_constant<int, 3>{}, integral_constant<int, 8>{});
+    }
+  }
+  if (M >= s::kF32LanesFromRows && N >= s::kF32GemmPanel) {
+    return dequantized_panels<s::kF32GemmPanel, float, float>(
+        kind, data, row_bytes, K, N, s::kF32GemmPanel * K,
+        [&](const float* panel, int64_t n0, float* packed) {
+          s::f32_pack_panel(panel, K, packed);
+          s::f32_gemm_panel_rows(xp, M, K, packed, o + n0, N);
+        });
+  }
+  dequantized_panels<s::kF32FewPanel, float, float>(
+      kind, data, row_bytes, K, N, 0, [&](const float* panel, int64_t n0, float*) {
+        s::f32_panel_rows(xp, M, K, panel, o + n0, N);
+      });
+}
+#endif
+
 void tiled(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t row_bytes,
            int64_t N, at::Tensor& out) {
   const int64_t K = x.size(1);
@@ -758,6 +835,18 @@ void check_blocks(const char* op, const at::Tensor& blocks, int64_t kind, int64_
               " weights of GGML type ", kind);
 }
 
+// Whether gguf_linear multiplies float32 rows past direct_rows by panels dequantized to
+// float32 (fused_f32) rather than by MKL's GEMM of dequantized chunks.
+bool gguf_linear_fused(int64_t in_features, int64_t out_features) {
+#if defined(__AVX512F__)
+  return in_features > 0 && in_features % 16 == 0 && out_features >= spmd_cpu::kF32FewPanel;
+#else
+  (void)in_features;
+  (void)out_features;
+  return false;
+#endif
+}
+
 // x [M, K] float32 @ W^T, W [N, K] as its GGUF blocks ([N, bytes a row] uint8) -> [M, N] float32.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                        int64_t in_features, int64_t direct_rows) {
@@ -774,6 +863,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (rows.size(0) <= direct_rows) {
     direct(rows, kind, data, blocks.size(1), N, out);
+    return out;
+  }
+#endif
+#if defined(__AVX512F__)
+  if (gguf_linear_fused(in_features, N)) {
+    fused_f32(rows, kind, data, blocks.size(1), N, out);
     return out;
   }
 #endif
@@ -809,28 +904,6 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
   return out;
 }
 
-#if defined(__AVX512BF16__)
-// W's output features in panels of P, each task's dequantized to bf16 (P x K, row-major, as
-// gguf_dequantize_bf16 rounds them) in buffers of its own and handed to
-// multiply(panel, first feature, scratch of scratch_words words).
-template <int64_t P, class Multiply>
-void dequantized_panels(int64_t kind, const uint8_t* data, int64_t row_bytes, int64_t K,
-                        int64_t N, int64_t scratch_words, Multiply&& multiply) {
-  at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
-    std::vector<spmd_cpu::bf16_bits> panel(P * K);
-    std::vector<uint32_t> scratch(scratch_words);
-    with_kind(kind, [&](auto k) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = spmd_cpu::bf16_panel_start<P>(p, N);
-        for (int64_t f = 0; f < P; ++f)
-          dequantize_vector_bf16<decltype(k)::value>(data + (n0 + f) * row_bytes, K,
-                                                     panel.data() + f * K);
-        multiply(panel.data(), n0, scratch.data());
-      }
-    });
-  });
-}
-#endif
 
 // x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16, without W in memory
 // at any precision: each task dequantizes a panel of output features to bfloat16 in buffers of
@@ -869,7 +942,7 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
     constexpr int RV = decltype(registers)::value, F = decltype(features)::value;
     std::vector<uint32_t> packed(K / 2 * RV * 16);
     spmd_cpu::pack_lanes(xp, M, K, packed.data());
-    dequantized_panels<F>(kind, data, row_bytes, K, N, 0,
+    dequantized_panels<F, spmd_cpu::bf16_bits, uint32_t>(kind, data, row_bytes, K, N, 0,
                           [&](const spmd_cpu::bf16_bits* panel, int64_t n0, uint32_t*) {
                             spmd_cpu::lanes_tile<RV, F>(packed.data(), M, K, panel, o + n0, N);
                           });
@@ -882,14 +955,14 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
       default: lanes(integral_constant<int, 3>{}, integral_constant<int, 8>{}); break;
     }
   } else if (M >= kGemmFromRows && N >= spmd_cpu::kGemmPanel) {
-    dequantized_panels<spmd_cpu::kGemmPanel>(
+    dequantized_panels<spmd_cpu::kGemmPanel, spmd_cpu::bf16_bits, uint32_t>(
         kind, data, row_bytes, K, N, spmd_cpu::kGemmPanel * K / 2,
         [&](const spmd_cpu::bf16_bits* panel, int64_t n0, uint32_t* packed) {
           spmd_cpu::pack_gemm_panel(panel, K, packed);
           spmd_cpu::gemm_panel_rows(xp, M, K, packed, o + n0, N);
         });
   } else {
-    dequantized_panels<spmd_cpu::kBf16Panel>(
+    dequantized_panels<spmd_cpu::kBf16Panel, spmd_cpu::bf16_bits, uint32_t>(
         kind, data, row_bytes, K, N, 0,
         [&](const spmd_cpu::bf16_bits* panel, int64_t n0, uint32_t*) {
           spmd_cpu::bf16_panel_rows(xp, M, K, panel, o + n0, N);
@@ -909,6 +982,7 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("gguf_bf16_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("gguf_bf16_linear_supported(int in_features, int out_features) -> bool",
         &spmd_cpu::bf16_linear_supported);
+  m.def("gguf_linear_fused(int in_features, int out_features) -> bool", &gguf_linear_fused);
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {

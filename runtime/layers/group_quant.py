@@ -66,6 +66,17 @@ FUSED_INTEGER_ROWS = 1           # with the fused kernel, a lone row stays integ
 # Q6_K 0.91-1.03 at 24 and 1.06-1.29 at 28.
 K_QUANT_TYPES = (GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)
 K_QUANT_INTEGER_ROWS = {GGML.Q4_K: 19, GGML.Q5_K: 23, GGML.Q6_K: 25}
+# float32 activations, where the library is built with AVX-512 (spmd_cpu::gguf_linear's
+# float32 panels, cpu_f32_gemm.h): the integer products up to these rows, past them the weights
+# dequantized to float32 a panel at a time inside the product, gguf's own values multiplied in
+# float32 (where the library is not, the integer products up to DIRECT_ROWS, then 64-feature
+# chunks for MKL's GEMM). Measured on 2 Zen 5 cores against the integer products (layer of
+# SmolLM2's shapes and of 1024-4096 wide ones): blocks of 32 cross at 9-10 rows (Q4_1's 32 rows
+# 0.59 against 1.31 ms, 512 rows 7.3 ms against MKL's 16.2 on the dense weight), Q8_0 between 16
+# and 32; the K-quants' integer products with AVX512-VNNI stay ahead to ~128 rows (Q6_K at 128:
+# 4.8 against 5.5 ms), without VNNI the integer products keep DIRECT_ROWS.
+F32_INTEGER_ROWS = {GGML.Q4_0: 8, GGML.Q4_1: 8, GGML.Q5_0: 8, GGML.Q5_1: 8, GGML.Q8_0: 16}
+F32_K_QUANT_VNNI_INTEGER_ROWS = 128
 
 
 @functools.cache
@@ -88,6 +99,26 @@ def bf16_gemm_rows(kind: GGML, in_features: int, out_features: int) -> int:
     if kind in K_QUANT_TYPES and vnni_kernels():
         return min(K_QUANT_INTEGER_ROWS[kind], DIRECT_ROWS) if fused else DIRECT_ROWS
     return FUSED_INTEGER_ROWS if fused else BF16_GEMM_ROWS
+
+
+
+@functools.cache
+def _fused_f32(in_features: int, out_features: int) -> bool:
+    """Whether the loaded library multiplies float32 rows by this shape's blocks dequantized to
+    float32 panels (spmd_cpu::gguf_linear past its integer rows)."""
+    return cpu_ops.load() and bool(
+        torch.ops.spmd_cpu.gguf_linear_fused(in_features, out_features))
+
+
+def f32_integer_rows(kind: GGML, in_features: int, out_features: int) -> int:
+    """Up to this many float32 rows, a product of `kind`'s blocks takes the integer products;
+    past it the float32 panels (or, where they are not built, MKL's GEMM of dequantized
+    chunks)."""
+    if not _fused_f32(in_features, out_features):
+        return DIRECT_ROWS
+    if kind in K_QUANT_TYPES:
+        return F32_K_QUANT_VNNI_INTEGER_ROWS if vnni_kernels() else DIRECT_ROWS
+    return F32_INTEGER_ROWS[kind]
 
 # The block formats kept quantized: (weights, bytes) per block.
 KEPT_TYPES = {kind: gguf.GGML_QUANT_SIZES[kind] for kind in KEPT_BLOCK_TYPES}
@@ -115,8 +146,9 @@ class Blocks:
         another device (or without the library) the weight expanded there by torch operations
         for this product alone."""
         if rows.device.type == "cpu" and cpu_ops.load():
-            return torch.ops.spmd_cpu.gguf_linear(rows, self.data, int(self.kind), in_features,
-                                                  DIRECT_ROWS)
+            return torch.ops.spmd_cpu.gguf_linear(
+                rows, self.data, int(self.kind), in_features,
+                f32_integer_rows(self.kind, in_features, self.data.shape[0]))
         return F.linear(rows, gguf_torch.dequantize(self.data.to(rows.device), self.kind, in_features))
 
     def bf16_product(self, rows: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -275,14 +307,18 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
 def decode_layers_blocks(weight: GroupQuantWeight,
                          rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The (blocks, int64 [GGML type, in_features]) slot pair spmd_cpu::decode_layers takes for
-    a bf16 projection of one block type whose products at `rows` rows are gguf_bf16_linear's
-    (as group_quant_linear multiplies it); None for any other."""
-    if len(weight.parts) != 1 or weight.dtype != torch.bfloat16:
+    a projection of one block type whose products at `rows` rows are the fused kernel's, as
+    group_quant_linear multiplies it: bf16 past bf16_gemm_rows (gguf_bf16_linear), float32 past
+    f32_integer_rows (gguf_linear's float32 panels); None for any other."""
+    if len(weight.parts) != 1 or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     part = weight.parts[0]
-    out_features = part.data.shape[0]
-    if part.data.device.type != "cpu" or not _fused_bf16(weight.in_features, out_features) or \
-            rows <= bf16_gemm_rows(part.kind, weight.in_features, out_features):
+    shape = (weight.in_features, part.data.shape[0])
+    if weight.dtype == torch.bfloat16:
+        fused = _fused_bf16(*shape) and rows > bf16_gemm_rows(part.kind, *shape)
+    else:
+        fused = _fused_f32(*shape) and rows > f32_integer_rows(part.kind, *shape)
+    if part.data.device.type != "cpu" or not fused:
         return None
     return part.data, _block_info(int(part.kind), weight.in_features)
 

@@ -137,8 +137,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 
 def decode_layers_slots(weight: object, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A projection's (packed, stand-in) pair for spmd_cpu::decode_layers at `rows` rows: MKL's
-    or oneDNN's packed form, a plain bfloat16 weight in both places, or a bf16 GGUF weight's
-    blocks and their type; None for any other form."""
+    or oneDNN's packed form, a plain bfloat16 weight in both places, or a GGUF weight's blocks
+    and their type; None for any other form."""
     if isinstance(weight, PackedWeight):
         return weight.packed, weight.stand_in
     if isinstance(weight, GroupQuantWeight):

@@ -213,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
                              num_tokens: int) -> list[torch.Tensor] | None:
         """The tensors spmd_cpu::decode_layers takes, where it can run this step: a batch of
         decodes alone (one C++-kernel group, no padding) on one rank, every projection packed
-        for MKL (float32), a plain bfloat16 weight (its slot pair holds it twice) or bf16 GGUF
+        for MKL (float32), a plain bfloat16 weight (its slot pair holds it twice) or GGUF
         blocks past their integer rows (the blocks and their type), without bias
         or query/key norm, and one window on every layer or none (the kernel's starts apply to
         all); None otherwise (the layer loop runs)."""

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 import torch
-from cpu_library import needs_bf16_tiles
+from cpu_library import needs_bf16_tiles, needs_f32_panels
 from cpu_library import needs_cpu_ops as needs_ops
 from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
 from spmd_runtime.runtime.layers.linear import linear as runtime_linear
@@ -181,18 +181,18 @@ def test_bf16_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(packed) 
     assert_one_call_is_the_layer_loop(model, config, 7)
 
 
-def gguf_tiny_model(tensor_type):
-    """tiny_model in bfloat16 with every projection held as `tensor_type`'s GGUF blocks."""
+def gguf_tiny_model(tensor_type, dtype=torch.bfloat16):
+    """tiny_model in `dtype` with every projection held as `tensor_type`'s GGUF blocks."""
     import gguf
     import numpy as np
     from spmd_runtime.runtime.layers.group_quant import from_gguf_blocks
     from spmd_runtime.runtime.layers.quantization import swap_weight
 
-    model, config = tiny_model(3, torch.bfloat16)
+    model, config = tiny_model(3, dtype)
     for module, name in model.projection_slots():
         weight = getattr(module, name).float().numpy()
         raw = gguf.quants.quantize(np.ascontiguousarray(weight), tensor_type)
-        swap_weight(module, name, from_gguf_blocks(raw, tensor_type, weight.shape, torch.bfloat16))
+        swap_weight(module, name, from_gguf_blocks(raw, tensor_type, weight.shape, dtype))
     return model, config
 
 
@@ -211,6 +211,21 @@ def test_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(tensor_t
     assert_one_call_is_the_layer_loop(model, config, sequences)
     _, batch, _ = decode_batch(config, 1)
     assert model.fused_decode_weights(batch, 1) is None
+
+
+@needs_f32_panels
+@pytest.mark.parametrize("tensor_type", ["Q4_1", "Q8_0"])
+def test_float32_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(tensor_type) -> None:
+    """float32 (assertions on float32 hidden states and caches): GGUF blocks run in the one-call
+    decode through gguf_linear's float32 panels past their integer rows (20 rows: in the
+    lanes), as the layer loop multiplies them; 8 rows stay in the layer loop, whose products
+    are integer there."""
+    from gguf import GGMLQuantizationType as GGML
+
+    model, config = gguf_tiny_model(GGML[tensor_type], torch.float32)
+    assert_one_call_is_the_layer_loop(model, config, 20)
+    _, batch, _ = decode_batch(config, 8)
+    assert model.fused_decode_weights(batch, 8) is None
 
 
 @needs_bf16_tiles

@@ -1,8 +1,9 @@
 """GGUF block-quantized weights kept quantized (runtime/layers/group_quant.py and the C++
 gguf_linear): the file's blocks held as they are, sliced and stacked as shards and fused
-projections do, and the products (float32 throughout): at up to DIRECT_ROWS rows against the
-dequantised weight times the activations as 16-bit fixed point per block of 32 (integer dot
-products), past it against the float32 activations."""
+projections do, and the products (float32 throughout): up to group_quant.f32_integer_rows rows
+against the dequantised weight times the activations as 16-bit fixed point per block of 32
+(integer dot products), past it against the float32 activations (the float32 panels, or MKL's
+GEMM of dequantized chunks)."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +31,6 @@ TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0]
 # Bytes each weight is held in: the file's, a block's bytes over its 32 weights.
 HELD_BYTES = {GGML.Q4_0: 18 / 32, GGML.Q4_1: 20 / 32, GGML.Q5_0: 22 / 32, GGML.Q5_1: 24 / 32,
               GGML.Q8_0: 34 / 32}
-DIRECT_ROWS = 32    # cpu_group_quant.cpp's kDirectRows
 
 
 def activation_group(tensor_type: GGML) -> int:
@@ -40,10 +40,10 @@ def activation_group(tensor_type: GGML) -> int:
     return 256 if group_quant.vnni_kernels() and tensor_type in K_QUANTS else 32
 
 
-def activations_as_multiplied(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """x as the kernel multiplies it: up to DIRECT_ROWS rows, each `group` values as 16-bit
+def activations_as_multiplied(x: torch.Tensor, group: int, integer_rows: int) -> torch.Tensor:
+    """x as the kernel multiplies it: up to integer_rows rows, each `group` values as 16-bit
     fixed point (scale max|x| / 32767, round to nearest even) and back; past it, x itself."""
-    if x.shape[0] > DIRECT_ROWS:
+    if x.shape[0] > integer_rows:
         return x
     blocks = x.view(x.shape[0], -1, group)
     amax = blocks.abs().amax(-1, keepdim=True)
@@ -52,11 +52,18 @@ def activations_as_multiplied(x: torch.Tensor, group: int = 32) -> torch.Tensor:
 
 
 def assert_product_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                         group: int = 32) -> None:
-    """out == x' @ weight^T, x' = activations_as_multiplied(x, group), up to float32 sums taken
-    in another order: each element within 2 K eps of the sum of its terms' magnitudes
-    (|x| @ |weight|^T), the bound of reordering."""
-    x = activations_as_multiplied(x, group)
+                         tensor_type: GGML) -> None:
+    """out == x' @ weight^T, x' = x as `tensor_type`'s products at x's row count multiply it
+    (activations_as_multiplied), up to float32 sums taken in another order: each element within
+    2 K eps of the sum of its terms' magnitudes (|x| @ |weight|^T), the bound of reordering."""
+    integer_rows = group_quant.f32_integer_rows(tensor_type, weight.shape[1], weight.shape[0])
+    x = activations_as_multiplied(x, activation_group(tensor_type), integer_rows)
+    assert_reordered_sum(out, x, weight)
+
+
+def assert_reordered_sum(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """out == x @ weight^T up to float32 sums taken in another order (2 K eps of the sum of the
+    terms' magnitudes)."""
     reference = x.double() @ weight.double().t()
     bound = 2 * x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs().double()
                                                                  @ weight.abs().double().t())
@@ -127,18 +134,19 @@ def test_parts_of_different_layouts_stack_without_being_expanded() -> None:
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", list(K_QUANTS))
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 9, 32, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 9, 32, 70, 130])
 def test_k_quant_products_are_the_expanded_weights_float32_product(tensor_type, rows) -> None:
     """Every row count's kernel (AVX512-VNNI: one feature at a time up to 5 rows of Q4_K and
-    Q5_K, 1 of Q6_K; past them four features at a time, 75 = 18 x 4 + a tail of 3) against the
-    expanded weights, x quantized as the kernel holds it."""
+    Q5_K, 1 of Q6_K; past them four features at a time, 75 = 18 x 4 + a tail of 3; past
+    f32_integer_rows the float32 panels) against the expanded weights, x quantized as the
+    kernel holds it."""
     weight, expected = random_k_quant(tensor_type, 75, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     # An outlier in one block: a scale shared by a super-block makes its other blocks coarser,
     # which only the right group in activations_as_multiplied accounts for.
     x[:, 40] *= 1000
     assert_product_close(group_quant_linear(x, weight, None), x, torch.from_numpy(expected),
-                         activation_group(tensor_type))
+                         tensor_type)
 
 
 @needs_cpu_ops
@@ -151,7 +159,7 @@ def test_long_k_quant_rows_take_the_tiles_from_one_row(tensor_type, rows) -> Non
     x = torch.randn(rows, 8192, generator=torch.Generator().manual_seed(rows))
     x[:, 4000] *= 1000
     assert_product_close(group_quant_linear(x, weight, None), x, torch.from_numpy(expected),
-                         activation_group(tensor_type))
+                         tensor_type)
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
@@ -182,21 +190,48 @@ def test_shards_and_stacks_are_the_slices_of_the_expanded_weight(tensor_type) ->
 
 @needs_cpu_ops
 @pytest.mark.parametrize("tensor_type", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 32, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 32, 70])
 def test_the_cpu_product_is_the_expanded_weights_float32_product(tensor_type, rows) -> None:
-    """Both kernels (up to DIRECT_ROWS rows: 16-bit activations, integer dot products; more:
-    tiles through the GEMM) against the expanded float32 weight's product: the same products,
-    summed in another order."""
+    """Both kernels (up to f32_integer_rows rows: 16-bit activations, integer dot products;
+    more: the float32 panels, or tiles through the GEMM) against the expanded float32 weight's
+    product: the same products, summed in another order."""
     weight, expected = quantized(tensor_type, out_features=150, in_features=320, seed=rows)
     x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
     dense = torch.from_numpy(expected)
     out = group_quant_linear(x, weight, None)
     assert out.dtype == torch.float32 and out.shape == (rows, 150)
-    assert_product_close(out, x, dense)
+    assert_product_close(out, x, dense, tensor_type)
     bias = torch.randn(150)
     with_bias = group_quant_linear(x.view(1, rows, 320), weight, bias)
     assert with_bias.shape == (1, rows, 150)
-    assert_product_close(with_bias.view(rows, 150) - bias, x, dense)
+    assert_product_close(with_bias.view(rows, 150) - bias, x, dense, tensor_type)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("tensor_type", [*TYPES, *K_QUANTS])
+@pytest.mark.parametrize("rows,out_features", [
+    (1, 300), (2, 300), (9, 300), (15, 300), (16, 300), (17, 300), (20, 20), (32, 300),
+    (33, 300), (48, 300), (49, 300), (64, 300), (130, 300)])
+def test_the_float32_panels_multiply_ggufs_own_weights(tensor_type, rows, out_features) -> None:
+    """float32 (assertions on float32 sums): gguf_linear with no integer rows multiplies the
+    weights gguf dequantizes, in float32, through every kernel that takes its rows where the
+    library has the float32 panels (AVX-512): below 16 rows row-major panels of 8 (a lone last
+    row paired with itself), 16-48 rows in the lanes against 16-, 12- or 8-feature panels,
+    from 49 packed 32-feature panels in tiles of 12 rows and their tails; out_features 300 or
+    20, a multiple of no panel width but 12 (the last panel overlaps the one before). Where the
+    library has no panels, MKL's GEMM of dequantized chunks, to the same bound."""
+    weight, expected = (random_k_quant(tensor_type, out_features, 512, seed=rows)
+                        if tensor_type in K_QUANTS else
+                        quantized(tensor_type, out_features=out_features, in_features=512,
+                                  seed=rows))
+    blocks = weight.parts[0].data
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    out = torch.ops.spmd_cpu.gguf_linear(x, blocks, int(tensor_type), 512, 0)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    assert_reordered_sum(out, x, torch.from_numpy(expected))
+    # Each output is its own row's and feature's: a row or a feature moved would be caught.
+    assert torch.equal(torch.ops.spmd_cpu.gguf_linear(x.flip(0).contiguous(), blocks,
+                                                      int(tensor_type), 512, 0), out.flip(0))
 
 
 @needs_cpu_ops
@@ -344,9 +379,10 @@ def random_gguf_bench():
 
 def test_a_random_q4_k_m_file_loads_in_its_blocks_to_the_dequantised_models_logits(tmp_path) -> None:
     """bench/make_random_gguf.py's tiny shape in Q4_K_M (Q4_K, and Q6_K by llama-quantize's
-    rule): every projection and the embedding kept in blocks. A 40-token prompt (float32
-    activations through the GEMM) gives the dequantised model's logits up to reordered sums;
-    a 5-token one (16-bit fixed-point activations) the same argmax, within 1e-4 in norm."""
+    rule): every projection and the embedding kept in blocks. A 140-token prompt (float32
+    activations, past the K-quants' integer rows) gives the dequantised model's logits up to
+    reordered sums; a 5-token one (16-bit fixed-point activations) the same argmax, within 1e-4
+    in norm."""
     path = str(tmp_path / "tiny.gguf")
     random_gguf_bench().main(["--shape", "tiny", "--type", "Q4_K_M", path])
     kinds = {t.tensor_type.name for t in GGUFFile(path).tensors}
@@ -360,7 +396,8 @@ def test_a_random_q4_k_m_file_loads_in_its_blocks_to_the_dequantised_models_logi
         model = build_model(config, torch.float32)
         model.load_hf_state_dict(load_gguf_model(path, torch.float32, keep_quantized=keep)[1])
         models.append(model.eval())
-    dense, blocks = (model.prompt_logits(list(range(1, 41))) for model in models)
+    assert 140 > max(group_quant.f32_integer_rows(kind, 256, 256) for kind in K_QUANTS)
+    dense, blocks = (model.prompt_logits(list(range(1, 141))) for model in models)
     torch.testing.assert_close(blocks, dense, rtol=1e-4, atol=1e-4)
     dense, blocks = (model.prompt_logits([1, 5, 9, 300, 2]) for model in models)
     assert torch.equal(blocks.argmax(-1), dense.argmax(-1))
@@ -384,7 +421,7 @@ def test_k_quant_products_do_not_overflow_at_the_largest_codes_and_scales(tensor
     weight = from_gguf_blocks(raw, tensor_type, (8, 512))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, tensor_type).reshape(8, 512))
     x = torch.full((rows, 512), 3.0)
-    assert_product_close(group_quant_linear(x, weight, None), x, dense)
+    assert_product_close(group_quant_linear(x, weight, None), x, dense, tensor_type)
 
 
 @needs_cpu_ops
