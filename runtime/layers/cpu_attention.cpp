@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_bf16.h"
+#include "cpu_avx512.h"
 #include "cpu_bf16_dot.h"
 #include "cpu_math.h"
 
@@ -320,6 +321,75 @@ HeadFn<index_t, bf16_bits> dot_for_group(int64_t group) {
 }
 #endif  // __AVX512BF16__
 
+#if defined(__AVX512F__)
+// One KV head of one sequence on AVX-512 FMAs, float32 caches: G query heads, NZ registers of
+// 16 dimensions a row. Scores are summed 16 tokens at a time (lane_sums) rather than one
+// token's lanes at a time; the value sums broadcast each token's weight against its row.
+template <int G, int NZ, typename index_t>
+void attend_head_f32(const Layout& L, const float* q, const float* k_cache, const float* v_cache,
+                     const index_t* table, Span span, float* out, float* scores) {
+  const int64_t length = span.count();
+  __m512 query[G][NZ];
+  for (int g = 0; g < G; ++g)
+    for (int z = 0; z < NZ; ++z) query[g][z] = _mm512_loadu_ps(q + g * L.q_head_stride + 16 * z);
+  const float* rows[16];
+  int64_t filled = 0, base = 0;
+  const auto score_rows = [&]() {
+    for (int64_t i = filled; i < 16; ++i) rows[i] = rows[0];    // a partial group's spare lanes
+    for (int g = 0; g < G; ++g) {
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        dots[i] = _mm512_mul_ps(query[g][0], _mm512_loadu_ps(rows[i]));
+        for (int z = 1; z < NZ; ++z)
+          dots[i] = _mm512_fmadd_ps(query[g][z], _mm512_loadu_ps(rows[i] + 16 * z), dots[i]);
+      }
+      const __m512 sums = _mm512_mul_ps(spmd_cpu::lane_sums(dots), _mm512_set1_ps(L.scale));
+      _mm512_mask_storeu_ps(scores + g * length + base, (__mmask16)((1u << filled) - 1), sums);
+    }
+    base += filled;
+    filled = 0;
+  };
+  for_each_row(L, k_cache, table, span, [&](int64_t, const float* k_row) {
+    rows[filled++] = k_row;
+    if (filled == 16) score_rows();
+  }, v_cache);
+  if (filled > 0) score_rows();
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_weights(scores + g * length, length);
+  __m512 acc[G][NZ];
+  for (int g = 0; g < G; ++g)
+    for (int z = 0; z < NZ; ++z) acc[g][z] = _mm512_setzero_ps();
+  for_each_row(L, v_cache, table, span, [&](int64_t t, const float* v_row) {
+    __m512 weight[G];
+    for (int g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(scores[g * length + t]);
+    for (int z = 0; z < NZ; ++z) {
+      const __m512 v = _mm512_loadu_ps(v_row + 16 * z);
+      for (int g = 0; g < G; ++g) acc[g][z] = _mm512_fmadd_ps(weight[g], v, acc[g][z]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int z = 0; z < NZ; ++z)
+      _mm512_storeu_ps(out + g * L.head_dim + 16 * z,
+                       _mm512_mul_ps(acc[g][z], _mm512_set1_ps(inv_sum[g])));
+}
+
+// The float32 FMA kernel for groups of 1-8 query heads.
+template <int NZ, typename index_t>
+HeadFn<index_t, float> f32_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_head_f32<1, NZ, index_t>;
+    case 2: return attend_head_f32<2, NZ, index_t>;
+    case 3: return attend_head_f32<3, NZ, index_t>;
+    case 4: return attend_head_f32<4, NZ, index_t>;
+    case 5: return attend_head_f32<5, NZ, index_t>;
+    case 6: return attend_head_f32<6, NZ, index_t>;
+    case 7: return attend_head_f32<7, NZ, index_t>;
+    case 8: return attend_head_f32<8, NZ, index_t>;
+    default: return nullptr;
+  }
+}
+#endif  // __AVX512F__
+
 template <typename index_t, typename scalar_t>
 HeadFn<index_t, scalar_t> fixed_head_fn(const Layout& L) {
 #if defined(__AVX512BF16__)
@@ -328,6 +398,14 @@ HeadFn<index_t, scalar_t> fixed_head_fn(const Layout& L) {
     if (L.head_dim == 64) dot = dot_for_group<2, index_t>(L.group);
     if (L.head_dim == 128) dot = dot_for_group<4, index_t>(L.group);
     if (dot != nullptr) return dot;
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    HeadFn<index_t, scalar_t> fma = nullptr;
+    if (L.head_dim == 64) fma = f32_for_group<4, index_t>(L.group);
+    if (L.head_dim == 128) fma = f32_for_group<8, index_t>(L.group);
+    if (fma != nullptr) return fma;
   }
 #endif
   if (L.head_dim == 64) return fixed_for_group<64, index_t, scalar_t>(L.group);

@@ -621,50 +621,60 @@ void direct(const at::Tensor& x, int64_t kind, const uint8_t* blocks, int64_t ro
 }
 #endif
 
-// Rows [begin, end) of W's blocks as float32, `K` weights a row, into w.
-void dequantize_rows(int64_t kind, const uint8_t* blocks, int64_t row_bytes, int64_t K,
-                     int64_t begin, int64_t end, float* w) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  with_kind(kind, [&](auto k) {
-    for (int64_t n = begin; n < end; ++n)
-      dequantize_vector<decltype(k)::value>(blocks + n * row_bytes, K, w + (n - begin) * K);
-  });
-#else
-  for (int64_t n = begin; n < end; ++n) dequantize_row(kind, blocks + n * row_bytes, K, w + (n - begin) * K);
-#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 32 weights (two registers of 16) into dst: float32 as they are, bf16 rounded (nearest, ties
+// to even).
+inline void store_halves(__m512 low, __m512 high, float* dst) {
+  _mm512_storeu_ps(dst, low);
+  _mm512_storeu_ps(dst + 16, high);
 }
+#if defined(__AVX512BF16__)
+inline void store_halves(__m512 low, __m512 high, spmd_cpu::bf16_bits* dst) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+}
+#endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// 32 codes as 16-bit lanes (q - zero) * a + c, multiplied then added as store_weights, rounded
-// to bf16 (nearest, ties to even) into dst[0, 32): 16 weights a half.
-inline void store_bf16_weights(__m512i codes, float a_low, float a_high, int zero, float c,
-                               spmd_cpu::bf16_bits* dst) {
+// 32 codes as 16-bit lanes (q - zero) * a + c, multiplied then added as store_weights, into
+// dst[0, 32): 16 weights a half.
+template <class T>
+inline void store_affine(__m512i codes, float a_low, float a_high, int zero, float c, T* dst) {
   const __m512i q = _mm512_sub_epi16(codes, _mm512_set1_epi16(static_cast<int16_t>(zero)));
   const __m512 offset = _mm512_set1_ps(c);
   const __m512 low = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
       _mm512_castsi512_si256(q))), _mm512_set1_ps(a_low)), offset);
   const __m512 high = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
       _mm512_extracti64x4_epi64(q, 1))), _mm512_set1_ps(a_high)), offset);
-  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  store_halves(low, high, dst);
 }
 
-// 32 codes of 16 levels (16-bit lanes, < 16) as bf16 weights (q - zero) * a + c into
-// dst[0, 32): the 16 possible weights computed as store_bf16_weights computes them, rounded to
-// bf16 once, and looked up by the codes (VPERMW).
-inline void store_bf16_by_table(__m512i codes, float a, int zero, float c,
-                                spmd_cpu::bf16_bits* dst) {
+// The 16 weights (q - zero) * a + c a block of 16 levels can hold, as store_affine computes
+// them: a table the codes look their weights up in.
+inline __m512 level_table(float a, int zero, float c) {
   const __m512 levels = _mm512_sub_ps(
       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_ps(static_cast<float>(zero)));
-  const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(a)), _mm512_set1_ps(c));
-  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(
-      codes, _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table))));
+  return _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(a)), _mm512_set1_ps(c));
 }
 
-// One output feature's K weights straight to bf16: the bits of dequantize_vector's float32
-// weights rounded, without them passing through memory.
-template <int64_t KIND>
-void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* w) {
+// 32 codes of 16 levels (16-bit lanes, < 16) as weights (q - zero) * a + c into dst[0, 32),
+// looked up in level_table (float32: VPERMPS; bf16: the table rounded once, then VPERMW).
+inline void store_by_table(__m512i codes, float a, int zero, float c, float* dst) {
+  const __m512 table = level_table(a, zero, c);
+  store_halves(_mm512_permutexvar_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes)), table),
+               _mm512_permutexvar_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, 1)),
+                                     table), dst);
+}
+#if defined(__AVX512BF16__)
+inline void store_by_table(__m512i codes, float a, int zero, float c, spmd_cpu::bf16_bits* dst) {
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(codes, _mm512_castsi256_si512(
+      (__m256i)_mm512_cvtneps_pbh(level_table(a, zero, c)))));
+}
+#endif
+
+// One output feature's K weights with AVX-512, into float32 (dequantize_vector's values) or
+// bf16 (those rounded), without the float32 weights passing through memory for bf16.
+template <int64_t KIND, class T>
+void dequantize_vector_wide(const uint8_t* row, int64_t K, T* w) {
   constexpr Format fmt = block_format(KIND);
   if constexpr (KIND == kQ8_0) {   // signed bytes widened to float32 lanes directly: a q + 0
     const __m512 zero = _mm512_setzero_ps();
@@ -676,7 +686,7 @@ void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* 
         return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at)))), a), zero);
       };
-      _mm512_storeu_si512(w + k, (__m512i)_mm512_cvtne2ps_pbh(part(18), part(2)));
+      store_halves(part(2), part(18), w + k);
     }
     return;
   }
@@ -693,8 +703,8 @@ void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* 
         for (int h = 0; h < 2; ++h) {
           int sc, m;
           scale_min(s + 4, b + h, sc, m);
-          store_bf16_by_table(codes[h], d * static_cast<float>(sc), 0,
-                              -dmin * static_cast<float>(m), w + k + 32 * (b + h));
+          store_by_table(codes[h], d * static_cast<float>(sc), 0,
+                         -dmin * static_cast<float>(m), w + k + 32 * (b + h));
         }
       }
     }
@@ -705,13 +715,31 @@ void dequantize_vector_bf16(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* 
     const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(q.low), q.high, 1);
     if constexpr (KIND == kQ4_0 || KIND == kQ4_1) {
       (void)a_high;
-      store_bf16_by_table(codes, a_low, zero, c, w + k);
+      store_by_table(codes, a_low, zero, c, w + k);
     } else {
-      store_bf16_weights(codes, a_low, a_high, zero, c, w + k);
+      store_affine(codes, a_low, a_high, zero, c, w + k);
     }
   });
 }
 #endif
+
+// Rows [begin, end) of W's blocks as float32, `K` weights a row, into w.
+void dequantize_rows(int64_t kind, const uint8_t* blocks, int64_t row_bytes, int64_t K,
+                     int64_t begin, int64_t end, float* w) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  with_kind(kind, [&](auto k) {
+    for (int64_t n = begin; n < end; ++n)
+      dequantize_vector_wide<decltype(k)::value>(blocks + n * row_bytes, K, w + (n - begin) * K);
+  });
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  with_kind(kind, [&](auto k) {
+    for (int64_t n = begin; n < end; ++n)
+      dequantize_vector<decltype(k)::value>(blocks + n * row_bytes, K, w + (n - begin) * K);
+  });
+#else
+  for (int64_t n = begin; n < end; ++n) dequantize_row(kind, blocks + n * row_bytes, K, w + (n - begin) * K);
+#endif
+}
 
 // Row n of W's blocks as bfloat16 into dst (nearest, ties to even), through `row` (K floats)
 // where the build has no AVX512-BF16.
@@ -720,7 +748,7 @@ void dequantize_row_bf16(int64_t kind, const uint8_t* blocks, int64_t row_bytes,
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   (void)row;
   with_kind(kind, [&](auto k) {
-    dequantize_vector_bf16<decltype(k)::value>(blocks + n * row_bytes, K, dst);
+    dequantize_vector_wide<decltype(k)::value>(blocks + n * row_bytes, K, dst);
   });
 #else
   dequantize_rows(kind, blocks, row_bytes, K, n, n + 1, row);
@@ -734,17 +762,16 @@ void dequantize_row_bf16(int64_t kind, const uint8_t* blocks, int64_t row_bytes,
 }
 
 #if defined(__AVX512F__)
-// One output feature's K weights into w, float32 (dequantize_vector's) or bf16 (those rounded).
-template <int64_t KIND>
-inline void dequantize_into(const uint8_t* row, int64_t K, float* w) {
+// One output feature's K weights into w, float32 (dequantize_vector's values) or bf16 (those
+// rounded).
+template <int64_t KIND, class T>
+inline void dequantize_into(const uint8_t* row, int64_t K, T* w) {
+#if defined(__AVX512BW__)
+  dequantize_vector_wide<KIND>(row, K, w);
+#else
   dequantize_vector<KIND>(row, K, w);
-}
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-template <int64_t KIND>
-inline void dequantize_into(const uint8_t* row, int64_t K, spmd_cpu::bf16_bits* w) {
-  dequantize_vector_bf16<KIND>(row, K, w);
-}
 #endif
+}
 
 // W's output features in panels of P, each task's dequantized to T (P x K, row-major: float32
 // as gguf_dequantize makes them, bf16 as gguf_dequantize_bf16 rounds them) in buffers of its
