@@ -2,15 +2,18 @@
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks
 // of 256), each output feature's row of blocks exactly as the file stores it.
 //
-// Few rows (decode, up to `direct_rows`, 32 by default): the activations are held as 16-bit
-// fixed point per block of 32 (a float scale per block: x ~= scale * q, |q| <= 32767, round to
-// nearest; nearly float32's precision), each block of weights is unpacked in registers to 32
-// integer codes, and the two are multiplied with integer dot products (AVX2 madd); the block's
-// scales are applied once per block to the integer sums, its zero points and minimums through
-// each row's sums of codes. Many rows (prefill): 64 output features at a time are dequantized
-// to float32 and multiplied by MKL's GEMM; with bfloat16 activations, group_quant.py instead
-// multiplies panels dequantized to bfloat16 inside the product (gguf_bf16_linear), or, built
-// without AVX512-BF16, dequantizes chunks to bfloat16 (gguf_dequantize_bf16) for oneDNN's GEMM.
+// Few rows (decode, up to `direct_rows`, which group_quant.py sets per block type): the
+// activations are held as 16-bit fixed point per block of 32 (a float scale per block: x ~=
+// scale * q, |q| <= 32767, round to nearest; nearly float32's precision), each block of weights
+// is unpacked in registers to 32 integer codes, and the two are multiplied with integer dot
+// products (AVX2 madd); the block's scales are applied once per block to the integer sums, its
+// zero points and minimums through each row's sums of codes. More rows: where the build has
+// AVX-512, each task dequantizes a panel of output features to float32 (gguf's own values) in
+// buffers of its own and multiplies every row by it with FMA tiles (cpu_f32_gemm.h, fused_f32);
+// elsewhere 64 output features at a time are dequantized to float32 and multiplied by MKL's
+// GEMM. With bfloat16 activations, group_quant.py instead multiplies panels dequantized to
+// bfloat16 inside the product (gguf_bf16_linear), or, built without AVX512-BF16, dequantizes
+// chunks to bfloat16 (gguf_dequantize_bf16) for oneDNN's GEMM.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>

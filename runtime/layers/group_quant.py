@@ -13,14 +13,17 @@ different types (Q4_K_M's Q4_K queries and keys beside Q6_K values) holds one pa
 The products (runtime/layers/cpu_group_quant.cpp): at decode's few rows the activations are
 held as 16-bit fixed point per block of 32 (per super-block of 256 for the K-quants where the
 kernels are built with AVX512-VNNI) and multiplied by the block codes with integer dot
-products; at a prompt's many rows the weights are dequantized to float32 64 output features at a
-time for MKL's GEMM. With bfloat16 activations (the CPU default where it has AVX512-BF16 or
-AMX), past bf16_gemm_rows rows (a lone decode row stays integer), the weights are rounded to
-bfloat16: dequantized into a panel of 8 or 32 output features at a time inside the library's
-product and multiplied there with VDPBF16PS tiles (gguf_bf16_linear), or, in a build without
-AVX512-BF16, a chunk at a time for oneDNN's bf16 GEMM. `expand` is gguf's own dequantisation, bit for bit
-what `--quantization none` loads. On another device (CUDA), or without the C++ library, the
-blocks are expanded a projection at a time by torch operations (runtime/layers/gguf_torch.py).
+products; past f32_integer_rows rows, where the library is built with AVX-512, each task
+dequantizes a panel of output features to float32 (gguf's own values) inside the product and
+multiplies it with FMA tiles, and elsewhere the weights are dequantized to float32 64 output
+features at a time for MKL's GEMM. With bfloat16 activations (the CPU default where it has
+AVX512-BF16 or AMX), past bf16_gemm_rows rows (a lone decode row stays integer), the weights
+are rounded to bfloat16: dequantized into a panel of 8 or 32 output features at a time inside
+the library's product and multiplied there with VDPBF16PS tiles (gguf_bf16_linear), or, in a
+build without AVX512-BF16, a chunk at a time for oneDNN's bf16 GEMM. `expand` is gguf's own
+dequantisation, bit for bit what `--quantization none` loads. On another device (CUDA), or
+without the C++ library, the blocks are expanded a projection at a time by torch operations
+(runtime/layers/gguf_torch.py).
 """
 from __future__ import annotations
 
