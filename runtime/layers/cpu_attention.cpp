@@ -116,6 +116,27 @@ inline void for_each_row(const Layout& L, const scalar_t* cache, const index_t* 
   }
 }
 
+// Calls score(rows, count, base) for each run of up to 16 consecutive rows of a span's keys
+// (rows[i]: the cache row of token base + i; a short last run's spare entries repeat its first
+// row, so that a kernel may read 16), prefetching the value rows as for_each_row does.
+template <typename index_t, typename scalar_t, typename Score>
+inline void for_each_sixteen(const Layout& L, const scalar_t* k_cache, const scalar_t* v_cache,
+                             const index_t* table, Span span, Score score) {
+  const scalar_t* rows[16];
+  int64_t filled = 0, base = 0;
+  const auto flush = [&]() {
+    for (int64_t i = filled; i < 16; ++i) rows[i] = rows[0];
+    score(rows, filled, base);
+    base += filled;
+    filled = 0;
+  };
+  for_each_row(L, k_cache, table, span, [&](int64_t, const scalar_t* k_row) {
+    rows[filled++] = k_row;
+    if (filled == 16) flush();
+  }, v_cache);
+  if (filled > 0) flush();
+}
+
 // One KV head of one sequence with G query heads of D dimensions, sizes known at compile time.
 template <int G, int D, typename index_t, typename scalar_t>
 void attend_head_fixed(const Layout& L, const scalar_t* q, const scalar_t* k_cache,
@@ -197,17 +218,11 @@ using HeadFn = void (*)(const Layout&, const scalar_t*, const scalar_t*, const s
 
 template <int D, typename index_t, typename scalar_t>
 HeadFn<index_t, scalar_t> fixed_for_group(int64_t group) {
-  switch (group) {
-    case 1: return attend_head_fixed<1, D, index_t, scalar_t>;
-    case 2: return attend_head_fixed<2, D, index_t, scalar_t>;
-    case 3: return attend_head_fixed<3, D, index_t, scalar_t>;
-    case 4: return attend_head_fixed<4, D, index_t, scalar_t>;
-    case 5: return attend_head_fixed<5, D, index_t, scalar_t>;
-    case 6: return attend_head_fixed<6, D, index_t, scalar_t>;
-    case 7: return attend_head_fixed<7, D, index_t, scalar_t>;
-    case 8: return attend_head_fixed<8, D, index_t, scalar_t>;
-    default: return nullptr;
-  }
+  HeadFn<index_t, scalar_t> fn = nullptr;
+  spmd_cpu::with_row_count<1, 8>(group, [&](auto g) {
+    fn = attend_head_fixed<decltype(g)::value, D, index_t, scalar_t>;
+  });
+  return fn;
 }
 
 #if defined(__AVX512BF16__)
@@ -232,10 +247,8 @@ void attend_head_dot(const Layout& L, const bf16_bits* q, const bf16_bits* k_cac
   for (int g = 0; g < G; ++g)
     for (int z = 0; z < NZ; ++z)
       query[g][z] = (__m512bh)_mm512_loadu_si512(q + g * L.q_head_stride + 32 * z);
-  const bf16_bits* rows[16];
-  int64_t filled = 0, base = 0;
-  const auto score_rows = [&]() {
-    for (int64_t i = filled; i < 16; ++i) rows[i] = rows[0];    // a partial group's spare lanes
+  for_each_sixteen(L, k_cache, v_cache, table, span,
+                   [&](const bf16_bits* const* rows, int64_t count, int64_t base) {
     for (int g = 0; g < G; ++g) {
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
@@ -246,16 +259,9 @@ void attend_head_dot(const Layout& L, const bf16_bits* q, const bf16_bits* k_cac
                                      (__m512bh)_mm512_loadu_si512(rows[i] + 32 * z));
       }
       const __m512 sums = _mm512_mul_ps(spmd_cpu::lane_sums(dots), _mm512_set1_ps(L.scale));
-      _mm512_mask_storeu_ps(scores + g * length + base, (__mmask16)((1u << filled) - 1), sums);
+      _mm512_mask_storeu_ps(scores + g * length + base, (__mmask16)((1u << count) - 1), sums);
     }
-    base += filled;
-    filled = 0;
-  };
-  for_each_row(L, k_cache, table, span, [&](int64_t, const bf16_bits* k_row) {
-    rows[filled++] = k_row;
-    if (filled == 16) score_rows();
-  }, v_cache);
-  if (filled > 0) score_rows();
+  });
   // Each head's weights rounded to bfloat16 in place over the front of its float32 scores (a
   // bf16 row is half as long, so each 16 floats are read before their bytes are written), with
   // a zero after the last for an odd length's lone token.
@@ -307,17 +313,11 @@ void attend_head_dot(const Layout& L, const bf16_bits* q, const bf16_bits* k_cac
 // The dot-product kernel for groups of 1-8 query heads.
 template <int NZ, typename index_t>
 HeadFn<index_t, bf16_bits> dot_for_group(int64_t group) {
-  switch (group) {
-    case 1: return attend_head_dot<1, NZ, index_t>;
-    case 2: return attend_head_dot<2, NZ, index_t>;
-    case 3: return attend_head_dot<3, NZ, index_t>;
-    case 4: return attend_head_dot<4, NZ, index_t>;
-    case 5: return attend_head_dot<5, NZ, index_t>;
-    case 6: return attend_head_dot<6, NZ, index_t>;
-    case 7: return attend_head_dot<7, NZ, index_t>;
-    case 8: return attend_head_dot<8, NZ, index_t>;
-    default: return nullptr;
-  }
+  HeadFn<index_t, bf16_bits> fn = nullptr;
+  spmd_cpu::with_row_count<1, 8>(group, [&](auto g) {
+    fn = attend_head_dot<decltype(g)::value, NZ, index_t>;
+  });
+  return fn;
 }
 #endif  // __AVX512BF16__
 
@@ -332,10 +332,8 @@ void attend_head_f32(const Layout& L, const float* q, const float* k_cache, cons
   __m512 query[G][NZ];
   for (int g = 0; g < G; ++g)
     for (int z = 0; z < NZ; ++z) query[g][z] = _mm512_loadu_ps(q + g * L.q_head_stride + 16 * z);
-  const float* rows[16];
-  int64_t filled = 0, base = 0;
-  const auto score_rows = [&]() {
-    for (int64_t i = filled; i < 16; ++i) rows[i] = rows[0];    // a partial group's spare lanes
+  for_each_sixteen(L, k_cache, v_cache, table, span,
+                   [&](const float* const* rows, int64_t count, int64_t base) {
     for (int g = 0; g < G; ++g) {
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
@@ -344,16 +342,9 @@ void attend_head_f32(const Layout& L, const float* q, const float* k_cache, cons
           dots[i] = _mm512_fmadd_ps(query[g][z], _mm512_loadu_ps(rows[i] + 16 * z), dots[i]);
       }
       const __m512 sums = _mm512_mul_ps(spmd_cpu::lane_sums(dots), _mm512_set1_ps(L.scale));
-      _mm512_mask_storeu_ps(scores + g * length + base, (__mmask16)((1u << filled) - 1), sums);
+      _mm512_mask_storeu_ps(scores + g * length + base, (__mmask16)((1u << count) - 1), sums);
     }
-    base += filled;
-    filled = 0;
-  };
-  for_each_row(L, k_cache, table, span, [&](int64_t, const float* k_row) {
-    rows[filled++] = k_row;
-    if (filled == 16) score_rows();
-  }, v_cache);
-  if (filled > 0) score_rows();
+  });
   float inv_sum[G];
   for (int g = 0; g < G; ++g) inv_sum[g] = softmax_weights(scores + g * length, length);
   __m512 acc[G][NZ];
@@ -376,17 +367,11 @@ void attend_head_f32(const Layout& L, const float* q, const float* k_cache, cons
 // The float32 FMA kernel for groups of 1-8 query heads.
 template <int NZ, typename index_t>
 HeadFn<index_t, float> f32_for_group(int64_t group) {
-  switch (group) {
-    case 1: return attend_head_f32<1, NZ, index_t>;
-    case 2: return attend_head_f32<2, NZ, index_t>;
-    case 3: return attend_head_f32<3, NZ, index_t>;
-    case 4: return attend_head_f32<4, NZ, index_t>;
-    case 5: return attend_head_f32<5, NZ, index_t>;
-    case 6: return attend_head_f32<6, NZ, index_t>;
-    case 7: return attend_head_f32<7, NZ, index_t>;
-    case 8: return attend_head_f32<8, NZ, index_t>;
-    default: return nullptr;
-  }
+  HeadFn<index_t, float> fn = nullptr;
+  spmd_cpu::with_row_count<1, 8>(group, [&](auto g) {
+    fn = attend_head_f32<decltype(g)::value, NZ, index_t>;
+  });
+  return fn;
 }
 #endif  // __AVX512F__
 

@@ -2,11 +2,25 @@
 // attention): a 16 x 16 transpose of words and the lane sums of 16 registers.
 #pragma once
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
 #include <cstdint>
 #include <type_traits>
+
+namespace spmd_cpu {
+
+// f(std::integral_constant<int, count>{}) for a count in [N, MOST]: a register tile's row count
+// or a query group's size made a template argument; nothing for other counts.
+template <int N, int MOST, class F>
+inline void with_row_count(int64_t count, F&& f) {
+  if constexpr (N <= MOST) {
+    if (count == N) return f(std::integral_constant<int, N>{});
+    with_row_count<N + 1, MOST>(count, f);
+  }
+}
+
+}  // namespace spmd_cpu
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
 
 namespace spmd_cpu {
 
@@ -65,13 +79,48 @@ inline __m512 lane_sums(__m512* a) {
   return a[0];
 }
 
-// f(std::integral_constant<int, count>{}) for a count in [N, MOST]: a register tile's row count
-// made a template argument (the tails of the row loops); nothing for other counts.
-template <int N, int MOST, class F>
-inline void with_row_count(int64_t count, F&& f) {
-  if constexpr (N <= MOST) {
-    if (count == N) return f(std::integral_constant<int, N>{});
-    with_row_count<N + 1, MOST>(count, f);
+// 32-bit words, `words` a row (a float each, or a bf16 pair), of 16-row groups packed so that
+// a register holds one word of 16 rows: rows [0, M) of x (row r at x + r * words) into
+// packed[(p * RV + v) * 16 + j] = row 16v + j's word p (zero for rows >= M), RV = (M + 15) /
+// 16. `words` a multiple of 16.
+inline void pack_word_lanes(const void* x, int64_t M, int64_t words, uint32_t* packed) {
+  const auto* rows = static_cast<const uint32_t*>(x);
+  const int64_t RV = (M + 15) / 16;
+  for (int64_t v = 0; v < RV; ++v)
+    for (int64_t p = 0; p < words; p += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = 16 * v + j < M ? _mm512_loadu_si512(rows + (16 * v + j) * words + p)
+                              : _mm512_setzero_si512();
+      transpose_words(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(packed + ((p + c) * RV + v) * 16, r[c]);
+    }
+}
+
+// 32 rows of `words` 32-bit words (row j at x + j * words; `words` a multiple of 16) packed
+// feature-minor: packed[p * 32 + j] = row j's word p.
+inline void pack_word_panel(const void* x, int64_t words, uint32_t* packed) {
+  const auto* rows = static_cast<const uint32_t*>(x);
+  for (int64_t p = 0; p < words; p += 16)
+    for (int64_t half = 0; half < 32; half += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows + (half + j) * words + p);
+      transpose_words(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(packed + (p + c) * 32 + half, r[c]);
+    }
+}
+
+// A rows-in-the-lanes tile's sums out as rows: acc[f][v] holds output feature f of rows 16v ..
+// 16v + 15 (lane j: row 16v + j); each row r < M gets its F sums through store(r, sums), lane f
+// of `sums` holding feature f (lanes past F zero).
+template <int F, int RV, class Store>
+inline void store_lane_rows(const __m512 (&acc)[F][RV], int64_t M, Store&& store) {
+  for (int v = 0; v < RV; ++v) {
+    __m512i t[16];
+    for (int f = 0; f < F; ++f) t[f] = _mm512_castps_si512(acc[f][v]);
+    for (int f = F; f < 16; ++f) t[f] = _mm512_setzero_si512();
+    transpose_words(t);   // t[j]: row 16v + j's F sums
+    for (int j = 0; j < 16 && 16 * v + j < M; ++j) store(16 * v + j, _mm512_castsi512_ps(t[j]));
   }
 }
 

@@ -23,15 +23,8 @@ constexpr int64_t kGemmRows = 12;    // rows of a register tile: 24 accumulators
 // kGemmPanel weight rows of K bf16 (row j at rows + j * K; K a multiple of 32) packed: word
 // (p * kGemmPanel + j) holds row j's inputs 2p and 2p + 1.
 inline void pack_gemm_panel(const bf16_bits* rows, int64_t K, uint32_t* packed) {
-  for (int64_t k = 0; k < K; k += 32) {
-    for (int64_t half = 0; half < kGemmPanel; half += 16) {
-      __m512i r[16];
-      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows + (half + j) * K + k);
-      transpose_words(r);
-      for (int c = 0; c < 16; ++c)
-        _mm512_storeu_si512(packed + (k / 2 + c) * kGemmPanel + half, r[c]);
-    }
-  }
+  static_assert(kGemmPanel == 32);
+  pack_word_panel(rows, K / 2, packed);
 }
 
 // Rows x[0, R) (K apart) against a packed panel: out[r * ldo + f] (f < 32) receives row r's
@@ -80,15 +73,7 @@ inline int64_t lane_registers(int64_t M) { return (M + 15) / 16; }
 // x [M, K] (K a multiple of 32) packed for lanes_tile: word (p * RV + v) * 16 + j holds row
 // 16v + j's inputs 2p and 2p + 1 (zero for rows >= M), RV = lane_registers(M).
 inline void pack_lanes(const bf16_bits* x, int64_t M, int64_t K, uint32_t* packed) {
-  const int64_t RV = lane_registers(M);
-  for (int64_t v = 0; v < RV; ++v)
-    for (int64_t k = 0; k < K; k += 32) {
-      __m512i r[16];
-      for (int j = 0; j < 16; ++j)
-        r[j] = 16 * v + j < M ? _mm512_loadu_si512(x + (16 * v + j) * K + k) : _mm512_setzero_si512();
-      transpose_words(r);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(packed + ((k / 2 + c) * RV + v) * 16, r[c]);
-    }
+  pack_word_lanes(x, M, K / 2, packed);
 }
 
 // Rows [0, M) (M <= 16 * RV) packed by pack_lanes against F weight rows of K bf16 (row f at
@@ -111,15 +96,9 @@ inline void lanes_tile(const uint32_t* packed, int64_t M, int64_t K, const bf16_
     }
   }
   const __mmask16 features = static_cast<__mmask16>((1u << F) - 1);
-  for (int v = 0; v < RV; ++v) {
-    __m512i t[16];
-    for (int f = 0; f < F; ++f) t[f] = _mm512_castps_si512(acc[f][v]);
-    for (int f = F; f < 16; ++f) t[f] = _mm512_setzero_si512();
-    transpose_words(t);   // t[j]: row 16v + j's F sums
-    for (int j = 0; j < 16 && 16 * v + j < M; ++j)
-      _mm256_mask_storeu_epi16(out + (16 * v + j) * ldo, features,
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(t[j])));
-  }
+  store_lane_rows(acc, M, [&](int64_t r, __m512 sums) {
+    _mm256_mask_storeu_epi16(out + r * ldo, features, (__m256i)_mm512_cvtneps_pbh(sums));
+  });
 }
 
 }  // namespace spmd_cpu

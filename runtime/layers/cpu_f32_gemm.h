@@ -64,15 +64,7 @@ inline int64_t f32_lane_registers(int64_t M) { return (M + 15) / 16; }
 // x [M, K] (K a multiple of 16) packed for f32_lanes_tile: float (k * RV + v) * 16 + j holds
 // row 16v + j's input k (zero for rows >= M), RV = f32_lane_registers(M).
 inline void f32_pack_lanes(const float* x, int64_t M, int64_t K, float* packed) {
-  const int64_t RV = f32_lane_registers(M);
-  for (int64_t v = 0; v < RV; ++v)
-    for (int64_t k = 0; k < K; k += 16) {
-      __m512i r[16];
-      for (int j = 0; j < 16; ++j)
-        r[j] = 16 * v + j < M ? _mm512_loadu_si512(x + (16 * v + j) * K + k) : _mm512_setzero_si512();
-      transpose_words(r);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(packed + ((k + c) * RV + v) * 16, r[c]);
-    }
+  pack_word_lanes(x, M, K, reinterpret_cast<uint32_t*>(packed));
 }
 
 // Rows [0, M) (M <= 16 * RV) packed by f32_pack_lanes against F weight rows of K floats (row f
@@ -93,27 +85,16 @@ inline void f32_lanes_tile(const float* packed, int64_t M, int64_t K, const floa
     }
   }
   const __mmask16 features = static_cast<__mmask16>((1u << F) - 1);
-  for (int v = 0; v < RV; ++v) {
-    __m512i t[16];
-    for (int f = 0; f < F; ++f) t[f] = _mm512_castps_si512(acc[f][v]);
-    for (int f = F; f < 16; ++f) t[f] = _mm512_setzero_si512();
-    transpose_words(t);   // t[j]: row 16v + j's F sums
-    for (int j = 0; j < 16 && 16 * v + j < M; ++j)
-      _mm512_mask_storeu_ps(out + (16 * v + j) * ldo, features, _mm512_castsi512_ps(t[j]));
-  }
+  store_lane_rows(acc, M, [&](int64_t r, __m512 sums) {
+    _mm512_mask_storeu_ps(out + r * ldo, features, sums);
+  });
 }
 
 // kF32GemmPanel weight rows of K floats (row j at rows + j * K; K a multiple of 16) packed:
 // float k * kF32GemmPanel + j holds row j's input k.
 inline void f32_pack_panel(const float* rows, int64_t K, float* packed) {
-  for (int64_t k = 0; k < K; k += 16)
-    for (int64_t half = 0; half < kF32GemmPanel; half += 16) {
-      __m512i r[16];
-      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows + (half + j) * K + k);
-      transpose_words(r);
-      for (int c = 0; c < 16; ++c)
-        _mm512_storeu_si512(packed + (k + c) * kF32GemmPanel + half, r[c]);
-    }
+  static_assert(kF32GemmPanel == 32);
+  pack_word_panel(rows, K, reinterpret_cast<uint32_t*>(packed));
 }
 
 // Rows x[0, R) (K apart) against a packed panel: out[r * ldo + f] (f < 32) receives row r's
