@@ -33,6 +33,7 @@
 #include "cpu_bf16.h"
 #include "cpu_avx512.h"
 #include "cpu_bf16_dot.h"
+#include "cpu_prompt_tiles.h"
 #include "cpu_math.h"
 
 namespace {
@@ -270,7 +271,7 @@ void attend_head_dot(const Layout& L, const bf16_bits* q, const bf16_bits* k_cac
   for (int g = 0; g < G; ++g) {
     float* row = scores + g * length;
     bf16_bits* w = reinterpret_cast<bf16_bits*>(row);
-    inv_sum[g] = spmd_cpu::softmax_bf16_row(row, length, w);
+    inv_sum[g] = spmd_cpu::softmax_row(row, length, w);
     w[length] = 0;
     weights[g] = w;
   }
