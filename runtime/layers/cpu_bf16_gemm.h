@@ -14,6 +14,7 @@
 
 #include "cpu_avx512.h"
 #include "cpu_bf16.h"
+#include "cpu_math.h"
 
 namespace spmd_cpu {
 
@@ -27,11 +28,10 @@ inline void pack_gemm_panel(const bf16_bits* rows, int64_t K, uint32_t* packed) 
   pack_word_panel(rows, K / 2, packed);
 }
 
-// Rows x[0, R) (K apart) against a packed panel: out[r * ldo + f] (f < 32) receives row r's
-// output f, its float32 sum rounded to bf16 once.
-template <int R>
-inline void gemm_tile(const bf16_bits* x, int64_t K, const uint32_t* packed, bf16_bits* out,
-                      int64_t ldo) {
+// Rows x[0, R) (K apart) against a packed panel: done(r, low, high) receives row r's float32
+// sums of features 0-15 (low) and 16-31 (high).
+template <int R, class Done>
+inline void gemm_tile(const bf16_bits* x, int64_t K, const uint32_t* packed, Done&& done) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   uint32_t word;
@@ -45,19 +45,36 @@ inline void gemm_tile(const bf16_bits* x, int64_t K, const uint32_t* packed, bf1
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
     }
   }
-  for (int r = 0; r < R; ++r)
-    _mm512_storeu_si512(out + r * ldo, (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
+  for (int r = 0; r < R; ++r) done(r, acc[r][0], acc[r][1]);
 }
 
-// Every row of x [M, K] against a packed panel, kGemmRows at a time.
+// Every row of x [M, K] against a packed panel, kGemmRows at a time: done(row, low, high) as
+// gemm_tile's.
+template <class Done>
+inline void gemm_panel_rows(const bf16_bits* x, int64_t M, int64_t K, const uint32_t* packed,
+                            Done&& done) {
+  int64_t r = 0;
+  const auto at = [&](int64_t r0) {
+    return [&, r0](int64_t i, __m512 low, __m512 high) { done(r0 + i, low, high); };
+  };
+  for (; r + kGemmRows <= M; r += kGemmRows) gemm_tile<kGemmRows>(x + r * K, K, packed, at(r));
+  with_row_count<1, kGemmRows - 1>(M - r, [&](auto rows) {
+    gemm_tile<decltype(rows)::value>(x + r * K, K, packed, at(r));
+  });
+}
+
+// The same, each row's 32 outputs rounded to bf16 once into out (rows ldo apart).
 inline void gemm_panel_rows(const bf16_bits* x, int64_t M, int64_t K, const uint32_t* packed,
                             bf16_bits* out, int64_t ldo) {
-  int64_t r = 0;
-  for (; r + kGemmRows <= M; r += kGemmRows)
-    gemm_tile<kGemmRows>(x + r * K, K, packed, out + r * ldo, ldo);
-  with_row_count<1, kGemmRows - 1>(M - r, [&](auto rows) {
-    gemm_tile<decltype(rows)::value>(x + r * K, K, packed, out + r * ldo, ldo);
+  gemm_panel_rows(x, M, K, packed, [&](int64_t r, __m512 low, __m512 high) {
+    _mm512_storeu_si512(out + r * ldo, (__m512i)_mm512_cvtne2ps_pbh(high, low));
   });
+}
+
+// A float32 sum as bf16 rounds it (nearest, ties to even), widened back.
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
 // Rows in the lanes, for 16 to kLanesMaxRows rows: the transpose of the tiles above, so the

@@ -776,25 +776,38 @@ inline void dequantize_into(const uint8_t* row, int64_t K, T* w) {
 #endif
 }
 
-// W's output features in panels of P, each task's dequantized to T (P x K, row-major: float32
-// as gguf_dequantize makes them, bf16 as gguf_dequantize_bf16 rounds them) in buffers of its
-// own and handed to multiply(panel, first feature, scratch of scratch_words words).
-template <int64_t P, class T, class Scratch, class Multiply>
-void dequantized_panels(int64_t kind, const uint8_t* data, int64_t row_bytes, int64_t K,
-                        int64_t N, int64_t scratch_words, Multiply&& multiply) {
-  at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
+// `panels` panels of P of W's output features (panel p's row f: feature(p, f)), each task's
+// dequantized to T (P x K, row-major: float32 as gguf_dequantize makes them, bf16 as
+// gguf_dequantize_bf16 rounds them) in buffers of its own and handed to multiply(panel, p,
+// scratch of scratch_words words).
+template <int64_t P, class T, class Scratch, class Feature, class Multiply>
+void dequantized_panels_of(int64_t kind, const uint8_t* data, int64_t row_bytes, int64_t K,
+                           int64_t panels, int64_t scratch_words, Feature&& feature,
+                           Multiply&& multiply) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> panel(P * K);
     std::vector<Scratch> scratch(scratch_words);
     with_kind(kind, [&](auto k) {
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = spmd_cpu::bf16_panel_start<P>(p, N);
         for (int64_t f = 0; f < P; ++f)
-          dequantize_into<decltype(k)::value>(data + (n0 + f) * row_bytes, K,
+          dequantize_into<decltype(k)::value>(data + feature(p, f) * row_bytes, K,
                                               panel.data() + f * K);
-        multiply(panel.data(), n0, scratch.data());
+        multiply(panel.data(), p, scratch.data());
       }
     });
   });
+}
+
+// W's N output features in consecutive panels of P (the last overlapping the one before):
+// multiply(panel, first feature, scratch).
+template <int64_t P, class T, class Scratch, class Multiply>
+void dequantized_panels(int64_t kind, const uint8_t* data, int64_t row_bytes, int64_t K,
+                        int64_t N, int64_t scratch_words, Multiply&& multiply) {
+  const auto start = [N](int64_t p) { return spmd_cpu::bf16_panel_start<P>(p, N); };
+  dequantized_panels_of<P, T, Scratch>(
+      kind, data, row_bytes, K, (N + P - 1) / P, scratch_words,
+      [&](int64_t p, int64_t f) { return start(p) + f; },
+      [&](const T* panel, int64_t p, Scratch* scratch) { multiply(panel, start(p), scratch); });
 }
 
 // x [M, K] float32 @ W^T into out [M, N] with W's panels dequantized to float32 in cache
@@ -1002,6 +1015,45 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   return out;
 }
 
+// SiLU(x @ Wg^T) * (x @ Wu^T) for W = [Wg; Wu] [2I, K] as its GGUF blocks (a fused gate/up
+// projection of one block type, gate rows first) -> [M, I] bfloat16: gguf_bf16_linear's packed
+// panels, each of 16 gate features and their 16 up features, whose sums are rounded to bf16
+// and go through silu_mul's bf16 step in the tile's epilogue, so the [M, 2I] product is never
+// written: bit for bit silu_mul(gguf_bf16_linear(x, W)) where that takes the packed panels
+// (past kLanesMaxRows rows).
+at::Tensor gguf_bf16_silu_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                                 int64_t in_features) {
+  constexpr const char* op = "gguf_bf16_silu_linear";
+  spmd_cpu::check_tensor(op, "x", x, 2);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
+              ": x must be a contiguous bfloat16 tensor, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == in_features, op, ": x has ", x.size(1), " features, the weight ",
+              in_features);
+  check_blocks(op, blocks, kind, in_features);
+  const int64_t M = x.size(0), K = in_features, I = blocks.size(0) / 2;
+  TORCH_CHECK(blocks.size(0) % 32 == 0 && spmd_cpu::bf16_linear_supported(K, 2 * I), op,
+              ": runs where the build has AVX512-BF16, in_features is a multiple of 32 and the "
+              "gate/up rows (gate first) are a multiple of 32, got [", blocks.size(0), ", ", K,
+              "]");
+  at::Tensor out = at::empty({M, I}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xp = static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr());
+  auto* o = static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr());
+  dequantized_panels_of<spmd_cpu::kGemmPanel, spmd_cpu::bf16_bits, uint32_t>(
+      kind, blocks.data_ptr<uint8_t>(), blocks.size(1), K, I / 16, spmd_cpu::kGemmPanel * K / 2,
+      [I](int64_t p, int64_t f) { return f < 16 ? 16 * p + f : I + 16 * p + f - 16; },
+      [&](const spmd_cpu::bf16_bits* panel, int64_t p, uint32_t* packed) {
+        spmd_cpu::pack_gemm_panel(panel, K, packed);
+        spmd_cpu::gemm_panel_rows(xp, M, K, packed, [&](int64_t r, __m512 gate, __m512 up) {
+          spmd_cpu::vstore_bf16(o + r * I + 16 * p,
+                                spmd_cpu::silu_mul_lanes(spmd_cpu::round_bf16(gate),
+                                                         spmd_cpu::round_bf16(up)));
+        });
+      });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
@@ -1013,6 +1065,7 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("gguf_bf16_linear_supported(int in_features, int out_features) -> bool",
         &spmd_cpu::bf16_linear_supported);
   m.def("gguf_linear_fused(int in_features, int out_features) -> bool", &gguf_linear_fused);
+  m.def("gguf_bf16_silu_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
@@ -1020,4 +1073,5 @@ TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_dequantize_bf16", &gguf_dequantize_bf16);
   m.impl("gguf_bf16_linear", &gguf_bf16_linear);
+  m.impl("gguf_bf16_silu_linear", &gguf_bf16_silu_linear);
 }

@@ -233,16 +233,9 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, bf16_bits>) {   // rounded to bf16: the cheaper exp and 1 / x
-    for (; i + 16 <= n; i += 16) {
-      const __m512 g = spmd_cpu::vload_bf16(gate + i);
-      // exp(-g) <= 2^126, so that its reciprocal stays a normal float (inf would make NaN).
-      const __m512 sum = _mm512_add_ps(_mm512_set1_ps(1.f), spmd_cpu::vexp2(_mm512_min_ps(
-          _mm512_mul_ps(g, _mm512_set1_ps(-spmd_cpu::kLog2e)), _mm512_set1_ps(126.f))));
-      __m512 inverse = _mm512_rcp14_ps(sum);   // one Newton step: within ~1e-8
-      inverse = _mm512_mul_ps(inverse, _mm512_fnmadd_ps(sum, inverse, _mm512_set1_ps(2.f)));
-      spmd_cpu::vstore_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(g, spmd_cpu::vload_bf16(up + i)),
-                                                   inverse));
-    }
+    for (; i + 16 <= n; i += 16)
+      spmd_cpu::vstore_bf16(out + i, spmd_cpu::silu_mul_lanes(spmd_cpu::vload_bf16(gate + i),
+                                                              spmd_cpu::vload_bf16(up + i)));
   }
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))

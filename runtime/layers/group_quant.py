@@ -307,6 +307,29 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
+# Past this many bfloat16 rows (the rows-in-the-lanes tiles' most, cpu_bf16_gemm.h
+# kLanesMaxRows) gguf_bf16_linear takes its packed panels, and a fused gate/up projection's
+# SiLU x up can run in their epilogue (gguf_bf16_silu_linear, the same bits).
+GATED_FROM_ROWS = 49
+
+
+def silu_gated_product(rows: torch.Tensor, weight: object) -> torch.Tensor | None:
+    """SiLU(rows @ gate^T) * (rows @ up^T) for a fused gate/up projection (gate rows first) of
+    one block type, in one C++ product whose tiles finish each output (the [rows, 2 x
+    intermediate] product never written): bf16 rows on the CPU past GATED_FROM_ROWS, where the
+    fused bf16 kernel is built; None for anything else (the caller multiplies, then silu_mul)."""
+    if not isinstance(weight, GroupQuantWeight) or len(weight.parts) != 1 or \
+            rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or rows.dim() != 2 or \
+            rows.shape[0] < GATED_FROM_ROWS:
+        return None
+    part = weight.parts[0]
+    if part.data.shape[0] % 32 or part.data.device.type != "cpu" or \
+            not _fused_bf16(weight.in_features, part.data.shape[0]):
+        return None
+    return torch.ops.spmd_cpu.gguf_bf16_silu_linear(rows.contiguous(), part.data, int(part.kind),
+                                                    weight.in_features)
+
+
 def decode_layers_blocks(weight: GroupQuantWeight,
                          rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The (blocks, int64 [GGML type, in_features]) slot pair spmd_cpu::decode_layers takes for

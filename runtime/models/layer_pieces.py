@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
+from spmd_runtime.runtime.layers.group_quant import silu_gated_product
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.norm import rms_norm
 from spmd_runtime.runtime.layers.rotary import apply_rotary
@@ -91,9 +92,13 @@ def fused_mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weigh
                      eps: float, gate_up_weight: torch.Tensor,
                      intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """mlp_inputs with the residual add and the norm as one C++ pass, and SiLU x up as another
-    (float32 or bfloat16 CPU)."""
+    (float32 or bfloat16 CPU), or in the gate/up product's tiles (GGUF blocks, a prompt's bf16
+    rows: group_quant.silu_gated_product)."""
     x, normed = torch.ops.spmd_cpu.add_rms_norm(x, attention_output, norm_weight, eps)
-    return x, torch.ops.spmd_cpu.silu_mul(linear(normed, gate_up_weight))
+    activation = silu_gated_product(normed, gate_up_weight)
+    if activation is None:
+        activation = torch.ops.spmd_cpu.silu_mul(linear(normed, gate_up_weight))
+    return x, activation
 
 
 # The eager pieces of a CPU worker on the C++ attention backend (runtime/layers/cpu_ops.py).

@@ -331,6 +331,43 @@ def test_the_fused_bf16_product_refuses_bad_inputs_naming_them() -> None:
         fused(torch.randn(2, 96).bfloat16(), blocks[:4], q4_1, 96)
 
 
+@needs_bf16_tiles
+@pytest.mark.parametrize("tensor_type", [*TYPES, *K_QUANTS])
+@pytest.mark.parametrize("rows", [16, 20, 48, 49, 64, 130])
+def test_silu_in_the_gate_up_tiles_is_silu_mul_of_the_product(tensor_type, rows) -> None:
+    """bfloat16 (assertions on bf16 values): gguf_bf16_silu_linear over a fused gate/up
+    weight (gate rows first; 96 intermediate features: three panels of 16 gate and 16 up
+    features) is, bit for bit, silu_mul of gguf_bf16_linear's product from 16 rows (where that
+    sums in the packed panels' order), the last packed tile's tails included."""
+    weight, _ = (random_k_quant(tensor_type, 192, 512, seed=rows) if tensor_type in K_QUANTS
+                 else quantized(tensor_type, out_features=192, in_features=512, seed=rows))
+    blocks = weight.parts[0].data
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    gated = torch.ops.spmd_cpu.gguf_bf16_silu_linear(x, blocks, int(tensor_type), 512)
+    assert gated.dtype == torch.bfloat16 and gated.shape == (rows, 96)
+    product = torch.ops.spmd_cpu.gguf_bf16_linear(x, blocks, int(tensor_type), 512)
+    assert torch.equal(gated, torch.ops.spmd_cpu.silu_mul(product))
+    # The layer's path: only past GATED_FROM_ROWS, and only for bf16 rows.
+    through_layer = group_quant.silu_gated_product(x, weight)
+    assert (through_layer is not None) == (rows >= group_quant.GATED_FROM_ROWS)
+    if through_layer is not None:
+        assert torch.equal(through_layer, gated)
+    assert group_quant.silu_gated_product(x.float(), weight) is None
+
+
+@needs_bf16_tiles
+def test_silu_in_the_gate_up_tiles_refuses_bad_inputs_naming_them() -> None:
+    weight, _ = quantized(GGML.Q4_1, out_features=48, in_features=96)
+    blocks, q4_1 = weight.parts[0].data, int(GGML.Q4_1)
+    gated = torch.ops.spmd_cpu.gguf_bf16_silu_linear
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        gated(torch.randn(2, 96), blocks, q4_1, 96)
+    with pytest.raises(RuntimeError, match="x has 64 features, the weight 96"):
+        gated(torch.randn(2, 64).bfloat16(), blocks, q4_1, 96)
+    with pytest.raises(RuntimeError, match=r"multiple of 32, got \[48, 96\]"):
+        gated(torch.randn(2, 96).bfloat16(), blocks, q4_1, 96)
+
+
 @needs_cpu_ops
 def test_the_cpu_product_refuses_mismatched_blocks_naming_them() -> None:
     weight, _ = quantized(GGML.Q4_1)
