@@ -948,6 +948,17 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
 }
 
 
+// x: contiguous bfloat16 rows of in_features; blocks: W's rows of `kind`'s blocks.
+void check_bf16_product(const char* op, const at::Tensor& x, const at::Tensor& blocks,
+                        int64_t kind, int64_t in_features) {
+  spmd_cpu::check_tensor(op, "x", x, 2);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
+              ": x must be a contiguous bfloat16 tensor, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == in_features, op, ": x has ", x.size(1), " features, the weight ",
+              in_features);
+  check_blocks(op, blocks, kind, in_features);
+}
+
 // x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16, without W in memory
 // at any precision: each task dequantizes a panel of output features to bfloat16 in buffers of
 // its own, as gguf_dequantize_bf16 rounds them, and multiplies every row of x by it.
@@ -965,12 +976,7 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
 at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                             int64_t in_features) {
   constexpr const char* op = "gguf_bf16_linear";
-  spmd_cpu::check_tensor(op, "x", x, 2);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
-              ": x must be a contiguous bfloat16 tensor, got ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == in_features, op, ": x has ", x.size(1), " features, the weight ",
-              in_features);
-  check_blocks(op, blocks, kind, in_features);
+  check_bf16_product(op, x, blocks, kind, in_features);
   const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
   TORCH_CHECK(spmd_cpu::bf16_linear_supported(K, N), op, ": runs where the build has "
               "AVX512-BF16, in_features is a multiple of 32 and out_features >= ",
@@ -1024,12 +1030,7 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
 at::Tensor gguf_bf16_silu_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                                  int64_t in_features) {
   constexpr const char* op = "gguf_bf16_silu_linear";
-  spmd_cpu::check_tensor(op, "x", x, 2);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
-              ": x must be a contiguous bfloat16 tensor, got ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == in_features, op, ": x has ", x.size(1), " features, the weight ",
-              in_features);
-  check_blocks(op, blocks, kind, in_features);
+  check_bf16_product(op, x, blocks, kind, in_features);
   const int64_t M = x.size(0), K = in_features, I = blocks.size(0) / 2;
   TORCH_CHECK(blocks.size(0) % 32 == 0 && spmd_cpu::bf16_linear_supported(K, 2 * I), op,
               ": runs where the build has AVX512-BF16, in_features is a multiple of 32 and the "
