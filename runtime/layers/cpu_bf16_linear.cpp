@@ -9,7 +9,7 @@
 // Each task takes a panel of 8 output features and walks the rows two at a time: 2 x 8 float32
 // accumulators, each a feature's partial sums over 16 lanes of in_features, fed 32 products an
 // instruction from the two rows' and eight weight rows' bf16 (10 loads a 16 instructions), then
-// summed across lanes 16 at a time (cpu_bf16_dot.h lane_sums) and rounded to bf16 once. A lone
+// summed across lanes 16 at a time (cpu_avx512.h lane_sums) and rounded to bf16 once. A lone
 // last row runs paired with itself. The weight panel (8 x in_features) stays in L1 across the
 // rows, so the weight is read from memory once whatever the row count.
 #include <ATen/core/Tensor.h>
