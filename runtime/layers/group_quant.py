@@ -104,7 +104,6 @@ def bf16_gemm_rows(kind: GGML, in_features: int, out_features: int) -> int:
     return FUSED_INTEGER_ROWS if fused else BF16_GEMM_ROWS
 
 
-
 @functools.cache
 def _fused_f32(in_features: int, out_features: int) -> bool:
     """Whether the loaded library multiplies float32 rows by this shape's blocks dequantized to
@@ -122,6 +121,7 @@ def f32_integer_rows(kind: GGML, in_features: int, out_features: int) -> int:
     if kind in K_QUANT_TYPES:
         return F32_K_QUANT_VNNI_INTEGER_ROWS if vnni_kernels() else DIRECT_ROWS
     return F32_INTEGER_ROWS[kind]
+
 
 # The block formats kept quantized: (weights, bytes) per block.
 KEPT_TYPES = {kind: gguf.GGML_QUANT_SIZES[kind] for kind in KEPT_BLOCK_TYPES}
