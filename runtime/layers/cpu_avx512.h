@@ -1,5 +1,6 @@
-// Register shuffles of 32-bit lanes that the AVX-512 kernels share (bf16 and float32 tiles,
-// attention): a 16 x 16 transpose of words and the lane sums of 16 registers.
+// What the AVX-512 kernels share (bf16 and float32 tiles, attention): a row count made a
+// template argument, a 16 x 16 transpose of 32-bit words, the lane sums of 16 registers, and
+// the packing of rows into the lanes (16 rows a register) or of a 32-row panel feature-minor.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,9 @@ inline void with_row_count(int64_t count, F&& f) {
 #include <immintrin.h>
 
 namespace spmd_cpu {
+
+// Registers of 16 rows (the lanes) for M rows.
+inline int64_t lane_registers(int64_t M) { return (M + 15) / 16; }
 
 // r[0..16) as 16 rows of 16 32-bit words -> r[c] = column c (word c of each row, in row order).
 inline void transpose_words(__m512i r[16]) {
@@ -81,11 +85,11 @@ inline __m512 lane_sums(__m512* a) {
 
 // 32-bit words, `words` a row (a float each, or a bf16 pair), of 16-row groups packed so that
 // a register holds one word of 16 rows: rows [0, M) of x (row r at x + r * words) into
-// packed[(p * RV + v) * 16 + j] = row 16v + j's word p (zero for rows >= M), RV = (M + 15) /
-// 16. `words` a multiple of 16.
+// packed[(p * RV + v) * 16 + j] = row 16v + j's word p (zero for rows >= M), RV =
+// lane_registers(M). `words` a multiple of 16.
 inline void pack_word_lanes(const void* x, int64_t M, int64_t words, uint32_t* packed) {
   const auto* rows = static_cast<const uint32_t*>(x);
-  const int64_t RV = (M + 15) / 16;
+  const int64_t RV = lane_registers(M);
   for (int64_t v = 0; v < RV; ++v)
     for (int64_t p = 0; p < words; p += 16) {
       __m512i r[16];

@@ -84,8 +84,6 @@ inline __m512 round_bf16(__m512 x) {
 // same pair. Each output is the same sum, in the same order, as gemm_tile's.
 constexpr int64_t kLanesMaxRows = 48;
 
-// Registers of 16 rows for M rows.
-inline int64_t lane_registers(int64_t M) { return (M + 15) / 16; }
 
 // x [M, K] (K a multiple of 32) packed for lanes_tile: word (p * RV + v) * 16 + j holds row
 // 16v + j's inputs 2p and 2p + 1 (zero for rows >= M), RV = lane_registers(M).

@@ -58,11 +58,8 @@ inline void f32_panel_rows(const float* x, int64_t rows, int64_t K, const float*
   }
 }
 
-// Registers of 16 rows for M rows.
-inline int64_t f32_lane_registers(int64_t M) { return (M + 15) / 16; }
-
 // x [M, K] (K a multiple of 16) packed for f32_lanes_tile: float (k * RV + v) * 16 + j holds
-// row 16v + j's input k (zero for rows >= M), RV = f32_lane_registers(M).
+// row 16v + j's input k (zero for rows >= M), RV = lane_registers(M).
 inline void f32_pack_lanes(const float* x, int64_t M, int64_t K, float* packed) {
   pack_word_lanes(x, M, K, reinterpret_cast<uint32_t*>(packed));
 }

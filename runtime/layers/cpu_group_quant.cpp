@@ -726,18 +726,26 @@ void dequantize_vector_wide(const uint8_t* row, int64_t K, T* w) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// One output feature's K weights into w, float32 (dequantize_vector's values) or, with
+// AVX512-BF16, bf16 (those rounded): AVX-512's dequantizer where the build has it.
+template <int64_t KIND, class T>
+inline void dequantize_into(const uint8_t* row, int64_t K, T* w) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  dequantize_vector_wide<KIND>(row, K, w);
+#else
+  dequantize_vector<KIND>(row, K, w);
+#endif
+}
+#endif
+
 // Rows [begin, end) of W's blocks as float32, `K` weights a row, into w.
 void dequantize_rows(int64_t kind, const uint8_t* blocks, int64_t row_bytes, int64_t K,
                      int64_t begin, int64_t end, float* w) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   with_kind(kind, [&](auto k) {
     for (int64_t n = begin; n < end; ++n)
-      dequantize_vector_wide<decltype(k)::value>(blocks + n * row_bytes, K, w + (n - begin) * K);
-  });
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  with_kind(kind, [&](auto k) {
-    for (int64_t n = begin; n < end; ++n)
-      dequantize_vector<decltype(k)::value>(blocks + n * row_bytes, K, w + (n - begin) * K);
+      dequantize_into<decltype(k)::value>(blocks + n * row_bytes, K, w + (n - begin) * K);
   });
 #else
   for (int64_t n = begin; n < end; ++n) dequantize_row(kind, blocks + n * row_bytes, K, w + (n - begin) * K);
@@ -765,17 +773,6 @@ void dequantize_row_bf16(int64_t kind, const uint8_t* blocks, int64_t row_bytes,
 }
 
 #if defined(__AVX512F__)
-// One output feature's K weights into w, float32 (dequantize_vector's values) or bf16 (those
-// rounded).
-template <int64_t KIND, class T>
-inline void dequantize_into(const uint8_t* row, int64_t K, T* w) {
-#if defined(__AVX512BW__)
-  dequantize_vector_wide<KIND>(row, K, w);
-#else
-  dequantize_vector<KIND>(row, K, w);
-#endif
-}
-
 // `panels` panels of P of W's output features (panel p's row f: feature(p, f)), each task's
 // dequantized to T (P x K, row-major: float32 as gguf_dequantize makes them, bf16 as
 // gguf_dequantize_bf16 rounds them) in buffers of its own and handed to multiply(panel, p,
@@ -831,7 +828,7 @@ void fused_f32(const at::Tensor& x, int64_t kind, const uint8_t* data, int64_t r
   };
   using std::integral_constant;
   if (M >= s::kF32LanesFromRows && M <= s::kF32LanesMaxRows && N >= 16) {
-    switch (s::f32_lane_registers(M)) {
+    switch (s::lane_registers(M)) {
       case 1: return lanes(integral_constant<int, 1>{}, integral_constant<int, 16>{});
       case 2: return lanes(integral_constant<int, 2>{}, integral_constant<int, 12>{});
       default: return lanes(integral_constant<int, 3>{}, integral_constant<int, 8>{});
