@@ -351,13 +351,19 @@ void run_tasks_tiles(const Shape& S, const at::Tensor& q, at::Tensor& out, KeyRo
   const int64_t D = S.dim, keys = S.query0 + S.tokens;
   const int64_t n_pad = (keys + spmd_cpu::kKeyTile - 1) / spmd_cpu::kKeyTile * spmd_cpu::kKeyTile;
   std::vector<PackedHead<E>> heads(S.kv_heads);
-  at::parallel_for(0, S.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t kv = begin; kv < end; ++kv) {
-      heads[kv].keys.resize(n_pad * D / spmd_cpu::kPerWord<E>);
-      heads[kv].values.resize(n_pad * D);
-      spmd_cpu::pack_keys<E>([&](int64_t key) { return key_row(kv, key); }, keys, n_pad, D,
+  for (auto& head : heads) {
+    head.keys.resize(n_pad * D / spmd_cpu::kPerWord<E>);
+    head.values.resize(n_pad * D);
+  }
+  // Tasks of (KV head, score tile of keys), so that both threads pack whatever the head count.
+  const int64_t chunks = n_pad / spmd_cpu::kKeyTile;
+  at::parallel_for(0, S.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / chunks, k0 = task % chunks * spmd_cpu::kKeyTile;
+      const int64_t k1 = k0 + spmd_cpu::kKeyTile;
+      spmd_cpu::pack_keys<E>([&](int64_t key) { return key_row(kv, key); }, keys, k0, k1, D,
                              heads[kv].keys.data());
-      spmd_cpu::pack_values<E>([&](int64_t key) { return value_row(kv, key); }, keys, n_pad, D,
+      spmd_cpu::pack_values<E>([&](int64_t key) { return value_row(kv, key); }, keys, k0, k1, D,
                                heads[kv].values.data());
     }
   });

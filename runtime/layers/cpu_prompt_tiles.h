@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_avx512.h"
 #include "cpu_bf16.h"
 #include "cpu_math.h"
 
@@ -58,35 +59,53 @@ inline void store_lanes_part(bf16_bits* dst, __m512 v, __mmask16 lanes) {
 }
 #endif
 
-// Keys [0, n) of one KV head (row_of(key): its D elements) packed for qk_tile: group g, word
-// p, key j at word (g * W + p) * 16 + j, W = D / kPerWord<E>; keys n .. n_pad - 1 zero.
+// Keys [k0, k1) of one KV head (row_of(key): its D elements; k0 and k1 multiples of 16)
+// packed for qk_tile: group g, word p, key j at word (g * W + p) * 16 + j, W = D / kPerWord<E>
+// (a multiple of 16); keys from n on zero. Each 16 keys' 16 words are one register transpose.
 template <class E, typename RowOf>
-inline void pack_keys(RowOf row_of, int64_t n, int64_t n_pad, int64_t D, uint32_t* packed) {
+inline void pack_keys(RowOf row_of, int64_t n, int64_t k0, int64_t k1, int64_t D,
+                      uint32_t* packed) {
   const int64_t words = D / kPerWord<E>;
-  for (int64_t key = 0; key < n_pad; ++key) {
-    uint32_t* dst = packed + (key / kKeyGroup) * words * kKeyGroup + key % kKeyGroup;
-    if (key < n) {
-      const E* row = row_of(key);
-      for (int64_t p = 0; p < words; ++p) dst[p * kKeyGroup] = load_word(row + kPerWord<E> * p);
-    } else {
-      for (int64_t p = 0; p < words; ++p) dst[p * kKeyGroup] = 0;
+  for (int64_t g = k0; g < k1; g += kKeyGroup) {
+    uint32_t* dst = packed + g * words;
+    for (int64_t p = 0; p < words; p += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = g + j < n ? _mm512_loadu_si512(row_of(g + j) + kPerWord<E> * p)
+                         : _mm512_setzero_si512();
+      transpose_words(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + (p + c) * kKeyGroup, r[c]);
     }
   }
 }
 
-// Values [0, n) of one KV head (row_of(key)) packed for pv_tile: key word c (keys c * P ..
-// c * P + P - 1, P = kPerWord<E>), dimension d at elements (c * D + d) * P + key % P; keys
-// n .. n_pad - 1 zero (n_pad a multiple of P).
+// Values [k0, k1) of one KV head (row_of(key); k0 and k1 even) packed for pv_tile: key word c
+// (keys c * P .. c * P + P - 1, P = kPerWord<E>), dimension d at elements (c * D + d) * P +
+// key % P; keys from n on zero. float32 rows are copied; a bf16 pair's rows are interleaved,
+// 32 dimensions at a time (D a multiple of 32).
 template <class E, typename RowOf>
-inline void pack_values(RowOf row_of, int64_t n, int64_t n_pad, int64_t D, E* packed) {
+inline void pack_values(RowOf row_of, int64_t n, int64_t k0, int64_t k1, int64_t D, E* packed) {
   constexpr int64_t P = kPerWord<E>;
-  for (int64_t key = 0; key < n_pad; ++key) {
-    E* dst = packed + (key / P) * D * P + key % P;
-    if (key < n) {
-      const E* row = row_of(key);
-      for (int64_t d = 0; d < D; ++d) dst[P * d] = row[d];
-    } else {
-      for (int64_t d = 0; d < D; ++d) dst[P * d] = E{};
+  if constexpr (P == 1) {
+    for (int64_t key = k0; key < k1; ++key) {
+      if (key < n) std::memcpy(packed + key * D, row_of(key), D * sizeof(E));
+      else std::memset(packed + key * D, 0, D * sizeof(E));
+    }
+  } else {
+    alignas(64) static constexpr uint16_t kLow[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i low = _mm512_load_si512(kLow);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t key = k0; key < k1; key += 2) {
+      E* dst = packed + key * D;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i a = key < n ? _mm512_loadu_si512(row_of(key) + d) : _mm512_setzero_si512();
+        const __m512i b = key + 1 < n ? _mm512_loadu_si512(row_of(key + 1) + d)
+                                      : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
+      }
     }
   }
 }
