@@ -35,13 +35,14 @@ from spmd_runtime.runtime.loaders import load_model, resolve_model
 from spmd_runtime.runtime.models import build_model
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 from spmd_runtime.scheduler_proc.tokenizer import load_tokenizer
+from spmd_runtime.worker_proc.model_loading import keeps_blocks
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
 
 def build(model: str, quantization: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    config, weights = load_model(resolve_model(model), dtype,
-                                 keep_quantized=quantization == "gguf")
+    source = resolve_model(model)
+    config, weights = load_model(source, dtype, keep_quantized=keeps_blocks(quantization, source))
     model = build_model(config, dtype)
     model.load_hf_state_dict(weights)
     if quantization != "gguf":

@@ -24,3 +24,9 @@ needs_bf16_tiles = pytest.mark.skipif(not CPU_HAS_BF16, reason="this CPU has no 
 CPU_HAS_AVX512 = BUILT_FOR_THIS_CPU and "avx512f" in cpu_features.detect().flags
 needs_f32_panels = pytest.mark.skipif(not CPU_HAS_AVX512, reason="this CPU has no AVX-512: the "
                                       "library has no float32 panels for GGUF blocks")
+
+# Where the CPU has AVX-512 BW and VNNI the library's level multiplies 8-bit activations by GGUF
+# blocks of 32 (`--quantization int8` over a GGUF file).
+CPU_HAS_INT8_BLOCKS = BUILT_FOR_THIS_CPU and {"avx512bw", "avx512_vnni"} <= cpu_features.detect().flags
+needs_int8_blocks = pytest.mark.skipif(not CPU_HAS_INT8_BLOCKS, reason="this CPU has no AVX-512 "
+                                       "VNNI: the library has no 8-bit activation products")

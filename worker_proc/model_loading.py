@@ -16,8 +16,8 @@ from spmd_runtime.runtime.layers import cpu_ops, group_quant
 from spmd_runtime.runtime.layers.attention_backend import CPP, AttentionBackend, choose_attention_backend
 from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
 from spmd_runtime.runtime.layers.parallel import TensorParallel
-from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
-from spmd_runtime.runtime.loaders import load_model, resolve_model
+from spmd_runtime.runtime.layers.quantization import int8_keeps_blocks, quantize_linear_weights
+from spmd_runtime.runtime.loaders import ModelSource, load_model, resolve_model
 from spmd_runtime.runtime.models import build_model, shard_spec
 from spmd_runtime.worker_proc.chunk_tuning import tensor_parallel, tuned_if_asked
 from spmd_runtime.worker_proc.distributed import DistributedContext
@@ -31,9 +31,10 @@ def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torc
     it runs (chosen before the weights are built, so a backend that cannot run fails fast)."""
     started = time.perf_counter()
     tp = tensor_parallel(config, ctx)
+    source = resolve_model(config.model)
     model_config, weights = load_model(
-        resolve_model(config.model), dtype, seed=config.dummy_seed, shard_spec_for=lambda c:
-        shard_spec(c, tp), keep_quantized=config.quantization == "gguf")
+        source, dtype, seed=config.dummy_seed, shard_spec_for=lambda c:
+        shard_spec(c, tp), keep_quantized=keeps_blocks(config.quantization, source))
     attention = choose_attention_backend(config.attention_backend, ctx.device, dtype, model_config.head_dim)
     if ctx.rank == 0:
         built = f" (C++ library built for {cpu_ops.loaded().level})" if attention is CPP else ""
@@ -55,6 +56,23 @@ def load_worker_model(config: EngineConfig, ctx: DistributedContext, dtype: torc
                  ctx.rank, shards.num_heads, model_config.num_attention_heads,
                  shards.num_kv_heads, model_config.num_key_value_heads)
     return model_config, model, tp, attention
+
+
+def keeps_blocks(quantization: str, source: ModelSource) -> bool:
+    """Whether a GGUF file's projections load as its blocks: with gguf, and with int8 where
+    every layer type is a block of 32 that the library multiplies by 8-bit activations (the
+    file's weights unchanged); int8 otherwise quantizes the dequantized projections per output
+    channel."""
+    if quantization == "gguf":
+        return True
+    if quantization != "int8" or source.kind != "gguf":
+        return False
+    from spmd_runtime.runtime.loaders.gguf_file import quantized_layer_types
+
+    keep = int8_keeps_blocks(quantized_layer_types(source.path))
+    log.info("--quantization int8: %s", "the file's blocks times 8-bit activations (per block "
+             "of 32)" if keep else "the dequantized projections as int8 per output channel")
+    return keep
 
 
 def release_free_memory() -> None:
@@ -98,9 +116,10 @@ def load_draft_model(config: EngineConfig, device: torch.device, dtype: torch.dt
     draft_config, _ = resolved_quantization(msgspec.structs.replace(
         config, model=config.draft_model, quantization=quantization, speculative="off",
         draft_model=""))
-    model_config, weights = load_model(resolve_model(draft_config.model), dtype,
-                                       seed=config.dummy_seed,
-                                       keep_quantized=draft_config.quantization == "gguf")
+    source = resolve_model(draft_config.model)
+    model_config, weights = load_model(source, dtype, seed=config.dummy_seed,
+                                       keep_quantized=keeps_blocks(draft_config.quantization,
+                                                                   source))
     if model_config.vocab_size != vocab_size:
         raise ValueError(f"--draft-model {config.draft_model} has a vocabulary of "
                          f"{model_config.vocab_size} tokens, --model {config.model} one of "

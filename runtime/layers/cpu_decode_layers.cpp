@@ -64,6 +64,8 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>
       gguf_linear = op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>(
           "spmd_cpu::gguf_linear");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> gguf_int8_linear =
+      op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>("spmd_cpu::gguf_int8_linear");
 };
 
 const Ops& ops() {
@@ -174,7 +176,8 @@ void check_norm(at::TensorList weights, size_t index, const LayerShapes& s) {
 // A projection may also be a GGUF file's blocks (uint8 [out, bytes a row], group_quant.py) with
 // an int64 [GGML type, in_features] stand-in, multiplied by spmd_cpu::gguf_bf16_linear (bf16) or
 // by spmd_cpu::gguf_linear's float32 panels (float32: group_quant.py hands the blocks over only
-// at row counts past its integer products).
+// at row counts past its integer products); [GGML type, in_features, 1] for 8-bit activations
+// (spmd_cpu::gguf_int8_linear, `--quantization int8`), in either dtype.
 bool gguf_blocks(const Tensor& weight) { return weight.scalar_type() == at::kByte; }
 
 // A GGUF projection's [out, in] from its blocks and stand-in.
@@ -182,10 +185,11 @@ std::pair<int64_t, int64_t> gguf_shape(at::TensorList weights, size_t index) {
   const Tensor& blocks = weights[index];
   const Tensor& info = weights[index + 1];
   TORCH_CHECK(blocks.dim() == 2 && info.scalar_type() == at::kLong && info.dim() == 1 &&
-                  info.numel() == 2 && info.device().is_cpu(),
+                  (info.numel() == 2 || info.numel() == 3) && info.device().is_cpu(),
               "decode_layers: ", slot_name(index + 1), " is a ", info.scalar_type(), " ",
               info.sizes(), " tensor beside the GGUF blocks ", blocks.sizes(), " of ",
-              slot_name(index), ", an int64 [GGML type, in_features] expected");
+              slot_name(index), ", an int64 [GGML type, in_features(, int8 activations)] "
+              "expected");
   return {blocks.size(0), info.const_data_ptr<int64_t>()[1]};
 }
 
@@ -286,6 +290,8 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
   const auto project = [&](const Tensor& input, const Tensor* w) {
     if (gguf_blocks(w[0])) {
       const int64_t* info = w[1].const_data_ptr<int64_t>();
+      if (w[1].numel() == 3 && info[2] == 1)
+        return f.gguf_int8_linear.call(input.contiguous(), w[0], info[0], info[1]);
       return plain ? f.gguf_bf16_linear.call(input.contiguous(), w[0], info[0], info[1])
                    : f.gguf_linear.call(input.contiguous(), w[0], info[0], info[1], 0);
     }

@@ -499,6 +499,7 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
 }
 
 #include "cpu_group_quant_vnni.h"
+#include "cpu_group_quant_int8.h"
 
 #if defined(SPMD_GGUF_VNNI)
 constexpr bool kVnni = true;
@@ -1052,6 +1053,53 @@ at::Tensor gguf_bf16_silu_linear(const at::Tensor& x, const at::Tensor& blocks, 
   return out;
 }
 
+// Whether this build has gguf_int8_linear (AVX-512 BW and VNNI).
+bool gguf_int8_linear_supported() {
+#if defined(SPMD_GGUF_INT8)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] (float32 or bfloat16) @ W^T, W [N, K] as GGUF blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0) -> [M, N] in x's dtype, x quantized to 8 bits per block of 32 and multiplied by the
+// blocks' codes in integers (cpu_group_quant_int8.h): `--quantization int8` over a GGUF file.
+at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            int64_t in_features) {
+  constexpr const char* op = "gguf_int8_linear";
+  spmd_cpu::check_tensor(op, "x", x, 2);
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.is_contiguous(), op, ": x must be a contiguous float32 or bfloat16 tensor, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.size(1) == in_features, op, ": x has ", x.size(1), " features, the weight ",
+              in_features);
+  check_blocks(op, blocks, kind, in_features);
+  TORCH_CHECK(block_format(kind).weights == kBlock, op, ": GGML type ", kind, " is not a block "
+              "of 32 (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0)");
+  TORCH_CHECK(gguf_int8_linear_supported(), op, ": runs where the build has AVX-512 BW and "
+              "VNNI (ask gguf_int8_linear_supported)");
+  const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(SPMD_GGUF_INT8)
+  if (M == 0 || N == 0) return out;
+  Int8Rows rows;
+  const auto run = [&](auto element) {
+    using E = decltype(element);
+    quantize_rows_int8(static_cast<const E*>(x.const_data_ptr()), M, K, rows);
+    with_kind(kind, [&](auto k) {
+      constexpr int64_t KIND = decltype(k)::value;
+      if constexpr (block_format(KIND).weights == kBlock)
+        int8_blocks_product<KIND>(rows, M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N,
+                                  static_cast<E*>(out.mutable_data_ptr()));
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(spmd_cpu::bf16_bits{});
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
@@ -1064,6 +1112,8 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
         &spmd_cpu::bf16_linear_supported);
   m.def("gguf_linear_fused(int in_features, int out_features) -> bool", &gguf_linear_fused);
   m.def("gguf_bf16_silu_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_int8_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_int8_linear_supported() -> bool", &gguf_int8_linear_supported);
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
@@ -1072,4 +1122,5 @@ TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("gguf_dequantize_bf16", &gguf_dequantize_bf16);
   m.impl("gguf_bf16_linear", &gguf_bf16_linear);
   m.impl("gguf_bf16_silu_linear", &gguf_bf16_silu_linear);
+  m.impl("gguf_int8_linear", &gguf_int8_linear);
 }

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 import torch
-from cpu_library import needs_bf16_tiles, needs_f32_panels
+from cpu_library import needs_bf16_tiles, needs_f32_panels, needs_int8_blocks
 from cpu_library import needs_cpu_ops as needs_ops
 from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
 from spmd_runtime.runtime.layers.linear import linear as runtime_linear
@@ -226,6 +226,23 @@ def test_float32_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(
     assert_one_call_is_the_layer_loop(model, config, 20)
     _, batch, _ = decode_batch(config, 8)
     assert model.fused_decode_weights(batch, 8) is None
+
+
+@needs_int8_blocks
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(dtype) -> None:
+    """bfloat16 and float32 (assertions on hidden states and caches in that dtype):
+    --quantization int8 over GGUF blocks runs the one-call decode through gguf_int8_linear past
+    INT8_FROM_ROWS rows (40 here), as the layer loop multiplies them."""
+    from gguf import GGMLQuantizationType as GGML
+    from spmd_runtime.runtime.layers.group_quant import INT8_FROM_ROWS
+    from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
+
+    model, config = gguf_tiny_model(GGML.Q4_1, dtype)
+    quantize_linear_weights(model, "int8")
+    assert model.layers[0].mlp.down_proj.int8_activations
+    assert 40 >= INT8_FROM_ROWS
+    assert_one_call_is_the_layer_loop(model, config, 40)
 
 
 @needs_bf16_tiles

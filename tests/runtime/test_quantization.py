@@ -132,10 +132,19 @@ def test_int8_on_cuda_is_refused_with_what_to_change_and_compile_leaves_it_eager
 
 
 def test_an_int8_engine_answers() -> None:
+    """The default dtype (bf16 on an AVX512-BF16 CPU): the embedded file's blocks take 8-bit
+    activations from INT8_FROM_ROWS rows, so the long prompt runs through them and the short
+    one through the blocks' own products."""
+    from spmd_runtime.runtime.layers.group_quant import INT8_FROM_ROWS
+
+    context = "France is a country in Western Europe, and its largest city is its seat of " \
+              "government, known for the Eiffel Tower and the Louvre. " * 2
     with LLM("smollm2", quantization="int8", device="cpu", num_kv_blocks=256) as llm:
-        out = llm.generate("The capital of France is",
-                           SamplingParams(max_tokens=4, temperature=0.0))[0]
-    assert out.text.strip().startswith("Paris"), out.text
+        assert len(llm.tokenizer.encode(context)) >= INT8_FROM_ROWS
+        outs = llm.generate(["The capital of France is", context + "The capital of France is"],
+                            SamplingParams(max_tokens=4, temperature=0.0))
+    for out in outs:
+        assert out.text.strip().startswith("Paris"), out.text
 
 
 @pytest.mark.skipif(not quantization._ONEDNN_INT8, reason="no exact oneDNN int8 linear here "

@@ -1,0 +1,191 @@
+// 8-bit activations times a GGUF projection's blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for
+// `--quantization int8` over a GGUF file (included in cpu_group_quant.cpp, inside its namespace,
+// after unpack_block). The weights stay the file's: no rounding of them, no copy at load.
+//
+// Each row of x is quantized per block of 32 inputs, as llama.cpp's Q8 activations are: its
+// step d = max |x| / 127 and codes q = round(x / d) in int8, with d * sum(q) kept for the
+// blocks' offsets. A block's weights w = a (u - zero) + c, u its unsigned codes (Q8_0's signed
+// codes shifted by 128), so the block's share of a row's sum is
+//     a d sum(u q) + (c - a zero) d sum(q),
+// sum(u q) from VPDPBUSD (unsigned x signed bytes, four products a lane a step: 64 a
+// instruction, twice VDPBF16PS's 32, at the same rate on Zen 5). Each task unpacks a panel of
+// 32 output features into [block][four inputs][feature] code words once per call, and every
+// row's tile of 6 rows x 32 features multiplies it: eight VPDPBUSD a block a register of
+// sums, then one conversion, one multiply and two FMAs fold it into float32 (1.48x the bf16
+// tile's multiply-adds a second, measured alone).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPMD_GGUF_INT8 1
+
+constexpr int64_t kInt8Panel = 32;   // output features a panel holds (two registers)
+constexpr int kInt8TileRows = 6;     // rows of a tile: 12 integer and 12 float accumulators
+
+// x's rows as 8-bit codes per block of 32: codes [M, K], step [M, K / 32], and step * the
+// block's code sum [M, K / 32].
+struct Int8Rows {
+  std::vector<int8_t> codes;
+  std::vector<float> step, sum;
+};
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const spmd_cpu::bf16_bits* p) { return spmd_cpu::vload_bf16(p); }
+
+// The codes of x [M, K] (float32 or bf16), a block of 32 at a time: q = round(x * (127 / max))
+// (nearest, ties to even), the step max / 127; an all-zero block has step 0 and codes 0.
+template <class E>
+void quantize_rows_int8(const E* x, int64_t M, int64_t K, Int8Rows& out) {
+  const int64_t B = K / kBlock;
+  out.codes.resize(M * K);
+  out.step.resize(M * B);
+  out.sum.resize(M * B);
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < B; ++b) {
+        const E* src = x + r * K + b * kBlock;
+        const __m512 low = load16(src), high = load16(src + 16);
+        const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+        const __m512 inverse = _mm512_set1_ps(most > 0.f ? 127.f / most : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+        int8_t* dst = out.codes.data() + r * K + b * kBlock;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
+        const float step = most / 127.f;
+        out.step[r * B + b] = step;
+        out.sum[r * B + b] = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      }
+  });
+}
+
+// A panel's weights for int8_tile: codes[(b * 8 + p) * 32 + f] (32-bit words) holds feature
+// f's unsigned codes of inputs 32b + 4p .. 32b + 4p + 3; scale[b * 32 + f] its block b's a,
+// offset[b * 32 + f] its c - a zero. Features past the weight's last are zero. `rows`: the
+// codes feature by feature on the way (8 words a block, an even count of blocks).
+struct Int8Panel {
+  std::vector<uint32_t> codes, rows;
+  std::vector<float> scale, offset;
+};
+
+// Output features f0 .. f0 + count - 1 (count <= 32) of `blocks` (rows of row_bytes) unpacked
+// into `panel`: each feature's blocks in the order they lie in memory (the panel's rows are
+// one run of bytes), then two blocks of 16 features at a time (16 code words each) turned by
+// one register transpose (cpu_avx512.h).
+template <int64_t KIND>
+void unpack_int8_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t f0,
+                       int64_t count, Int8Panel& panel) {
+  constexpr int64_t kBytes = block_format(KIND).bytes;
+  const int64_t B = K / kBlock, even = (B + 1) / 2 * 2;
+  panel.codes.resize(even * 8 * kInt8Panel);
+  panel.rows.resize(kInt8Panel * even * 8);
+  panel.scale.resize(B * kInt8Panel);
+  panel.offset.resize(B * kInt8Panel);
+  for (int64_t f = 0; f < kInt8Panel; ++f) {
+    uint32_t* row = panel.rows.data() + f * even * 8;
+    for (int64_t b = 0; b < even; ++b) {
+      __m256i codes = _mm256_setzero_si256();
+      float a = 0.f, offset = 0.f;
+      if (f < count && b < B) {
+        Affine affine;
+        codes = unpack_block<KIND>(blocks + (f0 + f) * row_bytes + b * kBytes, affine);
+        if constexpr (KIND == kQ8_0) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(-128));
+        a = affine.a;
+        offset = KIND == kQ8_0 ? -128.f * a : affine.c - a * static_cast<float>(affine.zero);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 8 * b), codes);
+      if (b < B) {
+        panel.scale[b * kInt8Panel + f] = a;
+        panel.offset[b * kInt8Panel + f] = offset;
+      }
+    }
+  }
+  for (int64_t b = 0; b < even; b += 2)
+    for (int64_t half = 0; half < kInt8Panel; half += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = _mm512_loadu_si512(panel.rows.data() + (half + j) * even * 8 + 8 * b);
+      spmd_cpu::transpose_words(r);   // r[w]: word w (block b + w / 8, inputs 4 (w % 8) ..)
+      for (int w = 0; w < 16; ++w)
+        _mm512_storeu_si512(panel.codes.data() + (b * 8 + w) * kInt8Panel + half, r[w]);
+    }
+}
+
+// Rows r0 .. r0 + R - 1 of x's codes against an unpacked panel: done(r, low, high) receives
+// row r's float32 sums of features 0-15 and 16-31.
+template <int R, class Done>
+inline void int8_tile(const Int8Rows& x, int64_t r0, int64_t K, const Int8Panel& panel,
+                      Done&& done) {
+  const int64_t B = K / kBlock;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int8_t* q = x.codes.data() + r0 * K;
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    const uint32_t* w = panel.codes.data() + b * 8 * kInt8Panel;
+    for (int p = 0; p < 8; ++p) {
+      const __m512i w0 = _mm512_loadu_si512(w + p * kInt8Panel);
+      const __m512i w1 = _mm512_loadu_si512(w + p * kInt8Panel + 16);
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, q + r * K + b * kBlock + 4 * p, sizeof word);
+        const __m512i xr = _mm512_set1_epi32(word);
+        sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], w0, xr);
+        sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], w1, xr);
+      }
+    }
+    const float* a = panel.scale.data() + b * kInt8Panel;
+    const float* c = panel.offset.data() + b * kInt8Panel;
+    const __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16);
+    const __m512 c0 = _mm512_loadu_ps(c), c1 = _mm512_loadu_ps(c + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 step = _mm512_set1_ps(x.step[(r0 + r) * B + b]);
+      const __m512 sum = _mm512_set1_ps(x.sum[(r0 + r) * B + b]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), step), a0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][1]), step), a1, acc[r][1]);
+      acc[r][0] = _mm512_fmadd_ps(c0, sum, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(c1, sum, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) done(r0 + r, acc[r][0], acc[r][1]);
+}
+
+// Every row of x against a panel, kInt8TileRows at a time.
+template <class Done>
+inline void int8_panel_rows(const Int8Rows& x, int64_t M, int64_t K, const Int8Panel& panel,
+                            Done&& done) {
+  int64_t r = 0;
+  for (; r + kInt8TileRows <= M; r += kInt8TileRows)
+    int8_tile<kInt8TileRows>(x, r, K, panel, done);
+  spmd_cpu::with_row_count<1, kInt8TileRows - 1>(M - r, [&](auto rows) {
+    int8_tile<decltype(rows)::value>(x, r, K, panel, done);
+  });
+}
+
+// out [M, N] (E: float32, or bf16 rounded once) = x's codes @ the blocks' weights^T.
+template <int64_t KIND, class E>
+void int8_blocks_product(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* blocks,
+                         int64_t row_bytes, int64_t N, E* out) {
+  const int64_t panels = (N + kInt8Panel - 1) / kInt8Panel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    Int8Panel panel;
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t f0 = p * kInt8Panel, count = std::min(kInt8Panel, N - f0);
+      unpack_int8_panel<KIND>(blocks, row_bytes, K, f0, count, panel);
+      int8_panel_rows(x, M, K, panel, [&](int64_t r, __m512 v0, __m512 v1) {
+        E* dst = out + r * N + f0;
+        if (count == kInt8Panel) {
+          spmd_cpu::vstore_any(dst, v0);
+          spmd_cpu::vstore_any(dst + 16, v1);
+        } else {
+          alignas(64) E part[kInt8Panel];
+          spmd_cpu::vstore_any(part, v0);
+          spmd_cpu::vstore_any(part + 16, v1);
+          std::memcpy(dst, part, count * sizeof(E));
+        }
+      });
+    }
+  });
+}
+
+#endif  // AVX-512 BW and VNNI

@@ -1,0 +1,162 @@
+"""`--quantization int8` over a GGUF file: 8-bit activations (per block of 32) times the file's
+own blocks of 32 (spmd_cpu::gguf_int8_linear, runtime/layers/cpu_group_quant_int8.h), its
+engine wiring, and the files that keep the per-channel int8 path instead."""
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from cpu_library import CPU_HAS_INT8_BLOCKS, needs_int8_blocks
+from gguf import GGMLQuantizationType as GGML
+from spmd_runtime.runtime.layers.group_quant import (
+    INT8_FROM_ROWS,
+    GroupQuantWeight,
+    from_gguf_blocks,
+    group_quant_linear,
+)
+from spmd_runtime.runtime.layers.quantization import (
+    INT8_BLOCK_TYPES,
+    int8_keeps_blocks,
+    quantize_linear_weights,
+    swap_weight,
+)
+from test_fused_layers import tiny_model
+
+
+def blocks_of(tensor_type: GGML, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    raw = gguf.quants.quantize(w.numpy(), tensor_type)
+    return torch.from_numpy(raw.reshape(out_features, -1).copy())
+
+
+def k_quant_blocks() -> torch.Tensor:
+    """32 rows of one Q4_K super-block of random bytes (gguf's Python cannot quantize K-quants;
+    their values do not matter where the type is refused)."""
+    return torch.randint(0, 256, (32, 144), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0))
+
+
+def int8_reference(x: torch.Tensor, blocks: torch.Tensor, tensor_type: GGML) -> torch.Tensor:
+    """float64: gguf's dequantized weights times x quantized as the kernel defines it, per row
+    and block of 32: q = round(x * (127 / max |x|)) in float32 (ties to even), step max / 127."""
+    in_features = x.shape[1]
+    w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), tensor_type)).double()
+    groups = x.float().view(x.shape[0], -1, 32)
+    most = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(most > 0, 127.0 / most, torch.zeros_like(most))
+    codes = torch.round(groups * inverse)
+    steps = most / 127.0
+    return (codes.double() * steps.double()).view(-1, in_features) @ w.view(-1, in_features).t()
+
+
+@needs_int8_blocks
+@pytest.mark.parametrize("tensor_type", INT8_BLOCK_TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 37])
+@pytest.mark.parametrize("out_features", [64, 40])
+def test_8bit_activations_times_the_blocks_is_the_quantized_rows_exact_product(
+        tensor_type, rows, out_features) -> None:
+    """float32 (to float32 summation) and bfloat16 (to one rounding): the product is the
+    dequantized weights times the rows quantized to 8 bits per block of 32, for every block
+    type of 32, full tiles of 6 rows and their tails, a partial panel of 32 features; a zero
+    row gives zeros."""
+    blocks = blocks_of(tensor_type, out_features, 96, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(out_features)) * \
+        torch.logspace(-2, 1, 96)
+    if rows > 2:
+        x[1] = 0.0
+    out = torch.ops.spmd_cpu.gguf_int8_linear(x, blocks, int(tensor_type), 96)
+    expected = int8_reference(x, blocks, tensor_type)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    if rows > 2:
+        assert not out[1].any()
+    x16 = x.bfloat16()
+    out16 = torch.ops.spmd_cpu.gguf_int8_linear(x16, blocks, int(tensor_type), 96)
+    expected16 = int8_reference(x16, blocks, tensor_type)
+    assert out16.dtype == torch.bfloat16
+    assert ((out16.double() - expected16).abs() <= 2 ** -8 * expected16.abs() + 1e-6).all()
+
+
+@needs_int8_blocks
+def test_the_8bit_product_refuses_bad_inputs_naming_them() -> None:
+    blocks = blocks_of(GGML.Q4_1, 64, 96)
+    product = torch.ops.spmd_cpu.gguf_int8_linear
+    x = torch.randn(3, 96)
+    for args, match in [((x.double(), blocks, int(GGML.Q4_1), 96), "float32 or bfloat16"),
+                        ((x[:, :64].contiguous(), blocks, int(GGML.Q4_1), 96), "x has 64 features"),
+                        ((x, blocks, int(GGML.Q8_0), 96), "bytes a row"),
+                        ((x.view(3, 2, 48), blocks, int(GGML.Q4_1), 96), "must be 2-D"),
+                        ((torch.randn(3, 256), k_quant_blocks(), int(GGML.Q4_K), 256),
+                         "not a block of 32")]:
+        with pytest.raises(RuntimeError, match=match):
+            product(*args)
+
+
+def test_int8_keeps_only_files_of_blocks_of_32() -> None:
+    assert int8_keeps_blocks(["Q4_1", "Q8_0"]) == CPU_HAS_INT8_BLOCKS
+    assert not int8_keeps_blocks(["Q4_K", "Q6_K"])
+    assert not int8_keeps_blocks(["Q4_0", "Q5_K"])
+    assert not int8_keeps_blocks([])
+
+
+def gguf_model(tensor_type: GGML, dtype: torch.dtype = torch.float32):
+    model, config = tiny_model(3, dtype)
+    for module, name in model.projection_slots():
+        weight = getattr(module, name).float().numpy()
+        raw = gguf.quants.quantize(np.ascontiguousarray(weight), tensor_type)
+        swap_weight(module, name, from_gguf_blocks(raw, tensor_type, weight.shape, dtype))
+    table = model.embed_tokens.float().numpy()          # the tied embedding and head, as Q8_0
+    head = from_gguf_blocks(gguf.quants.quantize(np.ascontiguousarray(table), GGML.Q8_0),
+                            GGML.Q8_0, table.shape, dtype)
+    swap_weight(model, "embed_tokens", head)
+    swap_weight(model, "lm_head", head)
+    return model, config
+
+
+@needs_int8_blocks
+def test_an_int8_model_keeps_the_files_blocks_and_its_predictions() -> None:
+    """float32 (assertions on float32 logits): quantizing a model held in GGUF blocks marks its
+    projections for 8-bit activations without copying a byte of them, leaves the head alone,
+    and its prompt logits stay the blocks' own within the activations' rounding."""
+    model, config = gguf_model(GGML.Q4_1)
+    before = [getattr(module, name) for module, name in model.projection_slots()]
+    ids = torch.randint(0, config.vocab_size, (48,), generator=torch.Generator().manual_seed(2))
+    exact = model.prompt_logits(ids.tolist())
+    head = model.lm_head
+    assert quantize_linear_weights(model, "int8") == 4 * config.num_hidden_layers
+    for (module, name), held in zip(model.projection_slots(), before, strict=True):
+        weight = getattr(module, name)
+        assert isinstance(weight, GroupQuantWeight) and weight.int8_activations
+        assert weight.parts[0].data.data_ptr() == held.parts[0].data.data_ptr()
+    assert model.lm_head is head
+    quantized = model.prompt_logits(ids.tolist())
+    assert 0 < ((quantized - exact).norm() / exact.norm()).item() < 0.02
+    assert (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
+
+
+@needs_int8_blocks
+def test_int8_products_take_8bit_activations_from_int8_from_rows() -> None:
+    """float32 (bit-equality of float32 products): fewer rows than INT8_FROM_ROWS take the
+    blocks' own product (decode), more the 8-bit one."""
+    weight = from_gguf_blocks(blocks_of(GGML.Q8_0, 64, 96).numpy(), GGML.Q8_0, (64, 96))
+    int8 = dataclasses.replace(weight, int8_activations=True)
+    part = weight.parts[0]
+    for rows in (INT8_FROM_ROWS - 1, INT8_FROM_ROWS):
+        x = torch.randn(rows, 96)
+        blocks_own = group_quant_linear(x, weight, None)
+        eight_bit = torch.ops.spmd_cpu.gguf_int8_linear(x, part.data, int(part.kind), 96)
+        expected = blocks_own if rows < INT8_FROM_ROWS else eight_bit
+        assert torch.equal(group_quant_linear(x, int8, None), expected)
+        assert not torch.equal(blocks_own, eight_bit)
+
+
+@needs_int8_blocks
+def test_a_k_quant_weight_is_not_marked_for_8bit_activations() -> None:
+    model, _ = gguf_model(GGML.Q4_1)
+    k_quant = from_gguf_blocks(k_quant_blocks().numpy(), GGML.Q4_K, (32, 256))
+    swap_weight(model.layers[0].self_attn, "o_proj", k_quant)
+    with pytest.raises(ValueError, match=r"cannot multiply o_proj's GGUF blocks \(Q4_K\)"):
+        quantize_linear_weights(model, "int8")
