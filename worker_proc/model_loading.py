@@ -14,9 +14,10 @@ from spmd_runtime.protocol.config import EngineConfig
 from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers import cpu_ops, group_quant
 from spmd_runtime.runtime.layers.attention_backend import CPP, AttentionBackend, choose_attention_backend
+from spmd_runtime.runtime.layers.int8_blocks import int8_keeps_blocks
 from spmd_runtime.runtime.layers.linear import can_pack, pack_linear_weights
 from spmd_runtime.runtime.layers.parallel import TensorParallel
-from spmd_runtime.runtime.layers.quantization import int8_keeps_blocks, quantize_linear_weights
+from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 from spmd_runtime.runtime.loaders import ModelSource, load_model, resolve_model
 from spmd_runtime.runtime.models import build_model, shard_spec
 from spmd_runtime.worker_proc.chunk_tuning import tensor_parallel, tuned_if_asked

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops, gguf_torch
+from spmd_runtime.runtime.layers.int8_blocks import int8_product, takes_int8
 from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 
 # Up to this many rows a product holds the activations as 16-bit fixed point and multiplies with
@@ -176,8 +177,8 @@ class GroupQuantWeight:
     parts: tuple[Blocks, ...]
     in_features: int
     dtype: torch.dtype = torch.float32
-    # `--quantization int8`: its products past INT8_FROM_ROWS rows quantize the activations to
-    # 8 bits per block of 32 and multiply them by the blocks' codes in integers (int8_product).
+    # `--quantization int8`: its products at takes_int8's row counts quantize the activations
+    # to 8 bits per block of 32 and multiply them by the blocks' codes in integers.
     int8_activations: bool = False
 
     @property
@@ -294,7 +295,7 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
     """x [..., in] @ weight^T (+ bias), in x's dtype; the products in float32, but for bfloat16
     activations past bf16_gemm_rows rows on the CPU (Blocks.bf16_product)."""
     rows = x.reshape(-1, x.shape[-1])
-    if weight.int8_activations and rows.shape[0] >= INT8_FROM_ROWS:
+    if takes_int8(weight, rows.shape[0], rows.dtype):
         return int8_product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_ops.load()
     wide = None
@@ -312,25 +313,6 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
-# From this many rows an int8 weight's products take 8-bit activations; fewer (decode) take the
-# blocks' own products, whose tiles need no weight packing. Measured crossover on SmolLM2's
-# 120 projections in a row (weights from memory, 2 Zen 5 cores): 12.2 ms int8 against 10.8
-# bf16 at 32 rows, 13.3 against 14.9 at 40, 17.0 against 19.8 at 64.
-INT8_FROM_ROWS = 36
-
-
-def int8_product(rows: torch.Tensor, weight: GroupQuantWeight,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [M, in] (float32 or bf16) @ weight^T (+ bias) in rows' dtype: each row quantized to
-    int8 per block of 32 (step max |x| / 127), times the blocks' codes in integers, scaled back
-    in float32 (spmd_cpu::gguf_int8_linear; a part at a time for a stacked weight)."""
-    rows = rows.contiguous()
-    outs = [torch.ops.spmd_cpu.gguf_int8_linear(rows, p.data, int(p.kind), weight.in_features)
-            for p in weight.parts]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out if bias is None else out + bias
-
-
 # Past this many bfloat16 rows (the rows-in-the-lanes tiles' most, cpu_bf16_gemm.h
 # kLanesMaxRows) gguf_bf16_linear takes its packed panels, and a fused gate/up projection's
 # SiLU x up can run in their epilogue (gguf_bf16_silu_linear, the same bits).
@@ -343,8 +325,8 @@ def silu_gated_product(rows: torch.Tensor, weight: object) -> torch.Tensor | Non
     intermediate] product never written): bf16 rows on the CPU past GATED_FROM_ROWS, where the
     fused bf16 kernel is built; None for anything else (the caller multiplies, then silu_mul)."""
     if not isinstance(weight, GroupQuantWeight) or len(weight.parts) != 1 or \
-            (weight.int8_activations and rows.shape[0] >= INT8_FROM_ROWS) or \
-            rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or rows.dim() != 2 or \
+            takes_int8(weight, rows.shape[0], rows.dtype) or rows.dtype != torch.bfloat16 or \
+            rows.device.type != "cpu" or rows.dim() != 2 or \
             rows.shape[0] < GATED_FROM_ROWS:
         return None
     part = weight.parts[0]
@@ -364,7 +346,7 @@ def decode_layers_blocks(weight: GroupQuantWeight,
     if len(weight.parts) != 1 or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     part = weight.parts[0]
-    if weight.int8_activations and rows >= INT8_FROM_ROWS:
+    if takes_int8(weight, rows, weight.dtype):
         return part.data, _block_info(int(part.kind), weight.in_features, 1)
     shape = (weight.in_features, part.data.shape[0])
     if weight.dtype == torch.bfloat16:

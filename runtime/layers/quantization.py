@@ -12,13 +12,13 @@ candidates are re-scored in it (RescoredInt8Head).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight
+from spmd_runtime.runtime.layers.int8_blocks import with_int8_activations
 from torch import nn
 
 QUANTIZATION_METHODS = ("none", "int8")
@@ -97,34 +97,6 @@ class Int8Weight:
             raise ValueError("a prepacked Int8Weight keeps no plain int8 values to dequantize: "
                              "quantize with prepack=False")
         return (self.weight_t.t().float() * self.scale[:, None])
-
-
-# Block types whose products take 8-bit activations under `--quantization int8` (blocks of 32;
-# the K-quants' super-blocks keep their own products).
-INT8_BLOCK_TYPES = (GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0)
-
-
-def int8_blocks_supported() -> bool:
-    """Whether the C++ library here multiplies 8-bit activations by blocks (AVX-512 BW, VNNI)."""
-    return cpu_ops.load() and torch.ops.spmd_cpu.gguf_int8_linear_supported()
-
-
-def with_int8_activations(weight: GroupQuantWeight) -> GroupQuantWeight | None:
-    """The weight whose products take 8-bit activations (`--quantization int8` over a GGUF
-    file: the blocks are the file's, unchanged), or None where a part's type is not a block of
-    32, the blocks are not on the CPU or the library cannot multiply them."""
-    if not all(p.kind in INT8_BLOCK_TYPES and p.data.device.type == "cpu" for p in weight.parts):
-        return None
-    return replace(weight, int8_activations=True) if int8_blocks_supported() else None
-
-
-def int8_keeps_blocks(layer_types: list[str]) -> bool:
-    """Whether `--quantization int8` over a GGUF file whose layers are in `layer_types` (by
-    name) keeps the file's blocks and multiplies them by 8-bit activations: every type a block
-    of 32, and the library able to; otherwise the file is dequantized and its projections
-    quantized per output channel (Int8Weight)."""
-    return bool(layer_types) and all(GGML[name] in INT8_BLOCK_TYPES for name in layer_types) \
-        and int8_blocks_supported()
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

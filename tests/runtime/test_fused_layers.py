@@ -230,19 +230,20 @@ def test_float32_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(
 
 @needs_int8_blocks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(dtype) -> None:
+@pytest.mark.parametrize("sequences", [24, 64])
+def test_int8_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(dtype,
+                                                                             sequences) -> None:
     """bfloat16 and float32 (assertions on hidden states and caches in that dtype):
-    --quantization int8 over GGUF blocks runs the one-call decode through gguf_int8_linear past
-    INT8_FROM_ROWS rows (40 here), as the layer loop multiplies them."""
+    --quantization int8 over GGUF blocks runs the one-call decode through gguf_int8_linear at
+    its row counts (24: rows in the lanes; 64: the panels), as the layer loop multiplies them."""
     from gguf import GGMLQuantizationType as GGML
-    from spmd_runtime.runtime.layers.group_quant import INT8_FROM_ROWS
+    from spmd_runtime.runtime.layers.int8_blocks import takes_int8
     from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 
     model, config = gguf_tiny_model(GGML.Q4_1, dtype)
     quantize_linear_weights(model, "int8")
-    assert model.layers[0].mlp.down_proj.int8_activations
-    assert 40 >= INT8_FROM_ROWS
-    assert_one_call_is_the_layer_loop(model, config, 40)
+    assert takes_int8(model.layers[0].mlp.down_proj, sequences, dtype)
+    assert_one_call_is_the_layer_loop(model, config, sequences)
 
 
 @needs_bf16_tiles

@@ -11,18 +11,15 @@ import pytest
 import torch
 from cpu_library import CPU_HAS_INT8_BLOCKS, needs_int8_blocks
 from gguf import GGMLQuantizationType as GGML
-from spmd_runtime.runtime.layers.group_quant import (
-    INT8_FROM_ROWS,
-    GroupQuantWeight,
-    from_gguf_blocks,
-    group_quant_linear,
-)
-from spmd_runtime.runtime.layers.quantization import (
+from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight, from_gguf_blocks, group_quant_linear
+from spmd_runtime.runtime.layers.int8_blocks import (
     INT8_BLOCK_TYPES,
+    INT8_FROM_ROWS,
+    INT8_LANES_TO,
     int8_keeps_blocks,
-    quantize_linear_weights,
-    swap_weight,
+    takes_int8,
 )
+from spmd_runtime.runtime.layers.quantization import quantize_linear_weights, swap_weight
 from test_fused_layers import tiny_model
 
 
@@ -54,27 +51,29 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, tensor_type: GGML) -> 
 
 @needs_int8_blocks
 @pytest.mark.parametrize("tensor_type", INT8_BLOCK_TYPES)
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 37])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 20, 32, 37])
 @pytest.mark.parametrize("out_features", [64, 40])
+@pytest.mark.parametrize("in_features", [96, 128])
 def test_8bit_activations_times_the_blocks_is_the_quantized_rows_exact_product(
-        tensor_type, rows, out_features) -> None:
+        tensor_type, rows, out_features, in_features) -> None:
     """float32 (to float32 summation) and bfloat16 (to one rounding): the product is the
     dequantized weights times the rows quantized to 8 bits per block of 32, for every block
-    type of 32, full tiles of 6 rows and their tails, a partial panel of 32 features; a zero
-    row gives zeros."""
-    blocks = blocks_of(tensor_type, out_features, 96, seed=rows)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(out_features)) * \
-        torch.logspace(-2, 1, 96)
+    type of 32: on the panels (full tiles of 6 rows and their tails, a partial panel of 32
+    features) and with 16-32 rows in the lanes (in_features a multiple of 64; partial registers
+    of rows, a partial tile of features); a zero row gives zeros."""
+    blocks = blocks_of(tensor_type, out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features)) * \
+        torch.logspace(-2, 1, in_features)
     if rows > 2:
         x[1] = 0.0
-    out = torch.ops.spmd_cpu.gguf_int8_linear(x, blocks, int(tensor_type), 96)
+    out = torch.ops.spmd_cpu.gguf_int8_linear(x, blocks, int(tensor_type), in_features)
     expected = int8_reference(x, blocks, tensor_type)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
     if rows > 2:
         assert not out[1].any()
     x16 = x.bfloat16()
-    out16 = torch.ops.spmd_cpu.gguf_int8_linear(x16, blocks, int(tensor_type), 96)
+    out16 = torch.ops.spmd_cpu.gguf_int8_linear(x16, blocks, int(tensor_type), in_features)
     expected16 = int8_reference(x16, blocks, tensor_type)
     assert out16.dtype == torch.bfloat16
     assert ((out16.double() - expected16).abs() <= 2 ** -8 * expected16.abs() + 1e-6).all()
@@ -138,19 +137,25 @@ def test_an_int8_model_keeps_the_files_blocks_and_its_predictions() -> None:
 
 
 @needs_int8_blocks
-def test_int8_products_take_8bit_activations_from_int8_from_rows() -> None:
-    """float32 (bit-equality of float32 products): fewer rows than INT8_FROM_ROWS take the
-    blocks' own product (decode), more the 8-bit one."""
-    weight = from_gguf_blocks(blocks_of(GGML.Q8_0, 64, 96).numpy(), GGML.Q8_0, (64, 96))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_products_take_8bit_activations_at_their_row_counts(dtype) -> None:
+    """float32 and bfloat16 (bit-equality of products in that dtype): an int8 weight's product
+    is the 8-bit one at takes_int8's row counts (from INT8_FROM_ROWS; bf16 rows leave 33-48 to
+    the bf16 lanes tiles) and the blocks' own at the others."""
+    weight = from_gguf_blocks(blocks_of(GGML.Q8_0, 64, 128).numpy(), GGML.Q8_0, (64, 128), dtype)
     int8 = dataclasses.replace(weight, int8_activations=True)
     part = weight.parts[0]
-    for rows in (INT8_FROM_ROWS - 1, INT8_FROM_ROWS):
-        x = torch.randn(rows, 96)
+    assert not takes_int8(weight, 64, dtype)
+    for rows in (INT8_FROM_ROWS - 1, INT8_FROM_ROWS, INT8_LANES_TO, INT8_LANES_TO + 1, 49):
+        x = torch.randn(rows, 128).to(dtype)
         blocks_own = group_quant_linear(x, weight, None)
-        eight_bit = torch.ops.spmd_cpu.gguf_int8_linear(x, part.data, int(part.kind), 96)
-        expected = blocks_own if rows < INT8_FROM_ROWS else eight_bit
-        assert torch.equal(group_quant_linear(x, int8, None), expected)
+        eight_bit = torch.ops.spmd_cpu.gguf_int8_linear(x, part.data, int(part.kind), 128)
         assert not torch.equal(blocks_own, eight_bit)
+        expected_int8 = rows >= INT8_FROM_ROWS and (
+            dtype == torch.float32 or not INT8_LANES_TO < rows <= 48)
+        assert takes_int8(int8, rows, dtype) == expected_int8
+        assert torch.equal(group_quant_linear(x, int8, None),
+                           eight_bit if expected_int8 else blocks_own)
 
 
 @needs_int8_blocks

@@ -135,7 +135,7 @@ def test_an_int8_engine_answers() -> None:
     """The default dtype (bf16 on an AVX512-BF16 CPU): the embedded file's blocks take 8-bit
     activations from INT8_FROM_ROWS rows, so the long prompt runs through them and the short
     one through the blocks' own products."""
-    from spmd_runtime.runtime.layers.group_quant import INT8_FROM_ROWS
+    from spmd_runtime.runtime.layers.int8_blocks import INT8_FROM_ROWS
 
     context = "France is a country in Western Europe, and its largest city is its seat of " \
               "government, known for the Eiffel Tower and the Louvre. " * 2

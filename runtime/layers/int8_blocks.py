@@ -1,0 +1,83 @@
+"""`--quantization int8` over a GGUF file of blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the
+file's blocks kept as they are, the activations quantized to 8 bits per block of 32 (step
+max |x| / 127, as llama.cpp's Q8 activations) and multiplied by the blocks' codes in integers
+(spmd_cpu::gguf_int8_linear, runtime/layers/cpu_group_quant_int8.h). A GroupQuantWeight marked
+`int8_activations` takes these products at takes_int8's row counts and the blocks' own at the
+others; a file with other types (the K-quants) keeps the per-channel int8 path of
+quantization.py.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol, TypeVar
+
+import torch
+from gguf import GGMLQuantizationType as GGML
+from spmd_runtime.runtime.layers import cpu_ops
+
+
+class BlockParts(Protocol):
+    """What these products read of a group_quant.GroupQuantWeight (imported by it, not here)."""
+
+    parts: tuple
+    in_features: int
+    int8_activations: bool
+
+
+Weight = TypeVar("Weight", bound=BlockParts)
+
+# Block types whose products take 8-bit activations under `--quantization int8` (blocks of 32;
+# the K-quants' super-blocks keep their own products).
+INT8_BLOCK_TYPES = (GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0)
+
+
+def int8_blocks_supported() -> bool:
+    """Whether the C++ library here multiplies 8-bit activations by blocks (AVX-512 BW, VNNI)."""
+    return cpu_ops.load() and torch.ops.spmd_cpu.gguf_int8_linear_supported()
+
+
+def with_int8_activations(weight: Weight) -> Weight | None:
+    """The weight whose products take 8-bit activations (`--quantization int8` over a GGUF
+    file: the blocks are the file's, unchanged), or None where a part's type is not a block of
+    32, the blocks are not on the CPU or the library cannot multiply them."""
+    if not all(p.kind in INT8_BLOCK_TYPES and p.data.device.type == "cpu" for p in weight.parts):
+        return None
+    return replace(weight, int8_activations=True) if int8_blocks_supported() else None
+
+
+def int8_keeps_blocks(layer_types: list[str]) -> bool:
+    """Whether `--quantization int8` over a GGUF file whose layers are in `layer_types` (by
+    name) keeps the file's blocks and multiplies them by 8-bit activations: every type a block
+    of 32, and the library able to; otherwise the file is dequantized and its projections
+    quantized per output channel (Int8Weight)."""
+    return bool(layer_types) and all(GGML[name] in INT8_BLOCK_TYPES for name in layer_types) \
+        and int8_blocks_supported()
+
+
+# The row counts at which an int8 weight's products take 8-bit activations; the others take
+# the blocks' own products. Measured on SmolLM2's 120 projections in a row (weights from
+# memory, 2 Zen 5 cores), bf16 rows: 7.9 ms against 6.4 bf16 at 8 rows, 8.2 against 10.5 at 32
+# (rows in the lanes), 15.2 against 14.7 at 36 (the bf16 rows-in-the-lanes tiles reach 48),
+# 17.0 against 19.8 at 64. float32 rows past 16 leave the float32 panels for them too.
+INT8_FROM_ROWS = 16
+INT8_LANES_TO = 32          # cpu_group_quant_int8.h kInt8LanesTo
+BF16_LANES_TO = 48          # cpu_bf16_gemm.h kLanesMaxRows
+
+
+def takes_int8(weight: BlockParts, rows: int, dtype: torch.dtype) -> bool:
+    """Whether an int8 weight's product of `rows` rows of `dtype` takes 8-bit activations."""
+    if not weight.int8_activations or rows < INT8_FROM_ROWS:
+        return False
+    return dtype != torch.bfloat16 or not INT8_LANES_TO < rows <= BF16_LANES_TO
+
+
+def int8_product(rows: torch.Tensor, weight: BlockParts,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, in] (float32 or bf16) @ weight^T (+ bias) in rows' dtype: each row quantized to
+    int8 per block of 32 (step max |x| / 127), times the blocks' codes in integers, scaled back
+    in float32 (spmd_cpu::gguf_int8_linear; a part at a time for a stacked weight)."""
+    rows = rows.contiguous()
+    outs = [torch.ops.spmd_cpu.gguf_int8_linear(rows, p.data, int(p.kind), weight.in_features)
+            for p in weight.parts]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out if bias is None else out + bias
