@@ -39,7 +39,8 @@ void quantize_rows_int8(const E* x, int64_t M, int64_t K, Int8Rows& out) {
   out.codes.resize(M * K);
   out.step.resize(M * B);
   out.sum.resize(M * B);
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+  // Decode batches quantize on the calling thread: a fork and join costs more than their rows.
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < B; ++b) {
         const E* src = x + r * K + b * kBlock;
@@ -191,6 +192,21 @@ inline void pack_int8_lanes(const Int8Rows& x, int64_t M, int64_t K, Int8Lanes& 
     }
 }
 
+// The lanes of `row` that `lanes` selects, stored from dst on (float32, or rounded to bf16).
+inline void store_first(float* dst, __m512 row, __mmask16 lanes) {
+  _mm512_mask_storeu_ps(dst, lanes, row);
+}
+inline void store_first(spmd_cpu::bf16_bits* dst, __m512 row, __mmask16 lanes) {
+#if defined(__AVX512BF16__)
+  _mm256_mask_storeu_epi16(dst, lanes, (__m256i)_mm512_cvtneps_pbh(row));
+#else
+  alignas(64) spmd_cpu::bf16_bits part[16];
+  spmd_cpu::vstore_bf16(part, row);
+  for (int i = 0; i < 16; ++i)
+    if (lanes >> i & 1) dst[i] = part[i];
+#endif
+}
+
 // Features f0 .. f0 + count - 1 (count <= F) against the rows in the lanes; out rows N apart.
 template <int64_t KIND, int F, int RV, class E>
 void int8_lanes_tile(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* blocks,
@@ -238,10 +254,9 @@ void int8_lanes_tile(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* bl
       }
     }
   }
+  const __mmask16 features = static_cast<__mmask16>((1u << count) - 1);
   spmd_cpu::store_lane_rows(acc, M, [&](int64_t r, __m512 row) {
-    alignas(64) E part[16];
-    spmd_cpu::vstore_any(part, row);
-    std::memcpy(out + r * N + f0, part, count * sizeof(E));
+    store_first(out + r * N + f0, row, features);
   });
 }
 
