@@ -404,6 +404,26 @@ const scalar_t* data_of(const at::Tensor& t) {
   return static_cast<const scalar_t*>(t.const_data_ptr());
 }
 
+// A task's cost beside its keys, in keys (its query rows, output and scratch).
+constexpr int64_t kTaskCost = 16;
+
+// Task indices [0, tasks) cut into at most `parts` runs of about equal total cost(task):
+// bounds[i] .. bounds[i + 1] is run i.
+template <class Cost>
+std::vector<int64_t> balanced_runs(int64_t tasks, int64_t parts, Cost&& cost) {
+  parts = std::max<int64_t>(1, std::min(parts, tasks));
+  std::vector<int64_t> prefix(tasks + 1, 0);
+  for (int64_t t = 0; t < tasks; ++t) prefix[t + 1] = prefix[t] + cost(t);
+  std::vector<int64_t> bounds{0};
+  for (int64_t i = 1; i < parts; ++i) {
+    const int64_t target = prefix[tasks] * i / parts;
+    const int64_t at = std::lower_bound(prefix.begin(), prefix.end(), target) - prefix.begin();
+    bounds.push_back(std::clamp<int64_t>(at, bounds.back(), tasks));
+  }
+  bounds.push_back(tasks);
+  return bounds;
+}
+
 template <typename index_t, typename scalar_t>
 void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lengths,
@@ -419,7 +439,7 @@ void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
   const auto span_of = [&](int64_t seq) {
     return Span{starts != nullptr ? starts[seq] : 0, length_ptr[seq]};
   };
-  at::parallel_for(0, q.size(0) * L.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     GenericScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
@@ -444,6 +464,15 @@ void attend(const Layout& L, const at::Tensor& q, const at::Tensor& k_cache,
                                                table, span, o, scores.data(), scratch);
       }
     }
+  };
+  // The sequences' contexts differ in length: each thread takes a run of tasks of about the
+  // same total length (plus a task's fixed cost), not the same count of tasks.
+  const int64_t tasks = q.size(0) * L.kv_heads;
+  const auto bounds = balanced_runs(tasks, at::get_num_threads(), [&](int64_t task) {
+    return span_of(task / L.kv_heads).count() + kTaskCost;
+  });
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) run(bounds[part], bounds[part + 1]);
   });
 }
 
