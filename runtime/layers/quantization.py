@@ -9,6 +9,9 @@ sums are scaled back to float: y[t, n] = sum[t, n] * x_scale[t] * w_scale[n].
 
 Embeddings, norms, attention and the KV cache stay in the model's dtype; the LM head's top
 candidates are re-scored in it (RescoredInt8Head).
+
+A GGUF file whose layers are blocks of 32 takes another way (int8_blocks.py): its blocks stay as
+they are and its products quantize the activations to 8 bits per block of 32 instead.
 """
 from __future__ import annotations
 
