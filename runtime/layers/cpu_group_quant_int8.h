@@ -3,8 +3,8 @@
 // after unpack_block). The weights stay the file's: no rounding of them, no copy at load.
 //
 // Each row of x is quantized per block of 32 inputs, as llama.cpp's Q8 activations are: its
-// step d = max |x| / 127 and codes q = round(x / d) in int8, with d * sum(q) kept for the
-// blocks' offsets. A block's weights w = a (u - zero) + c, u its unsigned codes (Q8_0's signed
+// step d = max |x| / 127 and codes q = round(x * 127 / max |x|) in int8, with d * sum(q) kept
+// for the blocks' offsets. A block's weights w = a (u - zero) + c, u its unsigned codes (Q8_0's signed
 // codes shifted by 128), so the block's share of a row's sum is
 //     a d sum(u q) + (c - a zero) d sum(q),
 // sum(u q) from VPDPBUSD (unsigned x signed bytes, four products a lane a step: 64 a
@@ -12,7 +12,8 @@
 // 32 output features into [block][four inputs][feature] code words once per call, and every
 // row's tile of 6 rows x 32 features multiplies it: eight VPDPBUSD a block a register of
 // sums, then one conversion, one multiply and two FMAs fold it into float32 (1.48x the bf16
-// tile's multiply-adds a second, measured alone).
+// tile's multiply-adds a second, measured alone). Decode batches of 16-32 rows put the rows in
+// the lanes instead (int8_lanes_tile).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -45,7 +46,8 @@ void quantize_rows_int8(const E* x, int64_t M, int64_t K, Int8Rows& out) {
       for (int64_t b = 0; b < B; ++b) {
         const E* src = x + r * K + b * kBlock;
         const __m512 low = load16(src), high = load16(src + 16);
-        const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+        const float most =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
         const __m512 inverse = _mm512_set1_ps(most > 0.f ? 127.f / most : 0.f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
@@ -54,7 +56,8 @@ void quantize_rows_int8(const E* x, int64_t M, int64_t K, Int8Rows& out) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
         const float step = most / 127.f;
         out.step[r * B + b] = step;
-        out.sum[r * B + b] = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        const int total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        out.sum[r * B + b] = step * static_cast<float>(total);
       }
   });
 }
@@ -142,8 +145,10 @@ inline void int8_tile(const Int8Rows& x, int64_t r0, int64_t K, const Int8Panel&
     for (int r = 0; r < R; ++r) {
       const __m512 step = _mm512_set1_ps(x.step[(r0 + r) * B + b]);
       const __m512 sum = _mm512_set1_ps(x.sum[(r0 + r) * B + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), step), a0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][1]), step), a1, acc[r][1]);
+      const __m512 scaled0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), step);
+      const __m512 scaled1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][1]), step);
+      acc[r][0] = _mm512_fmadd_ps(scaled0, a0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(scaled1, a1, acc[r][1]);
       acc[r][0] = _mm512_fmadd_ps(c0, sum, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(c1, sum, acc[r][1]);
     }
@@ -266,8 +271,8 @@ void int8_lanes_product(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t*
                         int64_t row_bytes, int64_t N, E* out) {
   at::parallel_for(0, (N + F - 1) / F, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, t * F, std::min<int64_t>(F, N - t * F),
-                                   out, N);
+      int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, t * F,
+                                   std::min<int64_t>(F, N - t * F), out, N);
   });
 }
 
