@@ -62,6 +62,25 @@ void quantize_rows_int8(const E* x, int64_t M, int64_t K, Int8Rows& out) {
   });
 }
 
+// Block `s`'s 32 codes as unsigned bytes (Q8_0's signed ones shifted by 128), with its scale a
+// and its offset c - a zero: w = a u + offset.
+template <int64_t KIND>
+inline __m256i unsigned_block(const uint8_t* s, float& scale, float& offset) {
+  Affine affine;
+  __m256i codes = unpack_block<KIND>(s, affine);
+  if constexpr (KIND == kQ8_0) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(-128));
+  scale = affine.a;
+  offset = KIND == kQ8_0 ? -128.f * affine.a : affine.c - affine.a * static_cast<float>(affine.zero);
+  return codes;
+}
+
+// One block's integer sums folded into float32 sums: acc + (sums step) scale + offset sum.
+inline __m512 fold_block(__m512 acc, __m512i sums, __m512 step, __m512 scale, __m512 offset,
+                         __m512 sum) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), step), scale, acc);
+  return _mm512_fmadd_ps(offset, sum, acc);
+}
+
 // A panel's weights for int8_tile: codes[(b * 8 + p) * 32 + f] (32-bit words) holds feature
 // f's unsigned codes of inputs 32b + 4p .. 32b + 4p + 3; scale[b * 32 + f] its block b's a,
 // offset[b * 32 + f] its c - a zero. Features past the weight's last are zero. `rows`: the
@@ -89,13 +108,8 @@ void unpack_int8_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, int6
     for (int64_t b = 0; b < even; ++b) {
       __m256i codes = _mm256_setzero_si256();
       float a = 0.f, offset = 0.f;
-      if (f < count && b < B) {
-        Affine affine;
-        codes = unpack_block<KIND>(blocks + (f0 + f) * row_bytes + b * kBytes, affine);
-        if constexpr (KIND == kQ8_0) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(-128));
-        a = affine.a;
-        offset = KIND == kQ8_0 ? -128.f * a : affine.c - a * static_cast<float>(affine.zero);
-      }
+      if (f < count && b < B)
+        codes = unsigned_block<KIND>(blocks + (f0 + f) * row_bytes + b * kBytes, a, offset);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 8 * b), codes);
       if (b < B) {
         panel.scale[b * kInt8Panel + f] = a;
@@ -145,12 +159,8 @@ inline void int8_tile(const Int8Rows& x, int64_t r0, int64_t K, const Int8Panel&
     for (int r = 0; r < R; ++r) {
       const __m512 step = _mm512_set1_ps(x.step[(r0 + r) * B + b]);
       const __m512 sum = _mm512_set1_ps(x.sum[(r0 + r) * B + b]);
-      const __m512 scaled0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][0]), step);
-      const __m512 scaled1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][1]), step);
-      acc[r][0] = _mm512_fmadd_ps(scaled0, a0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(scaled1, a1, acc[r][1]);
-      acc[r][0] = _mm512_fmadd_ps(c0, sum, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(c1, sum, acc[r][1]);
+      acc[r][0] = fold_block(acc[r][0], sums[r][0], step, a0, c0, sum);
+      acc[r][1] = fold_block(acc[r][1], sums[r][1], step, a1, c1, sum);
     }
   }
   for (int r = 0; r < R; ++r) done(r0 + r, acc[r][0], acc[r][1]);
@@ -227,14 +237,9 @@ void int8_lanes_tile(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* bl
     for (int f = 0; f < F; ++f) {
       __m256i unpacked = _mm256_setzero_si256();
       scale[f] = offset[f] = 0.f;
-      if (f < count) {
-        Affine affine;
-        unpacked = unpack_block<KIND>(blocks + (f0 + f) * row_bytes + b * kBytes, affine);
-        if constexpr (KIND == kQ8_0) unpacked = _mm256_xor_si256(unpacked, _mm256_set1_epi8(-128));
-        scale[f] = affine.a;
-        offset[f] = KIND == kQ8_0 ? -128.f * affine.a
-                                  : affine.c - affine.a * static_cast<float>(affine.zero);
-      }
+      if (f < count)
+        unpacked = unsigned_block<KIND>(blocks + (f0 + f) * row_bytes + b * kBytes, scale[f],
+                                        offset[f]);
       _mm256_store_si256(reinterpret_cast<__m256i*>(codes[f]), unpacked);
     }
     __m512i sums[F][RV];
@@ -252,11 +257,9 @@ void int8_lanes_tile(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* bl
     for (int v = 0; v < RV; ++v) {
       const __m512 step = _mm512_loadu_ps(x.step.data() + (b * RV + v) * 16);
       const __m512 sum = _mm512_loadu_ps(x.sum.data() + (b * RV + v) * 16);
-      for (int f = 0; f < F; ++f) {
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[f][v]), step);
-        acc[f][v] = _mm512_fmadd_ps(scaled, _mm512_set1_ps(scale[f]), acc[f][v]);
-        acc[f][v] = _mm512_fmadd_ps(_mm512_set1_ps(offset[f]), sum, acc[f][v]);
-      }
+      for (int f = 0; f < F; ++f)
+        acc[f][v] = fold_block(acc[f][v], sums[f][v], step, _mm512_set1_ps(scale[f]),
+                               _mm512_set1_ps(offset[f]), sum);
     }
   }
   const __mmask16 features = static_cast<__mmask16>((1u << count) - 1);
@@ -295,17 +298,12 @@ void int8_blocks_product(const Int8Rows& x, int64_t M, int64_t K, const uint8_t*
     for (int64_t p = begin; p < end; ++p) {
       const int64_t f0 = p * kInt8Panel, count = std::min(kInt8Panel, N - f0);
       unpack_int8_panel<KIND>(blocks, row_bytes, K, f0, count, panel);
+      const __mmask16 low = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
+      const __mmask16 high = static_cast<__mmask16>(count >= 32 ? 0xFFFF
+                                                    : count > 16 ? (1u << (count - 16)) - 1 : 0);
       int8_panel_rows(x, M, K, panel, [&](int64_t r, __m512 v0, __m512 v1) {
-        E* dst = out + r * N + f0;
-        if (count == kInt8Panel) {
-          spmd_cpu::vstore_any(dst, v0);
-          spmd_cpu::vstore_any(dst + 16, v1);
-        } else {
-          alignas(64) E part[kInt8Panel];
-          spmd_cpu::vstore_any(part, v0);
-          spmd_cpu::vstore_any(part + 16, v1);
-          std::memcpy(dst, part, count * sizeof(E));
-        }
+        store_first(out + r * N + f0, v0, low);
+        store_first(out + r * N + f0 + 16, v1, high);
       });
     }
   });
