@@ -313,22 +313,26 @@ def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows
 
 
 @needs_bf16_tiles
-def test_the_fused_bf16_product_refuses_bad_inputs_naming_them() -> None:
+@pytest.mark.parametrize("op", ["gguf_bf16_linear", "gguf_bf16_silu_linear"])
+def test_the_fused_bf16_products_refuse_bad_inputs_naming_them(op) -> None:
+    """The plain product and the one with SiLU in its gate/up tiles check x and the blocks
+    alike; each refuses the weights its tiles cannot take."""
     weight, _ = quantized(GGML.Q4_1, out_features=48, in_features=96)
     blocks, q4_1 = weight.parts[0].data, int(GGML.Q4_1)
-    fused = torch.ops.spmd_cpu.gguf_bf16_linear
-    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
-        fused(torch.randn(2, 96), blocks, q4_1, 96)
-    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
-        fused(torch.randn(96, 2).bfloat16().t(), blocks, q4_1, 96)
-    with pytest.raises(RuntimeError, match="x has 64 features, the weight 96"):
-        fused(torch.randn(2, 64).bfloat16(), blocks, q4_1, 96)
-    with pytest.raises(RuntimeError, match="60 bytes a row, 40 expected"):
-        fused(torch.randn(2, 64).bfloat16(), blocks, q4_1, 64)
-    with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):
-        fused(torch.randn(2, 96).bfloat16(), blocks, 1, 96)
-    with pytest.raises(RuntimeError, match="out_features >= 8"):
-        fused(torch.randn(2, 96).bfloat16(), blocks[:4], q4_1, 96)
+    fused = getattr(torch.ops.spmd_cpu, op)
+    cases = [((torch.randn(2, 96), blocks, q4_1, 96), "contiguous bfloat16"),
+             ((torch.randn(96, 2).bfloat16().t(), blocks, q4_1, 96), "contiguous bfloat16"),
+             ((torch.randn(2, 64).bfloat16(), blocks, q4_1, 96), "x has 64 features, the weight 96"),
+             ((torch.randn(2, 64).bfloat16(), blocks, q4_1, 64), "60 bytes a row, 40 expected"),
+             ((torch.randn(2, 96).bfloat16(), blocks, 1, 96), "GGML type 1 has no kernel")]
+    if op == "gguf_bf16_linear":
+        cases.append(((torch.randn(2, 96).bfloat16(), blocks[:4], q4_1, 96), "out_features >= 8"))
+    else:
+        cases.append(((torch.randn(2, 96).bfloat16(), blocks, q4_1, 96),
+                      r"multiple of 32, got \[48, 96\]"))
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            fused(*args)
 
 
 @needs_bf16_tiles
@@ -353,19 +357,6 @@ def test_silu_in_the_gate_up_tiles_is_silu_mul_of_the_product(tensor_type, rows)
     if through_layer is not None:
         assert torch.equal(through_layer, gated)
     assert group_quant.silu_gated_product(x.float(), weight) is None
-
-
-@needs_bf16_tiles
-def test_silu_in_the_gate_up_tiles_refuses_bad_inputs_naming_them() -> None:
-    weight, _ = quantized(GGML.Q4_1, out_features=48, in_features=96)
-    blocks, q4_1 = weight.parts[0].data, int(GGML.Q4_1)
-    gated = torch.ops.spmd_cpu.gguf_bf16_silu_linear
-    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
-        gated(torch.randn(2, 96), blocks, q4_1, 96)
-    with pytest.raises(RuntimeError, match="x has 64 features, the weight 96"):
-        gated(torch.randn(2, 64).bfloat16(), blocks, q4_1, 96)
-    with pytest.raises(RuntimeError, match=r"multiple of 32, got \[48, 96\]"):
-        gated(torch.randn(2, 96).bfloat16(), blocks, q4_1, 96)
 
 
 @needs_cpu_ops
