@@ -71,6 +71,15 @@ inline void gemm_panel_rows(const bf16_bits* x, int64_t M, int64_t K, const uint
   });
 }
 
+// The same, each row's 32 float32 sums stored as they are.
+inline void gemm_panel_rows(const bf16_bits* x, int64_t M, int64_t K, const uint32_t* packed,
+                            float* out, int64_t ldo) {
+  gemm_panel_rows(x, M, K, packed, [&](int64_t r, __m512 low, __m512 high) {
+    _mm512_storeu_ps(out + r * ldo, low);
+    _mm512_storeu_ps(out + r * ldo + 16, high);
+  });
+}
+
 // A float32 sum as bf16 rounds it (nearest, ties to even), widened back.
 inline __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(
@@ -91,11 +100,20 @@ inline void pack_lanes(const bf16_bits* x, int64_t M, int64_t K, uint32_t* packe
   pack_word_lanes(x, M, K / 2, packed);
 }
 
+// F of a row's float32 sums into dst: rounded to bf16 once, or as they are.
+inline void store_features(bf16_bits* dst, __mmask16 features, __m512 sums) {
+  _mm256_mask_storeu_epi16(dst, features, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+inline void store_features(float* dst, __mmask16 features, __m512 sums) {
+  _mm512_mask_storeu_ps(dst, features, sums);
+}
+
 // Rows [0, M) (M <= 16 * RV) packed by pack_lanes against F weight rows of K bf16 (row f at
-// w + f * K): out[r * ldo + f] receives row r's output f, its float32 sum rounded to bf16 once.
-template <int RV, int F>
+// w + f * K): out[r * ldo + f] receives row r's output f, its float32 sum (rounded to bf16 once
+// where out is bf16).
+template <int RV, int F, class Out>
 inline void lanes_tile(const uint32_t* packed, int64_t M, int64_t K, const bf16_bits* w,
-                       bf16_bits* out, int64_t ldo) {
+                       Out* out, int64_t ldo) {
   static_assert(F <= 16 && RV * F <= 24);
   __m512 acc[F][RV];
   for (int f = 0; f < F; ++f)
@@ -112,7 +130,7 @@ inline void lanes_tile(const uint32_t* packed, int64_t M, int64_t K, const bf16_
   }
   const __mmask16 features = static_cast<__mmask16>((1u << F) - 1);
   store_lane_rows(acc, M, [&](int64_t r, __m512 sums) {
-    _mm256_mask_storeu_epi16(out + r * ldo, features, (__m256i)_mm512_cvtneps_pbh(sums));
+    store_features(out + r * ldo, features, sums);
   });
 }
 

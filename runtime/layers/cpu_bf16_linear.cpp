@@ -61,11 +61,12 @@ bool bf16_linear_takes(int64_t rows, int64_t in_features, int64_t out_features) 
 
 #if defined(__AVX512BF16__)
 // Rows a and b (in_features K each) against the kPanel weight rows from w (K apart): out_a and
-// out_b receive the panel's kPanel outputs, rounded to bf16.
+// out_b receive the panel's kPanel outputs (rounded to bf16 where Out is bf16).
 namespace {
 
+template <class Out>
 inline void panel_pair(const bf16_bits* a, const bf16_bits* b, const bf16_bits* w, int64_t K,
-                       bf16_bits* out_a, bf16_bits* out_b) {
+                       Out* out_a, Out* out_b) {
   __m512 acc[2 * kPanel];
   for (auto& v : acc) v = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += kChunk) {
@@ -77,22 +78,33 @@ inline void panel_pair(const bf16_bits* a, const bf16_bits* b, const bf16_bits* 
       acc[kPanel + f] = _mm512_dpbf16_ps(acc[kPanel + f], xb, wf);
     }
   }
-  alignas(64) bf16_bits sums[2 * kPanel];
-  spmd_cpu::vstore_bf16(sums, spmd_cpu::lane_sums(acc));
+  alignas(64) Out sums[2 * kPanel];
+  spmd_cpu::vstore_any(sums, spmd_cpu::lane_sums(acc));
   std::copy_n(sums, kPanel, out_a);
   std::copy_n(sums + kPanel, kPanel, out_b);
+}
+
+template <class Out>
+void panel_rows(const bf16_bits* x, int64_t rows, int64_t K, const bf16_bits* panel, Out* out,
+                int64_t ldo) {
+  alignas(64) Out spare[kPanel];
+  for (int64_t r = 0; r < rows; r += 2) {
+    const bool pair = r + 1 < rows;
+    panel_pair(x + r * K, x + (pair ? r + 1 : r) * K, panel, K, out + r * ldo,
+               pair ? out + (r + 1) * ldo : spare);
+  }
 }
 
 }  // namespace
 
 void bf16_panel_rows(const bf16_bits* x, int64_t rows, int64_t K, const bf16_bits* panel,
                      bf16_bits* out, int64_t ldo) {
-  alignas(64) bf16_bits spare[kPanel];
-  for (int64_t r = 0; r < rows; r += 2) {
-    const bool pair = r + 1 < rows;
-    panel_pair(x + r * K, x + (pair ? r + 1 : r) * K, panel, K, out + r * ldo,
-               pair ? out + (r + 1) * ldo : spare);
-  }
+  panel_rows(x, rows, K, panel, out, ldo);
+}
+
+void bf16_panel_rows(const bf16_bits* x, int64_t rows, int64_t K, const bf16_bits* panel,
+                     float* out, int64_t ldo) {
+  panel_rows(x, rows, K, panel, out, ldo);
 }
 #endif
 

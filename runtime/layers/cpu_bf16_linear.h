@@ -31,9 +31,12 @@ bool bf16_linear_takes(int64_t rows, int64_t in_features, int64_t out_features);
 
 #if defined(__AVX512BF16__)
 // x [rows, K] against one panel (kBf16Panel weight rows of K, contiguous): out[r * ldo + f]
-// receives row r's output f, rounded to bf16. Rows go two at a time; the panel stays in L1.
+// receives row r's output f, rounded to bf16 (or, into float32 out, its float32 sum). Rows go
+// two at a time; the panel stays in L1.
 void bf16_panel_rows(const bf16_bits* x, int64_t rows, int64_t K, const bf16_bits* panel,
                      bf16_bits* out, int64_t ldo);
+void bf16_panel_rows(const bf16_bits* x, int64_t rows, int64_t K, const bf16_bits* panel,
+                     float* out, int64_t ldo);
 #endif
 
 // x [rows, in_features] @ weight [out_features, in_features]^T, both contiguous bf16.

@@ -59,8 +59,9 @@ struct Ops {
           "spmd_cpu::paged_decode_attention");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul =
       op<Tensor(const Tensor&)>("spmd_cpu::silu_mul");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> gguf_bf16_linear =
-      op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>("spmd_cpu::gguf_bf16_linear");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, bool)>
+      gguf_bf16_linear = op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, bool)>(
+          "spmd_cpu::gguf_bf16_linear");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>
       gguf_linear = op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>(
           "spmd_cpu::gguf_linear");
@@ -292,7 +293,7 @@ Tensor decode_layers(const Tensor& x_in, at::TensorList weights, at::TensorList 
       const int64_t* info = w[1].const_data_ptr<int64_t>();
       if (w[1].numel() == 3 && info[2] == 1)
         return f.gguf_int8_linear.call(input.contiguous(), w[0], info[0], info[1]);
-      return plain ? f.gguf_bf16_linear.call(input.contiguous(), w[0], info[0], info[1])
+      return plain ? f.gguf_bf16_linear.call(input.contiguous(), w[0], info[0], info[1], false)
                    : f.gguf_linear.call(input.contiguous(), w[0], info[0], info[1], 0);
     }
     if (!plain && w[0].sizes() != w[1].sizes())

@@ -957,9 +957,10 @@ void check_bf16_product(const char* op, const at::Tensor& x, const at::Tensor& b
   check_blocks(op, blocks, kind, in_features);
 }
 
-// x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16, without W in memory
-// at any precision: each task dequantizes a panel of output features to bfloat16 in buffers of
-// its own, as gguf_dequantize_bf16 rounds them, and multiplies every row of x by it.
+// x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16 (float32 with
+// float32_out: the sums as they are, for logits), without W in memory at any precision: each
+// task dequantizes a panel of output features to bfloat16 in buffers of its own, as
+// gguf_dequantize_bf16 rounds them, and multiplies every row of x by it.
 // - kGemmFromRows to kLanesMaxRows rows: the rows in the lanes (x packed once as [pair of
 //   inputs][row]) against panels of 16, 12 or 8 features left row-major (cpu_bf16_gemm.h
 //   lanes_tile), no packing of the weights: 1.18x the packed panels at 16 rows, 1.17x at 32,
@@ -971,20 +972,10 @@ void check_bf16_product(const char* op, const at::Tensor& x, const at::Tensor& b
 // - Fewer rows: panels of 8 features row-major on the few-row tiles (cpu_bf16_linear.h), whose
 //   result is bit for bit bf16_linear(x, gguf_dequantize_bf16(W)); packing would cost more
 //   than it saves there (576 x 1536 at 2 rows: 0.053 ms packed against 0.031).
-at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                            int64_t in_features) {
-  constexpr const char* op = "gguf_bf16_linear";
-  check_bf16_product(op, x, blocks, kind, in_features);
-  const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
-  TORCH_CHECK(spmd_cpu::bf16_linear_supported(K, N), op, ": runs where the build has "
-              "AVX512-BF16, in_features is a multiple of 32 and out_features >= ",
-              spmd_cpu::kBf16Panel, " (ask gguf_bf16_linear_supported), got [", N, ", ", K, "]");
-  at::Tensor out = at::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
-  const uint8_t* data = blocks.data_ptr<uint8_t>();
-  const auto* xp = static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr());
-  auto* o = static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr());
-  const int64_t row_bytes = blocks.size(1);
+template <class Out>
+void bf16_product_into(const spmd_cpu::bf16_bits* xp, int64_t M, int64_t K, const uint8_t* data,
+                       int64_t row_bytes, int64_t N, int64_t kind, Out* o) {
   const auto lanes = [&](auto registers, auto features) {
     constexpr int RV = decltype(registers)::value, F = decltype(features)::value;
     std::vector<uint32_t> packed(K / 2 * RV * 16);
@@ -1015,6 +1006,26 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
           spmd_cpu::bf16_panel_rows(xp, M, K, panel, o + n0, N);
         });
   }
+}
+#endif
+
+at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            int64_t in_features, bool float32_out) {
+  constexpr const char* op = "gguf_bf16_linear";
+  check_bf16_product(op, x, blocks, kind, in_features);
+  const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
+  TORCH_CHECK(spmd_cpu::bf16_linear_supported(K, N), op, ": runs where the build has "
+              "AVX512-BF16, in_features is a multiple of 32 and out_features >= ",
+              spmd_cpu::kBf16Panel, " (ask gguf_bf16_linear_supported), got [", N, ", ", K, "]");
+  at::Tensor out = at::empty({M, N}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
+#if defined(__AVX512BF16__)
+  const auto* xp = static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr());
+  if (float32_out)
+    bf16_product_into(xp, M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N, kind,
+                      out.data_ptr<float>());
+  else
+    bf16_product_into(xp, M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N, kind,
+                      static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr()));
 #endif
   return out;
 }
@@ -1107,7 +1118,8 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
         "int direct_rows=32) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("gguf_dequantize_bf16(Tensor blocks, int kind, int in_features) -> Tensor");
-  m.def("gguf_bf16_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_bf16_linear(Tensor x, Tensor blocks, int kind, int in_features, "
+        "bool float32_out=False) -> Tensor");
   m.def("gguf_bf16_linear_supported(int in_features, int out_features) -> bool",
         &spmd_cpu::bf16_linear_supported);
   m.def("gguf_linear_fused(int in_features, int out_features) -> bool", &gguf_linear_fused);

@@ -155,14 +155,15 @@ class Blocks:
                 f32_integer_rows(self.kind, in_features, self.data.shape[0]))
         return F.linear(rows, gguf_torch.dequantize(self.data.to(rows.device), self.kind, in_features))
 
-    def bf16_product(self, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    def bf16_product(self, rows: torch.Tensor, in_features: int,
+                     float32_out: bool = False) -> torch.Tensor:
         """bfloat16 rows [M, in] on the CPU @ the weights^T -> bfloat16 [M, out], the weights
         rounded to bfloat16: dequantized a panel at a time inside the library's product where
-        it is built with AVX512-BF16 (gguf_bf16_linear), else a chunk of output features at a
-        time through oneDNN's bf16 GEMM."""
+        it is built with AVX512-BF16 (gguf_bf16_linear; with float32_out, its float32 sums
+        unrounded), else a chunk of output features at a time through oneDNN's bf16 GEMM."""
         if _fused_bf16(in_features, self.data.shape[0]):
             return torch.ops.spmd_cpu.gguf_bf16_linear(rows.contiguous(), self.data,
-                                                       int(self.kind), in_features)
+                                                       int(self.kind), in_features, float32_out)
         step = max(64, BF16_CHUNK_VALUES // in_features)
         return torch.cat([F.linear(rows, torch.ops.spmd_cpu.gguf_dequantize_bf16(
             self.data[n:n + step], int(self.kind), in_features))
@@ -290,27 +291,31 @@ def move_to(model: torch.nn.Module, device: torch.device) -> None:
                 object.__setattr__(module, name, value.to(device))
 
 
-def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ weight^T (+ bias), in x's dtype; the products in float32, but for bfloat16
-    activations past bf16_gemm_rows rows on the CPU (Blocks.bf16_product)."""
+def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Tensor | None,
+                       float32_out: bool = False) -> torch.Tensor:
+    """x [..., in] @ weight^T (+ bias), in x's dtype (float32 with float32_out: logits, whose
+    top-1 a bf16 rounding would tie); the products in float32, but for bfloat16 activations
+    past bf16_gemm_rows rows on the CPU (Blocks.bf16_product: their float32 sums kept with
+    float32_out, where the fused kernel is built)."""
     rows = x.reshape(-1, x.shape[-1])
+    out_dtype = torch.float32 if float32_out else x.dtype
     if takes_int8(weight, rows.shape[0], rows.dtype):
-        return int8_product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        out = int8_product(rows, weight, bias).to(out_dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
     bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_ops.load()
     wide = None
     outs = []
     for part in weight.parts:
         if bf16 and rows.shape[0] > bf16_gemm_rows(part.kind, weight.in_features,
                                                    part.data.shape[0]):
-            outs.append(part.bf16_product(rows, weight.in_features))
+            outs.append(part.bf16_product(rows, weight.in_features, float32_out))
         else:
             wide = rows.float().contiguous() if wide is None else wide
             outs.append(part.product(wide, weight.in_features))
-    out = outs[0] if len(outs) == 1 else torch.cat([o.to(x.dtype) for o in outs], dim=1)
+    out = outs[0] if len(outs) == 1 else torch.cat([o.to(out_dtype) for o in outs], dim=1)
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    return out.to(out_dtype).view(*x.shape[:-1], out.shape[-1])
 
 
 # Past this many bfloat16 rows (the rows-in-the-lanes tiles' most, cpu_bf16_gemm.h

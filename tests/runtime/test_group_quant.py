@@ -23,6 +23,7 @@ from spmd_runtime.runtime.layers.group_quant import (
     group_quant_linear,
     stack_rows,
 )
+from spmd_runtime.runtime.layers.linear import logits_linear
 from spmd_runtime.runtime.loaders.gguf import load_gguf_model
 from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
 from spmd_runtime.runtime.models import build_model
@@ -295,7 +296,9 @@ def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows
     (16-48 rows: the rows in the lanes against 16-, 12- or 8-feature panels, whole and partial
     registers of rows; from 49: packed 32-feature panels, tiles of 12 rows and their tails), for
     every block type and an out_features (300, or 20 < 32) that is a multiple of no panel width
-    but 12 (the last panel overlaps the one before)."""
+    but 12 (the last panel overlaps the one before). With float32_out (float32 assertions) the
+    same sums unrounded: within float32 reordering of the rounded weights' product, and
+    rounding to the bf16 result bit for bit."""
     weight, _ = (random_k_quant(tensor_type, out_features, 512, seed=rows)
                  if tensor_type in K_QUANTS else
                  quantized(tensor_type, out_features=out_features, in_features=512, seed=rows))
@@ -307,9 +310,27 @@ def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows
     if rows < 16:
         assert torch.equal(fused, torch.ops.spmd_cpu.bf16_linear(x, rounded))
     assert_rounded_product(fused, x, rounded)
+    sums = torch.ops.spmd_cpu.gguf_bf16_linear(x, blocks, int(tensor_type), 512, True)
+    assert sums.dtype == torch.float32 and torch.equal(sums.bfloat16(), fused)
+    assert_reordered_sum(sums, x.float(), rounded.float())
     # Each output is its own row's and feature's: a row or a feature moved would be caught.
     assert torch.equal(torch.ops.spmd_cpu.gguf_bf16_linear(x.flip(0).contiguous(), blocks,
                                                            int(tensor_type), 512), fused.flip(0))
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("rows", [1, 5, 20, 64])
+def test_logits_products_are_float32_whatever_the_rows_dtype(rows) -> None:
+    """The LM head's product (logits_linear) of bf16 rows and GGUF blocks, a weight of two
+    types: float32 logits, the very sums that group_quant_linear rounds to bf16 (assertions on
+    float32 values and their bf16 rounding), at a lone row (integer products), few rows, the
+    lanes and the panels."""
+    weight = stack_rows([quantized(GGML.Q8_0, out_features=40, in_features=512, seed=1)[0],
+                         quantized(GGML.Q4_1, out_features=48, in_features=512, seed=2)[0]])
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    logits = logits_linear(x, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 88)
+    assert torch.equal(logits.bfloat16(), group_quant_linear(x, weight, None))
 
 
 @needs_bf16_tiles
