@@ -149,21 +149,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     if batch.pad_start is not None:
         out[batch.pad_start:].zero_()
+    # One group of all the rows: the kernel's output is returned as it is (no copy into `out`).
+    sole = batch.pad_start is None and len(batch.decodes) + len(batch.prefills) == 1
     bs = batch.block_size
-    kv_heads, dim = k.shape[1], k.shape[2]
     for group in batch.decodes:
         n = group.count
         rows = slice(group.start, group.start + n)
         if backend.reads_cache_in_place:
-            out[rows] = backend.decode(q[rows], k_cache, v_cache, group.blocks.view(n, -1),
-                                       group.lengths, bs, scale, group.starts)
+            attended = backend.decode(q[rows], k_cache, v_cache, group.blocks.view(n, -1),
+                                      group.lengths, bs, scale, group.starts)
+            if sole:
+                return attended
+            out[rows] = attended
             continue
-        keys = _gather_blocks(k_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
-        values = _gather_blocks(v_cache, group.blocks, bs).view(n, -1, kv_heads, dim)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [n, kv, L, d]
-        attended = F.scaled_dot_product_attention(
-            q[rows].unsqueeze(2), keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True)
-        out[rows] = attended.squeeze(2)
+        out[rows] = _gathered_decode(q[rows], k_cache, v_cache, group, bs, scale)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         query = q[rows].transpose(0, 1).unsqueeze(0)            # [1, heads, len, d]
@@ -173,6 +172,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             attended = backend.cached_prompt(q[rows], k_cache, v_cache, chunk.context_blocks,
                                              chunk.first_key, chunk.position, bs, scale,
                                              batch.window)
+        if attended is not None and sole:
+            return attended
         if attended is not None:
             out[rows] = attended
             continue
@@ -189,6 +190,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                       scale=scale, enable_gqa=True)
         out[rows] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gathered_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     group: DecodeGroup, block_size: int, scale: float) -> torch.Tensor:
+    """A decode group's attention through SDPA over gathered copies of its blocks."""
+    n, kv_heads, dim = group.count, k_cache.shape[1], k_cache.shape[2]
+    keys = _gather_blocks(k_cache, group.blocks, block_size).view(n, -1, kv_heads, dim)
+    values = _gather_blocks(v_cache, group.blocks, block_size).view(n, -1, kv_heads, dim)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [n, kv, L, d]
+    attended = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True)
+    return attended.squeeze(2)
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_length: int,

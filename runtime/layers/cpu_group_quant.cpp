@@ -973,9 +973,12 @@ void check_bf16_product(const char* op, const at::Tensor& x, const at::Tensor& b
 //   result is bit for bit bf16_linear(x, gguf_dequantize_bf16(W)); packing would cost more
 //   than it saves there (576 x 1536 at 2 rows: 0.053 ms packed against 0.031).
 #if defined(__AVX512BF16__)
+// residual (bf16 out only; may be null): each output becomes residual + the product, the
+// product rounded to bf16 first, then the float32 sum rounded again (torch's bf16 add).
 template <class Out>
 void bf16_product_into(const spmd_cpu::bf16_bits* xp, int64_t M, int64_t K, const uint8_t* data,
-                       int64_t row_bytes, int64_t N, int64_t kind, Out* o) {
+                       int64_t row_bytes, int64_t N, int64_t kind, Out* o,
+                       const spmd_cpu::bf16_bits* residual = nullptr) {
   const auto lanes = [&](auto registers, auto features) {
     constexpr int RV = decltype(registers)::value, F = decltype(features)::value;
     std::vector<uint32_t> packed(K / 2 * RV * 16);
@@ -997,14 +1000,34 @@ void bf16_product_into(const spmd_cpu::bf16_bits* xp, int64_t M, int64_t K, cons
         kind, data, row_bytes, K, N, spmd_cpu::kGemmPanel * K / 2,
         [&](const spmd_cpu::bf16_bits* panel, int64_t n0, uint32_t* packed) {
           spmd_cpu::pack_gemm_panel(panel, K, packed);
+          if constexpr (std::is_same_v<Out, spmd_cpu::bf16_bits>) {
+            if (residual != nullptr) {   // the residual added in the tiles' epilogue
+              spmd_cpu::gemm_panel_rows(xp, M, K, packed, [&](int64_t r, __m512 low, __m512 high) {
+                const spmd_cpu::bf16_bits* add = residual + r * N + n0;
+                low = _mm512_add_ps(spmd_cpu::round_bf16(low), spmd_cpu::vload_bf16(add));
+                high = _mm512_add_ps(spmd_cpu::round_bf16(high), spmd_cpu::vload_bf16(add + 16));
+                _mm512_storeu_si512(o + r * N + n0, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+              });
+              return;
+            }
+          }
           spmd_cpu::gemm_panel_rows(xp, M, K, packed, o + n0, N);
         });
+    return;
   } else {
     dequantized_panels<spmd_cpu::kBf16Panel, spmd_cpu::bf16_bits, uint32_t>(
         kind, data, row_bytes, K, N, 0,
         [&](const spmd_cpu::bf16_bits* panel, int64_t n0, uint32_t*) {
           spmd_cpu::bf16_panel_rows(xp, M, K, panel, o + n0, N);
         });
+  }
+  if constexpr (std::is_same_v<Out, spmd_cpu::bf16_bits>) {
+    if (residual != nullptr)
+      at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin * N; i < end * N; ++i)
+          o[i] = spmd_cpu::float_to_bf16(spmd_cpu::bf16_to_float(o[i]) +
+                                         spmd_cpu::bf16_to_float(residual[i]));
+      });
   }
 }
 #endif
@@ -1026,6 +1049,31 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   else
     bf16_product_into(xp, M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N, kind,
                       static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr()));
+#endif
+  return out;
+}
+
+// residual + x @ W^T: gguf_bf16_linear's bf16 product added to residual [M, N] (contiguous
+// bfloat16) as torch adds two bf16 tensors, bit for bit; past kLanesMaxRows rows (a prompt's
+// down projection) in the packed panels' epilogue, so the product is never written alone.
+at::Tensor gguf_bf16_residual_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                                     int64_t in_features, const at::Tensor& residual) {
+  constexpr const char* op = "gguf_bf16_residual_linear";
+  check_bf16_product(op, x, blocks, kind, in_features);
+  const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
+  TORCH_CHECK(spmd_cpu::bf16_linear_supported(K, N), op, ": runs where the build has "
+              "AVX512-BF16, in_features is a multiple of 32 and out_features >= ",
+              spmd_cpu::kBf16Panel, " (ask gguf_bf16_linear_supported), got [", N, ", ", K, "]");
+  TORCH_CHECK(residual.scalar_type() == at::kBFloat16 && residual.is_contiguous() &&
+                  residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N,
+              op, ": residual must be a contiguous bfloat16 [", M, ", ", N, "] tensor, got ",
+              residual.scalar_type(), " ", residual.sizes());
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(__AVX512BF16__)
+  bf16_product_into(static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr()), M, K,
+                    blocks.data_ptr<uint8_t>(), blocks.size(1), N, kind,
+                    static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr()),
+                    static_cast<const spmd_cpu::bf16_bits*>(residual.const_data_ptr()));
 #endif
   return out;
 }
@@ -1120,6 +1168,8 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("gguf_dequantize_bf16(Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("gguf_bf16_linear(Tensor x, Tensor blocks, int kind, int in_features, "
         "bool float32_out=False) -> Tensor");
+  m.def("gguf_bf16_residual_linear(Tensor x, Tensor blocks, int kind, int in_features, "
+        "Tensor residual) -> Tensor");
   m.def("gguf_bf16_linear_supported(int in_features, int out_features) -> bool",
         &spmd_cpu::bf16_linear_supported);
   m.def("gguf_linear_fused(int in_features, int out_features) -> bool", &gguf_linear_fused);
@@ -1133,6 +1183,7 @@ TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_dequantize_bf16", &gguf_dequantize_bf16);
   m.impl("gguf_bf16_linear", &gguf_bf16_linear);
+  m.impl("gguf_bf16_residual_linear", &gguf_bf16_residual_linear);
   m.impl("gguf_bf16_silu_linear", &gguf_bf16_silu_linear);
   m.impl("gguf_int8_linear", &gguf_int8_linear);
 }

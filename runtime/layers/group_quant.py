@@ -324,19 +324,29 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Te
 GATED_FROM_ROWS = 49
 
 
+def fused_bf16_part(rows: torch.Tensor, weight: object, min_rows: int = 0) -> Blocks | None:
+    """The one part of a GGUF weight (of a single block type) whose product with these bf16
+    CPU rows [M, in] the fused bf16 kernel takes (past its integer rows and min_rows, not on
+    8-bit activations), or None."""
+    if not isinstance(weight, GroupQuantWeight) or len(weight.parts) != 1 or \
+            rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or rows.dim() != 2 or \
+            takes_int8(weight, rows.shape[0], rows.dtype):
+        return None
+    part, out_features = weight.parts[0], weight.parts[0].data.shape[0]
+    if rows.shape[0] < min_rows or part.data.device.type != "cpu" or \
+            rows.shape[0] <= bf16_gemm_rows(part.kind, weight.in_features, out_features) or \
+            not _fused_bf16(weight.in_features, out_features):
+        return None
+    return part
+
+
 def silu_gated_product(rows: torch.Tensor, weight: object) -> torch.Tensor | None:
     """SiLU(rows @ gate^T) * (rows @ up^T) for a fused gate/up projection (gate rows first) of
     one block type, in one C++ product whose tiles finish each output (the [rows, 2 x
     intermediate] product never written): bf16 rows on the CPU past GATED_FROM_ROWS, where the
     fused bf16 kernel is built; None for anything else (the caller multiplies, then silu_mul)."""
-    if not isinstance(weight, GroupQuantWeight) or len(weight.parts) != 1 or \
-            takes_int8(weight, rows.shape[0], rows.dtype) or rows.dtype != torch.bfloat16 or \
-            rows.device.type != "cpu" or rows.dim() != 2 or \
-            rows.shape[0] < GATED_FROM_ROWS:
-        return None
-    part = weight.parts[0]
-    if part.data.shape[0] % 32 or part.data.device.type != "cpu" or \
-            not _fused_bf16(weight.in_features, part.data.shape[0]):
+    part = fused_bf16_part(rows, weight, GATED_FROM_ROWS)
+    if part is None or part.data.shape[0] % 32:
         return None
     return torch.ops.spmd_cpu.gguf_bf16_silu_linear(rows.contiguous(), part.data, int(part.kind),
                                                     weight.in_features)

@@ -18,6 +18,7 @@ from spmd_runtime.runtime.layers.parallel import (
     ShardLayout,
     TensorParallel,
     read_shard,
+    residual_row_parallel_linear,
     row_parallel_linear,
     vocab_parallel_embedding,
 )
@@ -93,7 +94,7 @@ class LlamaDecoderLayer(nn.Module):
         x, activation = pieces.mlp_inputs(
             x, attention_output, self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps, mlp.gate_up_proj, mlp.intermediate_size)
-        return x + row_parallel_linear(activation, mlp.down_proj, None, self.tp)
+        return residual_row_parallel_linear(x, activation, mlp.down_proj, self.tp)
 
     def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,

@@ -24,6 +24,7 @@ from spmd_runtime.runtime.layers.group_quant import (
     stack_rows,
 )
 from spmd_runtime.runtime.layers.linear import logits_linear
+from spmd_runtime.runtime.layers.parallel import TensorParallel, residual_row_parallel_linear
 from spmd_runtime.runtime.loaders.gguf import load_gguf_model
 from spmd_runtime.runtime.loaders.gguf_file import GGUFFile
 from spmd_runtime.runtime.models import build_model
@@ -316,6 +317,42 @@ def test_the_fused_bf16_product_is_the_rounded_weights_product(tensor_type, rows
     # Each output is its own row's and feature's: a row or a feature moved would be caught.
     assert torch.equal(torch.ops.spmd_cpu.gguf_bf16_linear(x.flip(0).contiguous(), blocks,
                                                            int(tensor_type), 512), fused.flip(0))
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("tensor_type", [GGML.Q4_1, GGML.Q8_0, GGML.Q4_K])
+@pytest.mark.parametrize("rows", [2, 5, 16, 20, 48, 49, 64, 130])
+def test_the_residual_product_is_the_residual_plus_the_product_bit_for_bit(tensor_type,
+                                                                           rows) -> None:
+    """bfloat16 (assertions on bf16 bits): gguf_bf16_residual_linear(x, W, r) is r +
+    gguf_bf16_linear(x, W) as torch adds two bf16 tensors, through each kernel shape (few
+    rows, the lanes, the packed panels' epilogue and their row tails); residual_row_parallel_
+    linear takes it on one rank and is the same add."""
+    weight, _ = (random_k_quant(tensor_type, 300, 512, seed=rows) if tensor_type in K_QUANTS
+                 else quantized(tensor_type, out_features=300, in_features=512, seed=rows))
+    blocks = weight.parts[0].data
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 512, generator=generator).bfloat16()
+    residual = (10 * torch.randn(rows, 300, generator=generator)).bfloat16()
+    expected = residual + torch.ops.spmd_cpu.gguf_bf16_linear(x, blocks, int(tensor_type), 512)
+    fused = torch.ops.spmd_cpu.gguf_bf16_residual_linear(x, blocks, int(tensor_type), 512,
+                                                         residual)
+    assert torch.equal(fused, expected)
+    one_rank = TensorParallel()
+    assert torch.equal(residual_row_parallel_linear(residual, x, weight, one_rank),
+                       residual + group_quant_linear(x, weight, None))
+
+
+@needs_bf16_tiles
+def test_the_residual_product_refuses_a_residual_of_another_shape_or_dtype() -> None:
+    weight, _ = quantized(GGML.Q4_1, out_features=48, in_features=96)
+    x = torch.randn(3, 96).bfloat16()
+    for residual, got in ((torch.zeros(3, 47).bfloat16(), r"\[3, 47\]"),
+                          (torch.zeros(3, 48), "Float"), (torch.zeros(48, 3).bfloat16().t(), "")):
+        with pytest.raises(RuntimeError, match=r"residual must be a contiguous bfloat16 \[3, "
+                                               r"48\] tensor, got .*" + got):
+            torch.ops.spmd_cpu.gguf_bf16_residual_linear(x, weight.parts[0].data,
+                                                         int(GGML.Q4_1), 96, residual)
 
 
 @needs_cpu_ops
