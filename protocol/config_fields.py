@@ -183,7 +183,9 @@ class ExecutionOptions(CacheOptions, kw_only=True):
         "SPMD_DECODE_SEQ_BUCKET_{MIN,STEP,MAX} or a default from max_model_len"))] = ""
     skip_warmup: Annotated[bool, Meta(description=(
         "serve without running every bucket first (the first batch of each shape then pays "
-        "for compilation, and no CUDA graphs are captured, as capture is part of warmup)"))] = False
+        "for compilation, and no CUDA graphs are captured, as capture is part of warmup); "
+        "on a CPU without buckets, without the one short prompt that warms the kernels up"))
+    ] = False
     graph_reserved_mem: Annotated[float, Meta(ge=0, lt=1, description=(
         "with --execution-mode compiled on CUDA, share of the usable memory set aside for "
         "captured graphs before the KV cache is sized; must be above 0 (for no graphs, use "

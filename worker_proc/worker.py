@@ -44,7 +44,7 @@ from spmd_runtime.worker_proc.liveness import start_liveness_beats
 from spmd_runtime.worker_proc.model_loading import load_draft_model, load_worker_model
 from spmd_runtime.worker_proc.model_runner import LaunchedStep, ModelRunner
 from spmd_runtime.worker_proc.thermal import ThermalMonitor
-from spmd_runtime.worker_proc.warmup import prepare_buckets
+from spmd_runtime.worker_proc.warmup import prepare_buckets, warm_up_unpadded
 
 log = logging.getLogger("spmd.worker")
 
@@ -108,6 +108,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     buckets = buckets_from_scheduler(loaded) if buckets_from_scheduler else None
     prepare_buckets(runner, config, buckets, ctx,
                     graph_budget=sizing.graph_reserved_bytes if graphs else None)
+    if buckets is None:
+        warm_up_unpadded(runner, config, num_blocks, max_model_len, model_config.vocab_size, ctx)
     if num_cpu_blocks:
         log.info("rank %d swap space: %d CPU blocks (%.2f GiB%s)", ctx.rank, num_cpu_blocks,
                  config.kv_swap_memory / 2**30, ", pinned" if ctx.device.type == "cuda" else "")

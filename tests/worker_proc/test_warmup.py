@@ -13,7 +13,9 @@ from spmd_runtime.protocol.messages import WorkerLoaded
 from spmd_runtime.protocol.step_shape import Phase
 from spmd_runtime.runtime.layers.attention_backend import choose_attention_backend
 from spmd_runtime.worker_proc.distributed import DistributedContext
+from spmd_runtime.worker_proc.model_runner import ModelRunner
 from spmd_runtime.worker_proc.runner_graphs import GraphRunner, warmup_shapes
+from spmd_runtime.worker_proc.warmup import WARMUP_PROMPT_TOKENS, WARMUP_REQUEST_ID
 from spmd_runtime.worker_proc.worker import build_runner
 from test_kv_cache import TINY_LLAMA
 
@@ -89,3 +91,44 @@ def test_a_packed_phase_warms_up_one_step_of_the_token_budget(tiny_model_name, c
     assert "Prompt steps packed" in caplog.text
     assert "[Warmup][Prompt][1/1] batch_size:1 seq_len:48" in caplog.text
     assert "[Warmup][Decode][1/1] batch_size:2 seq_len:32" in caplog.text
+
+
+def recorded_plans(monkeypatch) -> list:
+    """ModelRunner.execute wrapped to record every plan it runs."""
+    plans = []
+    execute = ModelRunner.execute
+
+    def recording(self, plan):
+        plans.append(plan)
+        return execute(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    return plans
+
+
+def test_an_unpadded_cpu_worker_warms_up_with_one_prompt_then_forgets_it(
+        tiny_model_name, monkeypatch, caplog) -> None:
+    """float32, a tiny model: without buckets, build_runner runs one greedy prompt (as long as
+    the pool and max_model_len allow, under WARMUP_PROMPT_TOKENS) in the pool's first blocks,
+    then drops it: the runner serves holding no request."""
+    plans = recorded_plans(monkeypatch)
+    config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=8,
+                          max_model_len=200)
+    with caplog.at_level(logging.INFO, logger="spmd.worker"):
+        runner, _ = build_runner(config, CPU_CONTEXT)
+    assert len(plans) == 2
+    (request,) = plans[0].new_requests
+    tokens = min(WARMUP_PROMPT_TOKENS, 199, 8 * config.block_size - 1)
+    assert request.request_id == WARMUP_REQUEST_ID and len(request.token_ids) == tokens == 127
+    assert request.num_scheduled_tokens == tokens and request.block_ids == list(range(8))
+    assert plans[1].dropped_request_ids == [WARMUP_REQUEST_ID] and not plans[1].new_requests
+    assert not runner.requests
+    assert "rank 0 warm-up: a 127-token prompt" in caplog.text
+
+
+def test_skip_warmup_skips_the_unpadded_warm_up(tiny_model_name, monkeypatch) -> None:
+    plans = recorded_plans(monkeypatch)
+    config = EngineConfig(model=tiny_model_name, dtype="float32", num_kv_blocks=8,
+                          skip_warmup=True)
+    build_runner(config, CPU_CONTEXT)
+    assert plans == []
