@@ -957,6 +957,16 @@ void check_bf16_product(const char* op, const at::Tensor& x, const at::Tensor& b
   check_blocks(op, blocks, kind, in_features);
 }
 
+// check_bf16_product, and a weight shape the plain products' tiles take.
+void check_bf16_linear(const char* op, const at::Tensor& x, const at::Tensor& blocks,
+                       int64_t kind, int64_t in_features) {
+  check_bf16_product(op, x, blocks, kind, in_features);
+  TORCH_CHECK(spmd_cpu::bf16_linear_supported(in_features, blocks.size(0)), op,
+              ": runs where the build has AVX512-BF16, in_features is a multiple of 32 and "
+              "out_features >= ", spmd_cpu::kBf16Panel, " (ask gguf_bf16_linear_supported), got [",
+              blocks.size(0), ", ", in_features, "]");
+}
+
 // x [M, K] bfloat16 @ W^T, W [N, K] as its GGUF blocks -> [M, N] bfloat16 (float32 with
 // float32_out: the sums as they are, for logits), without W in memory at any precision: each
 // task dequantizes a panel of output features to bfloat16 in buffers of its own, as
@@ -1034,12 +1044,8 @@ void bf16_product_into(const spmd_cpu::bf16_bits* xp, int64_t M, int64_t K, cons
 
 at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                             int64_t in_features, bool float32_out) {
-  constexpr const char* op = "gguf_bf16_linear";
-  check_bf16_product(op, x, blocks, kind, in_features);
+  check_bf16_linear("gguf_bf16_linear", x, blocks, kind, in_features);
   const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
-  TORCH_CHECK(spmd_cpu::bf16_linear_supported(K, N), op, ": runs where the build has "
-              "AVX512-BF16, in_features is a multiple of 32 and out_features >= ",
-              spmd_cpu::kBf16Panel, " (ask gguf_bf16_linear_supported), got [", N, ", ", K, "]");
   at::Tensor out = at::empty({M, N}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
   const auto* xp = static_cast<const spmd_cpu::bf16_bits*>(x.const_data_ptr());
@@ -1059,11 +1065,8 @@ at::Tensor gguf_bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64
 at::Tensor gguf_bf16_residual_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                                      int64_t in_features, const at::Tensor& residual) {
   constexpr const char* op = "gguf_bf16_residual_linear";
-  check_bf16_product(op, x, blocks, kind, in_features);
+  check_bf16_linear(op, x, blocks, kind, in_features);
   const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
-  TORCH_CHECK(spmd_cpu::bf16_linear_supported(K, N), op, ": runs where the build has "
-              "AVX512-BF16, in_features is a multiple of 32 and out_features >= ",
-              spmd_cpu::kBf16Panel, " (ask gguf_bf16_linear_supported), got [", N, ", ", K, "]");
   TORCH_CHECK(residual.scalar_type() == at::kBFloat16 && residual.is_contiguous() &&
                   residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N,
               op, ": residual must be a contiguous bfloat16 [", M, ", ", N, "] tensor, got ",
