@@ -1023,7 +1023,7 @@ void bf16_product_into(const spmd_cpu::bf16_bits* xp, int64_t M, int64_t K, cons
           }
           spmd_cpu::gemm_panel_rows(xp, M, K, packed, o + n0, N);
         });
-    return;
+    return;   // any residual is in: the panels added it in their epilogue
   } else {
     dequantized_panels<spmd_cpu::kBf16Panel, spmd_cpu::bf16_bits, uint32_t>(
         kind, data, row_bytes, K, N, 0,
