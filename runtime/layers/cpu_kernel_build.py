@@ -21,7 +21,8 @@ from spmd_runtime.runtime.cpu_features import KERNEL_LEVELS, detect
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
-                                    "cpu_decode_layers.cpp", "cpu_prefill_attention.cpp",
+                                    "cpu_decode_layers.cpp", "cpu_prompt_layers.cpp",
+                                    "cpu_prefill_attention.cpp",
                                     "cpu_group_quant.cpp", "cpu_bf16_linear.cpp")]
 # Every header beside the sources, so that a new one is never left out of the digest.
 HEADERS = sorted(HERE.glob("cpu_*.h"))

@@ -8,8 +8,30 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 
 namespace spmd_cpu {
+
+// Scratch that grows and never zero-fills (std::vector's resize writes every new element): for
+// buffers whose elements are written before they are read, such as packed operands and tiles'
+// scores. resize keeps the storage where it is large enough; the elements are then stale.
+template <class T>
+class ScratchArray {
+ public:
+  void resize(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(new T[n]);   // default-initialised: left as they are for arithmetic types
+      capacity_ = n;
+    }
+  }
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  T& operator[](int64_t i) { return data_[i]; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t capacity_ = 0;
+};
 
 // exp(x) without a library call: Cephes' expf, range-reduced by
 // powers of two, within 2 ulp of std::exp; arguments are clamped to [-87.3, 88.3], where it
@@ -213,5 +235,12 @@ inline void check_start(const char* op, int64_t s, int64_t start, int64_t length
   TORCH_CHECK(start >= 0 && start < length, op, ": starts[", s, "] = ", start,
               " is outside [0, lengths[", s, "] = ", length, ")");
 }
+
+// A prompt chunk of `tokens` at positions position.. against a paged cache [slots, kv_heads,
+// dim], key first_key + j in block blocks[j / block_size] (cpu_prefill_attention.cpp): returns
+// the blocks its keys reach as int64, each checked to lie in the cache.
+at::Tensor check_prompt_table(const char* op, const at::Tensor& k_cache, const at::Tensor& blocks,
+                              int64_t block_size, int64_t first_key, int64_t position,
+                              int64_t tokens, int64_t window);
 
 }  // namespace spmd_cpu

@@ -50,6 +50,41 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const float* b, const int* ldb, const float* beta, float* c,
                        const int* ldc) __attribute__((weak));
 
+namespace spmd_cpu {
+
+// A prompt chunk's block table against a paged cache [slots, kv_heads, dim] (what
+// prefill_attention_paged checks of it, and what prompt_layers checks before its first layer):
+// returns the blocks the chunk's keys reach as int64, each checked to lie in the cache.
+at::Tensor check_prompt_table(const char* op, const at::Tensor& k_cache, const at::Tensor& blocks,
+                              int64_t block_size, int64_t first_key, int64_t position,
+                              int64_t tokens, int64_t window) {
+  spmd_cpu::check_tensor(op, "blocks", blocks, 1);
+  TORCH_CHECK(block_size >= 1 && k_cache.size(0) % block_size == 0, op, ": block_size ",
+              block_size, " must be >= 1 and divide k_cache's ", k_cache.size(0), " slots");
+  TORCH_CHECK(blocks.scalar_type() == at::kInt || blocks.scalar_type() == at::kLong, op,
+              ": blocks must be int32 or int64, got ", blocks.scalar_type());
+  TORCH_CHECK(blocks.is_contiguous(), op, ": blocks must be contiguous");
+  TORCH_CHECK(first_key >= 0 && first_key % block_size == 0, op, ": first_key ", first_key,
+              " must be >= 0 and a multiple of block_size ", block_size);
+  TORCH_CHECK(position >= first_key, op, ": position ", position, " is before first_key ",
+              first_key);
+  TORCH_CHECK(window >= 0, op, ": window ", window, " must be >= 0");
+  const int64_t keys = position + tokens - first_key;
+  TORCH_CHECK(keys <= blocks.size(0) * block_size, op, ": the chunk's keys reach ", keys,
+              " tokens past first_key but blocks holds ", blocks.size(0), " blocks of ",
+              block_size);
+  const int64_t used = (keys + block_size - 1) / block_size;
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  at::Tensor table = blocks.narrow(0, 0, used).to(at::kLong);
+  const int64_t* entry = table.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < used; ++b)
+    TORCH_CHECK(entry[b] >= 0 && entry[b] < num_blocks, op, ": blocks[", b, "] = ", entry[b],
+                " is outside the cache's ", num_blocks, " blocks");
+  return table;
+}
+
+}  // namespace spmd_cpu
+
 namespace {
 
 using spmd_cpu::bf16_bits;
@@ -242,15 +277,16 @@ void run_tasks(const Shape& S, const at::Tensor& q, const at::Tensor& k, const a
 // score tiles.
 template <class E>
 struct PackedHead {
-  std::vector<uint32_t> keys;
-  std::vector<E> values;
+  spmd_cpu::ScratchArray<uint32_t> keys;   // written whole by pack_keys
+  spmd_cpu::ScratchArray<E> values;        // and pack_values
 };
 
-// A thread's buffers for the tiles, reused across its tasks.
+// A thread's buffers for the tiles, reused across its tasks and calls (each task writes what it
+// reads of them).
 template <class E>
 struct TileScratch {
-  std::vector<E> queries, weights;
-  std::vector<float> scores, inverse;
+  spmd_cpu::ScratchArray<E> queries, weights;
+  spmd_cpu::ScratchArray<float> scores, inverse;
 };
 
 constexpr int kTileRows = 6;   // query rows per score tile: 6 x 4 accumulators
@@ -369,7 +405,7 @@ void run_tasks_tiles(const Shape& S, const at::Tensor& q, at::Tensor& out, KeyRo
   });
   const auto tasks = balanced_tasks(S.kv_heads, S.tokens);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    TileScratch<E> scratch;
+    static thread_local TileScratch<E> scratch;
     for (int64_t task = begin; task < end; ++task) {
       const auto [kv, b] = tasks[task];
       attend_block_tiles<DV>(S, qp, op, heads[kv], kv, b * kBlock,
@@ -461,7 +497,6 @@ at::Tensor check_paged_args(const at::Tensor& q, const at::Tensor& k_cache,
   spmd_cpu::check_tensor(kPaged, "q", q, 3);
   spmd_cpu::check_tensor(kPaged, "k_cache", k_cache, 3);
   spmd_cpu::check_tensor(kPaged, "v_cache", v_cache, 3);
-  spmd_cpu::check_tensor(kPaged, "blocks", blocks, 1);
   spmd_cpu::check_dtype(kPaged, "k_cache", k_cache, "q", q);
   spmd_cpu::check_dtype(kPaged, "v_cache", v_cache, "q", q);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && paged_prompt_supported(q.size(2)), kPaged,
@@ -475,28 +510,8 @@ at::Tensor check_paged_args(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.size(2) == q.size(2) && k_cache.size(1) >= 1 &&
               q.size(1) % k_cache.size(1) == 0, kPaged, ": q ", q.sizes(),
               " does not fit the caches' KV heads ", k_cache.sizes());
-  TORCH_CHECK(block_size >= 1 && k_cache.size(0) % block_size == 0, kPaged, ": block_size ",
-              block_size, " must be >= 1 and divide k_cache's ", k_cache.size(0), " slots");
-  TORCH_CHECK(blocks.scalar_type() == at::kInt || blocks.scalar_type() == at::kLong, kPaged,
-              ": blocks must be int32 or int64, got ", blocks.scalar_type());
-  TORCH_CHECK(blocks.is_contiguous(), kPaged, ": blocks must be contiguous");
-  TORCH_CHECK(first_key >= 0 && first_key % block_size == 0, kPaged, ": first_key ", first_key,
-              " must be >= 0 and a multiple of block_size ", block_size);
-  TORCH_CHECK(position >= first_key, kPaged, ": position ", position,
-              " is before first_key ", first_key);
-  TORCH_CHECK(window >= 0, kPaged, ": window ", window, " must be >= 0");
-  const int64_t keys = position + q.size(0) - first_key;
-  TORCH_CHECK(keys <= blocks.size(0) * block_size, kPaged, ": the chunk's keys reach ", keys,
-              " tokens past first_key but blocks holds ", blocks.size(0), " blocks of ",
-              block_size);
-  const int64_t used = (keys + block_size - 1) / block_size;
-  const int64_t num_blocks = k_cache.size(0) / block_size;
-  at::Tensor table = blocks.narrow(0, 0, used).to(at::kLong);
-  const int64_t* entry = table.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < used; ++b)
-    TORCH_CHECK(entry[b] >= 0 && entry[b] < num_blocks, kPaged, ": blocks[", b, "] = ",
-                entry[b], " is outside the cache's ", num_blocks, " blocks");
-  return table;
+  return spmd_cpu::check_prompt_table(kPaged, k_cache, blocks, block_size, first_key, position,
+                                      q.size(0), window);
 }
 
 // A prompt chunk whose earlier tokens are cached: q [tokens, heads, dim] at positions

@@ -340,13 +340,19 @@ def fused_bf16_part(rows: torch.Tensor, weight: object, min_rows: int = 0) -> Bl
     return part
 
 
+def silu_gated_part(rows: torch.Tensor, weight: object) -> Blocks | None:
+    """The blocks silu_gated_product multiplies these rows by in one product, or None."""
+    part = fused_bf16_part(rows, weight, GATED_FROM_ROWS)
+    return None if part is None or part.data.shape[0] % 32 else part
+
+
 def silu_gated_product(rows: torch.Tensor, weight: object) -> torch.Tensor | None:
     """SiLU(rows @ gate^T) * (rows @ up^T) for a fused gate/up projection (gate rows first) of
     one block type, in one C++ product whose tiles finish each output (the [rows, 2 x
     intermediate] product never written): bf16 rows on the CPU past GATED_FROM_ROWS, where the
     fused bf16 kernel is built; None for anything else (the caller multiplies, then silu_mul)."""
-    part = fused_bf16_part(rows, weight, GATED_FROM_ROWS)
-    if part is None or part.data.shape[0] % 32:
+    part = silu_gated_part(rows, weight)
+    if part is None:
         return None
     return torch.ops.spmd_cpu.gguf_bf16_silu_linear(rows.contiguous(), part.data, int(part.kind),
                                                     weight.in_features)

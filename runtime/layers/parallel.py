@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight, fused_bf16_part
+from spmd_runtime.runtime.layers.group_quant import Blocks, GroupQuantWeight, fused_bf16_part
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.preflight import tensor_parallel_problem
 
@@ -165,9 +165,19 @@ def residual_row_parallel_linear(residual: torch.Tensor, x: torch.Tensor, weight
     rows times a weight's GGUF blocks take the fused bf16 kernel, the residual is added in the
     product (spmd_cpu::gguf_bf16_residual_linear: the same bits as the add; past 48 rows in
     its tiles' epilogue, a 512-token prompt step's 30 separate adds ~2 ms on 2 Zen 5 cores)."""
-    part = fused_bf16_part(x, weight) if tp.size == 1 else None
-    if part is None or residual.shape != (x.shape[0], part.data.shape[0]) or \
-            residual.dtype != torch.bfloat16:
+    part = residual_in_product(residual, x, weight, tp)
+    if part is None:
         return residual + row_parallel_linear(x, weight, None, tp)
     return torch.ops.spmd_cpu.gguf_bf16_residual_linear(
         x.contiguous(), part.data, int(part.kind), weight.in_features, residual.contiguous())
+
+
+def residual_in_product(residual: torch.Tensor, x: torch.Tensor, weight: object,
+                        tp: TensorParallel) -> Blocks | None:
+    """The GGUF blocks whose bf16 product with x adds the residual in its epilogue
+    (residual_row_parallel_linear), or None where the residual is added after the product."""
+    part = fused_bf16_part(x, weight) if tp.size == 1 else None
+    if part is None or residual.shape != (x.shape[0], part.data.shape[0]) or \
+            residual.dtype != torch.bfloat16:
+        return None
+    return part

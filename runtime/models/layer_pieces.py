@@ -104,7 +104,7 @@ def fused_mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weigh
 # The eager pieces of a CPU worker on the C++ attention backend (runtime/layers/cpu_ops.py).
 FUSED_CPU = LayerPieces(fused_attention_inputs, fused_mlp_inputs)
 # The fused CPU paths a family may opt into (LlamaForCausalLM.fused_cpu_paths).
-LAYER_PASSES, DECODE_STACK = "layer_passes", "decode_stack"
+LAYER_PASSES, LAYER_STACK = "layer_passes", "layer_stack"
 
 
 def fused_cpu_paths_of(family: type) -> frozenset[str]:

@@ -24,14 +24,15 @@ from spmd_runtime.runtime.layers.parallel import (
 )
 from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
 from spmd_runtime.runtime.models.layer_pieces import (
-    DECODE_STACK,
     EAGER,
     FUSED_CPU,
     LAYER_PASSES,
+    LAYER_STACK,
     LayerPieces,
     eager_pieces,
     fused_cpu_paths_of,
 )
+from spmd_runtime.runtime.models.prompt_stack import prompt_stack, run_prompt_stack
 from torch import nn
 
 
@@ -120,10 +121,11 @@ class LlamaForCausalLM(nn.Module):
     # The layers' dense pieces, eager (what --execution-mode compiled compiles).
     pieces: LayerPieces = EAGER
     # The fused CPU paths this family's layers compute exactly: LAYER_PASSES (FUSED_CPU, a
-    # layer's norm, rotary and SiLU x up in C++) and DECODE_STACK (every layer of a decode step
-    # in one C++ call). Opt-in: a family class that does not declare its own runs neither,
-    # even if it inherits a class that does (fused_cpu_paths_of).
-    fused_cpu_paths: frozenset[str] = frozenset({LAYER_PASSES, DECODE_STACK})
+    # layer's norm, rotary and SiLU x up in C++) and LAYER_STACK (every layer of a decode step,
+    # and all but the last of a lone prompt's, in one C++ call). Opt-in: a family class that
+    # does not declare its own runs neither, even if it inherits a class that does
+    # (fused_cpu_paths_of).
+    fused_cpu_paths: frozenset[str] = frozenset({LAYER_PASSES, LAYER_STACK})
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  tp: TensorParallel | None = None) -> None:
@@ -199,11 +201,15 @@ class LlamaForCausalLM(nn.Module):
         if weights is not None:
             hidden = self.norm(self._fused_decode(x, ropes[0], kv_caches, batch, weights))
             return hidden if keep is None else hidden[keep]
-        last = len(self.layers) - 1
+        last, first = len(self.layers) - 1, 0
+        stack = prompt_stack(self, batch, x) if pieces is FUSED_CPU else None
+        if stack is not None:           # a lone prompt: all but the last layer in one call
+            x, first = run_prompt_stack(self, x, ropes[0], kv_caches, batch, stack), last
         for index, (layer, kv_cache, rope, window) in enumerate(zip(
                 self.layers, kv_caches, ropes, self.layer_windows, strict=True)):
-            x = layer(x, rope, kv_cache, batch.for_window(window), pieces,
-                      keep if index == last else None)
+            if index >= first:
+                x = layer(x, rope, kv_cache, batch.for_window(window), pieces,
+                          keep if index == last else None)
         return self.norm(x)
 
     def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -221,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         windows = set(self.layer_windows)
         if windows != {None} and (len(windows) != 1 or not batch.backend.windowed_decode_stack):
             return None
-        if (DECODE_STACK not in fused_cpu_paths_of(type(self)) or self.tp.size != 1
+        if (LAYER_STACK not in fused_cpu_paths_of(type(self)) or self.tp.size != 1
                 or not batch.backend.fused_layers or batch.prefills
                 or batch.prompt_rows or batch.pad_start is not None or len(batch.decodes) != 1
                 or batch.decodes[0].count != num_tokens):

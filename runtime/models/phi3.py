@@ -6,13 +6,13 @@ which it changes nothing (ModelConfig.from_hf_dict)."""
 from __future__ import annotations
 
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.models.layer_pieces import DECODE_STACK, LAYER_PASSES
+from spmd_runtime.runtime.models.layer_pieces import LAYER_PASSES, LAYER_STACK
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     # Llama's layers, projections in its layout: both fused CPU paths compute them.
-    fused_cpu_paths = frozenset({LAYER_PASSES, DECODE_STACK})
+    fused_cpu_paths = frozenset({LAYER_PASSES, LAYER_STACK})
 
     @staticmethod
     def stacked_tensors(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:

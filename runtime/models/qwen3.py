@@ -4,7 +4,7 @@ o) where the config's attention_bias asks for them."""
 from __future__ import annotations
 
 from spmd_runtime.protocol.model_config import ModelConfig
-from spmd_runtime.runtime.models.layer_pieces import DECODE_STACK, LAYER_PASSES
+from spmd_runtime.runtime.models.layer_pieces import LAYER_PASSES, LAYER_STACK
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
 
 
@@ -16,7 +16,7 @@ def qk_norm_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     # Llama's layers, projections in its layout: both fused CPU paths compute them.
-    fused_cpu_paths = frozenset({LAYER_PASSES, DECODE_STACK})
+    fused_cpu_paths = frozenset({LAYER_PASSES, LAYER_STACK})
 
     @staticmethod
     def checkpoint_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],

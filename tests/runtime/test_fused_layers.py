@@ -15,10 +15,10 @@ from spmd_runtime.runtime.layers.rotary import RotaryEmbedding
 from spmd_runtime.runtime.models import FAMILIES
 from spmd_runtime.runtime.models.gemma2 import Gemma2ForCausalLM
 from spmd_runtime.runtime.models.layer_pieces import (
-    DECODE_STACK,
     EAGER,
     FUSED_CPU,
     LAYER_PASSES,
+    LAYER_STACK,
     LayerPieces,
     attention_inputs,
     eager_pieces,
@@ -709,8 +709,8 @@ def test_each_family_opts_into_the_fused_paths_it_declares_and_a_new_one_into_no
         model_class = getattr(importlib.import_module(
             f"spmd_runtime.runtime.models.{family.module}"), family.class_name)
         assert "fused_cpu_paths" in vars(model_class), f"{architecture} must declare its paths"
-        assert fused_cpu_paths_of(model_class) <= {LAYER_PASSES, DECODE_STACK}
-    assert fused_cpu_paths_of(LlamaForCausalLM) == {LAYER_PASSES, DECODE_STACK}
+        assert fused_cpu_paths_of(model_class) <= {LAYER_PASSES, LAYER_STACK}
+    assert fused_cpu_paths_of(LlamaForCausalLM) == {LAYER_PASSES, LAYER_STACK}
     assert fused_cpu_paths_of(Gemma2ForCausalLM) == frozenset()
 
     class NewFamily(LlamaForCausalLM):          # a new decoder layer, no declaration
