@@ -218,8 +218,18 @@ void rotate_rows(at::Tensor& qkv, int64_t rotated_heads, int64_t head_dim, const
       const Table* s = sp + t * sin.stride(0);
       for (int64_t h = 0; h < rotated_heads; ++h) {
         T* x = base + t * qkv.stride(0) + h * head_dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        namespace v = spmd_cpu;
+        for (; i + v::kExpLanes <= half; i += v::kExpLanes) {
+          const v::vfloat lo = v::vload_any(x + i), hi = v::vload_any(x + i + half);
+          v::vstore_any(x + i, v::vfma(lo, v::vload_any(c + i),
+                                       v::vmul(hi, v::vmul(v::vload_any(s + i), v::vset(-1.f)))));
+          v::vstore_any(x + i + half, v::vfma(hi, v::vload_any(c + i + half),
+                                              v::vmul(lo, v::vload_any(s + i + half))));
+        }
+#endif
+        for (; i < half; ++i) {
           const float lo = load_as_float(x + i), hi = load_as_float(x + i + half);
           store_from_float(x + i, lo * load_as_float(c + i) - hi * load_as_float(s + i));
           store_from_float(x + i + half,
