@@ -151,6 +151,13 @@ def assert_one_call_is_the_layer_loop(model, config, sequences: int) -> None:
     caches = [(k.to(dtype), v.to(dtype)) for k, v in caches]
     ids = torch.randint(0, config.vocab_size, (sequences,))
     assert model.fused_decode_weights(batch, sequences) is not None
+    assert_forward_is_the_layer_loop(model, ids, positions, caches, batch)
+
+
+def assert_forward_is_the_layer_loop(model, ids, positions, caches, batch) -> None:
+    """The model's FUSED_CPU forward on `caches` against each layer through the loop on copies
+    of them: the same hidden states (in the model's dtype) and cache contents, to the bit."""
+    dtype = model.embed_tokens.dtype
     loop_caches = [(k.clone(), v.clone()) for k, v in caches]
     with torch.no_grad():
         fused = model(ids, positions, caches, batch, FUSED_CPU)

@@ -12,9 +12,13 @@ from cpu_library import needs_bf16_tiles, needs_int8_blocks
 from cpu_library import needs_cpu_ops as needs_ops
 from spmd_runtime.runtime.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from spmd_runtime.runtime.layers.attention_backend import CPP, TORCH
-from spmd_runtime.runtime.models.layer_pieces import FUSED_CPU
 from spmd_runtime.runtime.models.prompt_stack import prompt_stack
-from test_fused_layers import gguf_tiny_model, packed_tiny_model, tiny_model
+from test_fused_layers import (
+    assert_forward_is_the_layer_loop,
+    gguf_tiny_model,
+    packed_tiny_model,
+    tiny_model,
+)
 
 BLOCK = 16
 
@@ -47,17 +51,7 @@ def assert_stack_is_the_layer_loop(model, config, length: int, context: int,
     stack = prompt_stack(model, batch, model.embed_tokens[ids])
     assert stack is not None
     assert (stack.silu_in_product, stack.residual_in_product) == epilogues
-    loop_caches = [(k.clone(), v.clone()) for k, v in caches]
-    with torch.no_grad():
-        fused = model(ids, positions, caches, batch, FUSED_CPU)
-        x = model.embed_tokens[ids]
-        rope = model.rotary.tables(positions)
-        for layer, kv_cache in zip(model.layers, loop_caches, strict=True):
-            x = layer(x, rope, kv_cache, batch, FUSED_CPU)
-        expected = model.norm(x)
-    assert fused.dtype == dtype and torch.equal(fused, expected)
-    for (k, v), (k_loop, v_loop) in zip(caches, loop_caches, strict=True):
-        assert torch.equal(k, k_loop) and torch.equal(v, v_loop)
+    assert_forward_is_the_layer_loop(model, ids, positions, caches, batch)
 
 
 @needs_bf16_tiles
