@@ -23,13 +23,13 @@ constexpr const char* kOp = "decode_layers";
 // attention would only find a bad one after layer 0's KV write).
 void check_window(const Tensor& lengths, const std::optional<Tensor>& starts) {
   if (!starts.has_value()) return;
-  spmd_cpu::check_starts("decode_layers", *starts, lengths);
+  spmd_cpu::check_starts(kOp, *starts, lengths);
   TORCH_CHECK(lengths.scalar_type() == at::kInt && lengths.is_contiguous(),
-              "decode_layers: lengths must be contiguous int32, got ", lengths.scalar_type());
+              kOp, ": lengths must be contiguous int32, got ", lengths.scalar_type());
   const int32_t* start = starts->const_data_ptr<int32_t>();
   const int32_t* length = lengths.const_data_ptr<int32_t>();
   for (int64_t s = 0; s < lengths.size(0); ++s)
-    spmd_cpu::check_start("decode_layers", s, start[s], length[s]);
+    spmd_cpu::check_start(kOp, s, start[s], length[s]);
 }
 
 // x [n, hidden] (the embedded tokens, one per sequence) through every layer; returns the

@@ -78,9 +78,9 @@ T* data(const at::Tensor& t) {
 // ---- Kernels.
 
 // weight * in / rms(in) for one row; `in` is the storage type, or float32 for a sum not yet
-// rounded to it.
-// The squares are summed in a register's lanes, then across them (GCC kept the plain loop's
-// float sum serial, one FMA's latency an element: ~1 cycle an element at SmolLM2's width).
+// rounded to it. The squares are summed in a register's lanes, then across them (GCC kept the
+// plain loop's float sum serial, one FMA's latency an element: ~1 cycle an element at
+// SmolLM2's width).
 template <typename In, typename T>
 inline void normalize_row(const In* in, const T* weight, T* out, int64_t n, float eps) {
   namespace s = spmd_cpu;

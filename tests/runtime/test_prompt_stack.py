@@ -23,7 +23,7 @@ from test_fused_layers import (
 BLOCK = 16
 
 
-def prompt_batch(config, length: int, context: int, dtype: torch.dtype, window=None):
+def prompt_batch(config, length: int, context: int, dtype: torch.dtype):
     """Random caches and one prompt chunk of `length` tokens after `context` cached ones (0: a
     fresh prompt), its blocks scattered over the cache as the scheduler may leave them."""
     num_blocks = 2 * -(-(context + length) // BLOCK) + 3
@@ -36,7 +36,7 @@ def prompt_batch(config, length: int, context: int, dtype: torch.dtype, window=N
     chunk = PrefillChunk(0, length, table.to(torch.int32) if context else None, None,
                          first_key=0, position=context)
     batch = AttentionBatch(block_size=BLOCK, slot_mapping=slots, decodes=[], prefills=[chunk],
-                           backend=CPP, window=window)
+                           backend=CPP)
     return caches, batch, positions
 
 
