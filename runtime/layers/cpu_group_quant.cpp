@@ -1124,12 +1124,9 @@ bool gguf_int8_linear_supported() {
 #endif
 }
 
-// x [M, K] (float32 or bfloat16) @ W^T, W [N, K] as GGUF blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0) -> [M, N] in x's dtype, x quantized to 8 bits per block of 32 and multiplied by the
-// blocks' codes in integers (cpu_group_quant_int8.h): `--quantization int8` over a GGUF file.
-at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                            int64_t in_features) {
-  constexpr const char* op = "gguf_int8_linear";
+// What gguf_int8_linear and its fused forms check of x and the blocks.
+void check_int8_linear(const char* op, const at::Tensor& x, const at::Tensor& blocks,
+                       int64_t kind, int64_t in_features) {
   spmd_cpu::check_tensor(op, "x", x, 2);
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
               x.is_contiguous(), op, ": x must be a contiguous float32 or bfloat16 tensor, got ",
@@ -1141,7 +1138,15 @@ at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64
               "of 32 (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0)");
   TORCH_CHECK(gguf_int8_linear_supported(), op, ": runs where the build has AVX-512 BW and "
               "VNNI (ask gguf_int8_linear_supported)");
-  const int64_t M = x.size(0), K = in_features, N = blocks.size(0);
+}
+
+// [M, N] in x's dtype: x's rows quantized to 8 bits per block of 32 and multiplied by the
+// blocks' codes in integers (cpu_group_quant_int8.h), the sums going where Int8Out says (a
+// residual in x's dtype shaped as the output, or a gate/up projection's up rows `up` past the
+// gate's). The arguments are checked.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                       int64_t in_features, int64_t N, const at::Tensor* residual, int64_t up) {
+  const int64_t M = x.size(0), K = in_features;
   at::Tensor out = at::empty({M, N}, x.options());
 #if defined(SPMD_GGUF_INT8)
   if (M == 0 || N == 0) return out;
@@ -1149,17 +1154,60 @@ at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   const auto run = [&](auto element) {
     using E = decltype(element);
     quantize_rows_int8(static_cast<const E*>(x.const_data_ptr()), M, K, rows);
+    const Int8Out<E> o{static_cast<E*>(out.mutable_data_ptr()), N,
+                       residual == nullptr ? nullptr
+                                           : static_cast<const E*>(residual->const_data_ptr()),
+                       up};
     with_kind(kind, [&](auto k) {
       constexpr int64_t KIND = decltype(k)::value;
       if constexpr (block_format(KIND).weights == kBlock)
-        int8_blocks_product<KIND>(rows, M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N,
-                                  static_cast<E*>(out.mutable_data_ptr()));
+        int8_blocks_product<KIND>(rows, M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N, o);
     });
   };
   if (x.scalar_type() == at::kFloat) run(float{});
   else run(spmd_cpu::bf16_bits{});
 #endif
   return out;
+}
+
+// x [M, K] (float32 or bfloat16) @ W^T, W [N, K] as GGUF blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0) -> [M, N] in x's dtype, x quantized to 8 bits per block of 32 and multiplied by the
+// blocks' codes in integers (cpu_group_quant_int8.h): `--quantization int8` over a GGUF file.
+at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            int64_t in_features) {
+  check_int8_linear("gguf_int8_linear", x, blocks, kind, in_features);
+  return int8_linear(x, blocks, kind, in_features, blocks.size(0), nullptr, 0);
+}
+
+// residual + gguf_int8_linear(x, W), added in the product's epilogue as torch adds two tensors
+// of x's dtype (the product rounded to it first), bit for bit.
+at::Tensor gguf_int8_residual_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                                     int64_t in_features, const at::Tensor& residual) {
+  constexpr const char* op = "gguf_int8_residual_linear";
+  check_int8_linear(op, x, blocks, kind, in_features);
+  const int64_t M = x.size(0), N = blocks.size(0);
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && residual.is_contiguous() &&
+                  residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N &&
+                  residual.device().is_cpu() && residual.layout() == at::kStrided,
+              op, ": residual must be a contiguous CPU ", x.scalar_type(), " [", M, ", ", N,
+              "] tensor (x's dtype, the product's shape), got ", residual.scalar_type(), " ",
+              residual.sizes());
+  return int8_linear(x, blocks, kind, in_features, N, &residual, 0);
+}
+
+// SiLU(x @ Wg^T) * (x @ Wu^T) for W = [Wg; Wu] [2I, K] as GGUF blocks of 32 (a fused gate/up
+// projection of one block type, gate rows first) -> [M, I] in x's dtype: gguf_int8_linear's
+// sums of each gate and up feature rounded to x's dtype and put through silu_mul's step in the
+// tiles' epilogue, bit for bit silu_mul(gguf_int8_linear(x, W)), the [M, 2I] product never
+// written.
+at::Tensor gguf_int8_silu_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                                 int64_t in_features) {
+  constexpr const char* op = "gguf_int8_silu_linear";
+  check_int8_linear(op, x, blocks, kind, in_features);
+  TORCH_CHECK(blocks.size(0) % 32 == 0, op, ": the gate/up weight has ", blocks.size(0),
+              " rows (gate first), a multiple of 32 expected (silu_mul's 16 lanes a step)");
+  const int64_t I = blocks.size(0) / 2;
+  return int8_linear(x, blocks, kind, in_features, I, nullptr, I);
 }
 
 }  // namespace
@@ -1178,6 +1226,9 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
   m.def("gguf_linear_fused(int in_features, int out_features) -> bool", &gguf_linear_fused);
   m.def("gguf_bf16_silu_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("gguf_int8_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_int8_residual_linear(Tensor x, Tensor blocks, int kind, int in_features, "
+        "Tensor residual) -> Tensor");
+  m.def("gguf_int8_silu_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("gguf_int8_linear_supported() -> bool", &gguf_int8_linear_supported);
 }
 
@@ -1189,4 +1240,6 @@ TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("gguf_bf16_residual_linear", &gguf_bf16_residual_linear);
   m.impl("gguf_bf16_silu_linear", &gguf_bf16_silu_linear);
   m.impl("gguf_int8_linear", &gguf_int8_linear);
+  m.impl("gguf_int8_residual_linear", &gguf_int8_residual_linear);
+  m.impl("gguf_int8_silu_linear", &gguf_int8_silu_linear);
 }

@@ -222,10 +222,11 @@ inline void store_first(spmd_cpu::bf16_bits* dst, __m512 row, __mmask16 lanes) {
 #endif
 }
 
-// Features f0 .. f0 + count - 1 (count <= F) against the rows in the lanes; out rows N apart.
-template <int64_t KIND, int F, int RV, class E>
+// Features f0 .. f0 + count - 1 (count <= F) against the rows in the lanes: done(r, sums)
+// receives row r's float32 sums of those features in lanes 0 .. count - 1.
+template <int64_t KIND, int F, int RV, class Done>
 void int8_lanes_tile(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* blocks,
-                     int64_t row_bytes, int64_t f0, int64_t count, E* out, int64_t N) {
+                     int64_t row_bytes, int64_t f0, int64_t count, Done&& done) {
   constexpr int64_t kBytes = block_format(KIND).bytes;
   const int64_t B = K / kBlock;
   alignas(32) uint32_t codes[F][8];
@@ -262,48 +263,133 @@ void int8_lanes_tile(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* bl
                                _mm512_set1_ps(offset[f]), sum);
     }
   }
-  const __mmask16 features = static_cast<__mmask16>((1u << count) - 1);
-  spmd_cpu::store_lane_rows(acc, M, [&](int64_t r, __m512 row) {
-    store_first(out + r * N + f0, row, features);
-  });
+  spmd_cpu::store_lane_rows(acc, M, done);
 }
 
-// out [M, N] = x's codes in the lanes @ the blocks' weights^T, F features a task.
+// Where a product's float32 sums go (E: float32, or bf16 rounded once): out, rows ldo apart,
+// each sum rounded to E; with a residual (E, rows ldo apart) the rounded sum is added to it as
+// torch adds two E tensors; with `up` > 0 the weight is a fused gate/up projection whose up
+// features start `up` rows past the gate's, and output feature f is silu_mul's step for E
+// (cpu_layers.cpp silu_mul_row, at a multiple of 16 features) on the sums of gate feature f and
+// up feature f, each rounded to E: the bits of silu_mul(product), the [M, 2 up] product never
+// written.
+template <class E>
+struct Int8Out {
+  E* out;
+  int64_t ldo;
+  const E* residual = nullptr;
+  int64_t up = 0;
+};
+
+// v rounded to the element type E of the (unread) pointer's.
+inline __m512 round_to(const float*, __m512 v) { return v; }
+inline __m512 round_to(const spmd_cpu::bf16_bits*, __m512 v) {
+#if defined(__AVX512BF16__)
+  return spmd_cpu::round_bf16(v);
+#else
+  alignas(64) spmd_cpu::bf16_bits rounded[16];
+  spmd_cpu::vstore_bf16(rounded, v);
+  return spmd_cpu::vload_bf16(rounded);
+#endif
+}
+
+// The lanes of p's that `lanes` selects, widened to float32 (the others zero).
+inline __m512 load_first(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 load_first(const spmd_cpu::bf16_bits* p, __mmask16 lanes) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+// silu_mul's step on rows of E (both already rounded to E).
+inline __m512 silu_step(const float*, __m512 gate, __m512 up) {
+  return spmd_cpu::vsilu_mul(gate, up);
+}
+inline __m512 silu_step(const spmd_cpu::bf16_bits*, __m512 gate, __m512 up) {
+  return spmd_cpu::silu_mul_lanes(gate, up);
+}
+
+// Row r's sums of output features f .. (the lanes `lanes` selects) into o, residual added.
+template <class E>
+inline void emit(const Int8Out<E>& o, int64_t r, int64_t f, __m512 sums, __mmask16 lanes) {
+  E* dst = o.out + r * o.ldo + f;
+  if (o.residual != nullptr)
+    sums = _mm512_add_ps(round_to(dst, sums), load_first(o.residual + r * o.ldo + f, lanes));
+  store_first(dst, sums, lanes);
+}
+
+// Row r's SiLU(gate) * up of output features f .. (the lanes `lanes` selects) into o, from the
+// gate's sums (rounded) at `gate` and the up's sums.
+template <class E>
+inline void emit_gated(const Int8Out<E>& o, int64_t r, int64_t f, const float* gate, __m512 up,
+                       __mmask16 lanes) {
+  E* dst = o.out + r * o.ldo + f;
+  store_first(dst, silu_step(dst, _mm512_loadu_ps(gate), round_to(dst, up)), lanes);
+}
+
+// o = x's codes in the lanes @ the blocks' weights^T, F features a task: N output features (a
+// gate/up projection's: N gate features, and then their up features).
 template <int64_t KIND, int F, int RV, class E>
 void int8_lanes_product(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* blocks,
-                        int64_t row_bytes, int64_t N, E* out) {
+                        int64_t row_bytes, int64_t N, const Int8Out<E>& o) {
   at::parallel_for(0, (N + F - 1) / F, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, t * F,
-                                   std::min<int64_t>(F, N - t * F), out, N);
+    std::vector<float> gates(o.up > 0 ? M * 16 : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t f0 = t * F, count = std::min<int64_t>(F, N - f0);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+      if (o.up == 0) {
+        int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, f0, count,
+                                     [&](int64_t r, __m512 row) { emit(o, r, f0, row, lanes); });
+        continue;
+      }
+      int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, f0, count, [&](int64_t r, __m512 row) {
+        _mm512_storeu_ps(gates.data() + r * 16, round_to(o.out, row));
+      });
+      int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, o.up + f0, count,
+                                   [&](int64_t r, __m512 row) {
+                                     emit_gated(o, r, f0, gates.data() + r * 16, row, lanes);
+                                   });
+    }
   });
 }
 
-// out [M, N] (E: float32, or bf16 rounded once) = x's codes @ the blocks' weights^T.
+// o = x's codes @ the blocks' weights^T for N output features (as int8_lanes_product).
 template <int64_t KIND, class E>
 void int8_blocks_product(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* blocks,
-                         int64_t row_bytes, int64_t N, E* out) {
+                         int64_t row_bytes, int64_t N, const Int8Out<E>& o) {
   if (M >= kInt8LanesFrom && M <= kInt8LanesTo && K % 64 == 0) {
     Int8Lanes lanes;
     pack_int8_lanes(x, M, K, lanes);
     switch (spmd_cpu::lane_registers(M)) {
-      case 1: return int8_lanes_product<KIND, 12, 1>(lanes, M, K, blocks, row_bytes, N, out);
-      case 2: return int8_lanes_product<KIND, 6, 2>(lanes, M, K, blocks, row_bytes, N, out);
-      default: return int8_lanes_product<KIND, 4, 3>(lanes, M, K, blocks, row_bytes, N, out);
+      case 1: return int8_lanes_product<KIND, 12, 1>(lanes, M, K, blocks, row_bytes, N, o);
+      case 2: return int8_lanes_product<KIND, 6, 2>(lanes, M, K, blocks, row_bytes, N, o);
+      default: return int8_lanes_product<KIND, 4, 3>(lanes, M, K, blocks, row_bytes, N, o);
     }
   }
   const int64_t panels = (N + kInt8Panel - 1) / kInt8Panel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     Int8Panel panel;
+    std::vector<float> gates(o.up > 0 ? M * kInt8Panel : 0);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t f0 = p * kInt8Panel, count = std::min(kInt8Panel, N - f0);
-      unpack_int8_panel<KIND>(blocks, row_bytes, K, f0, count, panel);
       const __mmask16 low = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
       const __mmask16 high = static_cast<__mmask16>(count >= 32 ? 0xFFFF
                                                     : count > 16 ? (1u << (count - 16)) - 1 : 0);
+      unpack_int8_panel<KIND>(blocks, row_bytes, K, f0, count, panel);
+      if (o.up == 0) {
+        int8_panel_rows(x, M, K, panel, [&](int64_t r, __m512 v0, __m512 v1) {
+          emit(o, r, f0, v0, low);
+          emit(o, r, f0 + 16, v1, high);
+        });
+        continue;
+      }
       int8_panel_rows(x, M, K, panel, [&](int64_t r, __m512 v0, __m512 v1) {
-        store_first(out + r * N + f0, v0, low);
-        store_first(out + r * N + f0 + 16, v1, high);
+        _mm512_storeu_ps(gates.data() + r * kInt8Panel, round_to(o.out, v0));
+        _mm512_storeu_ps(gates.data() + r * kInt8Panel + 16, round_to(o.out, v1));
+      });
+      unpack_int8_panel<KIND>(blocks, row_bytes, K, o.up + f0, count, panel);
+      int8_panel_rows(x, M, K, panel, [&](int64_t r, __m512 v0, __m512 v1) {
+        emit_gated(o, r, f0, gates.data() + r * kInt8Panel, v0, low);
+        emit_gated(o, r, f0 + 16, gates.data() + r * kInt8Panel + 16, v1, high);
       });
     }
   });

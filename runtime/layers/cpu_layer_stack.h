@@ -79,6 +79,12 @@ struct Ops {
       gguf_linear = op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>(
           "spmd_cpu::gguf_linear");
   c10::TypedOperatorHandle<Linear> gguf_int8_linear = op<Linear>("spmd_cpu::gguf_int8_linear");
+  c10::TypedOperatorHandle<Linear> gguf_int8_silu_linear =
+      op<Linear>("spmd_cpu::gguf_int8_silu_linear");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&)>
+      gguf_int8_residual_linear =
+          op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&)>(
+              "spmd_cpu::gguf_int8_residual_linear");
 };
 
 inline const Ops& ops() {
@@ -269,14 +275,22 @@ inline void check_caches(const char* who, at::TensorList caches, const char* nam
 // oneDNN-packed (shaped as the weight); bf16 ones oneDNN-packed or plain [out, in] tensors,
 // which linear.py gives the bf16 tiles at the row counts they take and oneDNN's linear
 // otherwise.
+// The [GGML type, in_features] of a projection's slot pair at w that multiplies 8-bit
+// activations (GGUF blocks whose stand-in ends in 1); nullopt for any other.
+inline std::optional<std::pair<int64_t, int64_t>> int8_blocks(const Tensor* w) {
+  if (!gguf_blocks(w[0]) || w[1].numel() != 3 || w[1].const_data_ptr<int64_t>()[2] != 1)
+    return std::nullopt;
+  return std::make_pair(w[1].const_data_ptr<int64_t>()[0], w[1].const_data_ptr<int64_t>()[1]);
+}
+
 inline Tensor project(const Tensor& input, const Tensor* w, int64_t n) {
   const Ops& f = ops();
   const bool plain = input.scalar_type() != at::kFloat;
   const std::optional<Tensor> no_bias;
+  if (const auto int8 = int8_blocks(w))
+    return f.gguf_int8_linear.call(input.contiguous(), w[0], int8->first, int8->second);
   if (gguf_blocks(w[0])) {
     const int64_t* info = w[1].const_data_ptr<int64_t>();
-    if (w[1].numel() == 3 && info[2] == 1)
-      return f.gguf_int8_linear.call(input.contiguous(), w[0], info[0], info[1]);
     return plain ? f.gguf_bf16_linear.call(input.contiguous(), w[0], info[0], info[1], false)
                  : f.gguf_linear.call(input.contiguous(), w[0], info[0], info[1], 0);
   }
@@ -287,6 +301,10 @@ inline Tensor project(const Tensor& input, const Tensor* w, int64_t n) {
   return onednn_linear_available() ? onednn_linear(input, w[0])
                                    : f.plain_linear.call(input, w[0], no_bias);
 }
+
+// From this many rows a gate/up projection on 8-bit activations runs SiLU x up in its product
+// (runtime/layers/int8_blocks.py INT8_GATED_FROM_ROWS: past the rows-in-the-lanes tiles).
+constexpr int64_t kInt8GatedFromRows = 33;
 
 // A layer's query, key and value heads (this rank's).
 struct Heads {
@@ -324,7 +342,8 @@ inline Attending attention_inputs(const Tensor& x, const Tensor* w, double eps, 
 
 // Where a layer's MLP takes the GGUF bf16 kernels' epilogues, as the layer loop does for a
 // prompt's rows (group_quant.silu_gated_product, parallel.residual_row_parallel_linear): SiLU x
-// up in the gate/up product's tiles, the residual added in the down projection's.
+// up in the gate/up product's tiles, the residual added in the down projection's. Products on
+// 8-bit activations take theirs wherever the loop's do (kInt8GatedFromRows), without a flag.
 struct Epilogues {
   bool silu_in_product = false, residual_in_product = false;
 };
@@ -353,12 +372,19 @@ inline Tensor finish_layer(const char* who, const Tensor& x, const Tensor& atten
   const Tensor attention_output = project(attended.view({n, h.q_size()}), w + 3, n);
   auto [residual, normed] = f.add_rms_norm.call(x, attention_output, w[5], eps);
   Tensor activation;
-  if (e.silu_in_product) {
+  const auto gate_up_int8 = int8_blocks(w + 6);
+  if (gate_up_int8 && n >= kInt8GatedFromRows && w[6].size(0) % 32 == 0) {
+    activation = f.gguf_int8_silu_linear.call(normed.contiguous(), w[6], gate_up_int8->first,
+                                              gate_up_int8->second);
+  } else if (e.silu_in_product) {
     const auto [kind, in] = epilogue_blocks(who, weights, base + 6);
     activation = f.gguf_bf16_silu_linear.call(normed.contiguous(), w[6], kind, in);
   } else {
     activation = f.silu_mul.call(project(normed, w + 6, n));
   }
+  if (const auto down_int8 = int8_blocks(w + 8))
+    return f.gguf_int8_residual_linear.call(activation.contiguous(), w[8], down_int8->first,
+                                            down_int8->second, residual.contiguous());
   if (!e.residual_in_product) return residual.add_(project(activation, w + 8, n));
   const auto [kind, in] = epilogue_blocks(who, weights, base + 8);
   return f.gguf_bf16_residual_linear.call(activation.contiguous(), w[8], kind, in,

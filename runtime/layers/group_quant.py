@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGML
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops, gguf_torch
-from spmd_runtime.runtime.layers.int8_blocks import int8_product, takes_int8
+from spmd_runtime.runtime.layers.int8_blocks import int8_product, int8_silu_product, takes_int8
 from spmd_runtime.runtime.loaders.gguf_file import KEPT_BLOCK_TYPES
 
 # Up to this many rows a product holds the activations as 16-bit fixed point and multiplies with
@@ -350,10 +350,11 @@ def silu_gated_product(rows: torch.Tensor, weight: object) -> torch.Tensor | Non
     """SiLU(rows @ gate^T) * (rows @ up^T) for a fused gate/up projection (gate rows first) of
     one block type, in one C++ product whose tiles finish each output (the [rows, 2 x
     intermediate] product never written): bf16 rows on the CPU past GATED_FROM_ROWS, where the
-    fused bf16 kernel is built; None for anything else (the caller multiplies, then silu_mul)."""
+    fused bf16 kernel is built, or 8-bit activations (int8_blocks.int8_silu_product); None for
+    anything else (the caller multiplies, then silu_mul)."""
     part = silu_gated_part(rows, weight)
     if part is None:
-        return None
+        return int8_silu_product(rows, weight)
     return torch.ops.spmd_cpu.gguf_bf16_silu_linear(rows.contiguous(), part.data, int(part.kind),
                                                     weight.in_features)
 

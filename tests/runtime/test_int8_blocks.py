@@ -15,8 +15,11 @@ from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight, from_gguf_
 from spmd_runtime.runtime.layers.int8_blocks import (
     INT8_BLOCK_TYPES,
     INT8_FROM_ROWS,
+    INT8_GATED_FROM_ROWS,
     INT8_LANES_TO,
     int8_keeps_blocks,
+    int8_residual_product,
+    int8_silu_product,
     takes_int8,
 )
 from spmd_runtime.runtime.layers.quantization import quantize_linear_weights, swap_weight
@@ -92,6 +95,79 @@ def test_the_8bit_product_refuses_bad_inputs_naming_them() -> None:
                          "not a block of 32")]:
         with pytest.raises(RuntimeError, match=match):
             product(*args)
+
+
+@needs_int8_blocks
+@pytest.mark.parametrize("tensor_type", [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0])
+@pytest.mark.parametrize("rows", [1, 7, 20, 32, 37, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_8bit_products_are_the_product_then_silu_mul_or_the_add_to_the_bit(
+        tensor_type, rows, dtype) -> None:
+    """float32 and bfloat16 (bit equality in that dtype): SiLU x up in a gate/up projection's
+    epilogue is silu_mul after gguf_int8_linear, and the residual added in a projection's
+    epilogue is torch's add after it, on the panels and with rows in the lanes, over a partial
+    panel (48 gate features: 32 + 16) and a partial tile of features (40 outputs)."""
+    ops = torch.ops.spmd_cpu
+    generator = torch.Generator().manual_seed(rows)
+    gate_up, down = blocks_of(tensor_type, 96, 128, seed=1), blocks_of(tensor_type, 40, 64, seed=2)
+    x = torch.randn(rows, 128, generator=generator).to(dtype)
+    assert torch.equal(ops.gguf_int8_silu_linear(x, gate_up, int(tensor_type), 128),
+                       ops.silu_mul(ops.gguf_int8_linear(x, gate_up, int(tensor_type), 128)))
+    h = torch.randn(rows, 64, generator=generator).to(dtype)
+    residual = torch.randn(rows, 40, generator=generator).to(dtype)
+    fused = ops.gguf_int8_residual_linear(h, down, int(tensor_type), 64, residual)
+    assert fused.dtype == dtype
+    assert torch.equal(fused, residual + ops.gguf_int8_linear(h, down, int(tensor_type), 64))
+
+
+@needs_int8_blocks
+def test_the_fused_8bit_products_refuse_bad_inputs_naming_them() -> None:
+    ops = torch.ops.spmd_cpu
+    q41 = int(GGML.Q4_1)
+    blocks, x = blocks_of(GGML.Q4_1, 64, 96), torch.randn(3, 96)
+    for residual, match in [(torch.randn(3, 64).bfloat16(), "residual must be a contiguous CPU Float"),
+                            (torch.randn(3, 48), r"\[3, 64\] tensor .* got Float \[3, 48\]"),
+                            (torch.randn(64, 3).t(), "residual must be a contiguous")]:
+        with pytest.raises(RuntimeError, match=match):
+            ops.gguf_int8_residual_linear(x, blocks, q41, 96, residual)
+    with pytest.raises(RuntimeError, match="x has 64 features"):
+        ops.gguf_int8_residual_linear(x[:, :64].contiguous(), blocks, q41, 96, torch.randn(3, 64))
+    with pytest.raises(RuntimeError, match=r"has 48 rows \(gate first\), a multiple of 32"):
+        ops.gguf_int8_silu_linear(x, blocks_of(GGML.Q4_1, 48, 96), q41, 96)
+    with pytest.raises(RuntimeError, match="not a block of 32"):
+        ops.gguf_int8_silu_linear(torch.randn(3, 256), k_quant_blocks(), int(GGML.Q4_K), 256)
+
+
+@needs_int8_blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_loop_takes_the_8bit_epilogues_where_they_pay(dtype) -> None:
+    """float32 and bfloat16 (bit equality in that dtype): SiLU x up goes into the gate/up
+    product from INT8_GATED_FROM_ROWS rows where it takes 8-bit activations (before that the
+    rows-in-the-lanes tiles were faster alone), the residual wherever the product takes them
+    and the residual is in the rows' dtype and the product's shape; elsewhere the caller
+    multiplies and adds."""
+    def int8_weight(out_features: int, in_features: int):
+        raw = blocks_of(GGML.Q4_1, out_features, in_features).numpy()
+        weight = from_gguf_blocks(raw, GGML.Q4_1, (out_features, in_features), dtype)
+        return dataclasses.replace(weight, int8_activations=True)
+
+    gate_up, down = int8_weight(96, 128), int8_weight(40, 64)
+    assert INT8_GATED_FROM_ROWS == INT8_LANES_TO + 1
+    for rows in (INT8_FROM_ROWS - 1, INT8_LANES_TO, INT8_GATED_FROM_ROWS, 64):
+        x = torch.randn(rows, 128).to(dtype)
+        gated = int8_silu_product(x, gate_up)
+        assert (gated is not None) == (rows >= INT8_GATED_FROM_ROWS and
+                                       takes_int8(gate_up, rows, dtype))
+        if gated is not None:
+            assert torch.equal(gated, torch.ops.spmd_cpu.silu_mul(group_quant_linear(x, gate_up, None)))
+        h, residual = torch.randn(rows, 64).to(dtype), torch.randn(rows, 40).to(dtype)
+        added = int8_residual_product(residual, h, down)
+        assert (added is not None) == takes_int8(down, rows, dtype)
+        if added is not None:
+            assert torch.equal(added, residual + group_quant_linear(h, down, None))
+            other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+            assert int8_residual_product(residual.to(other), h, down) is None
+            assert int8_residual_product(residual[:, :32], h, down) is None
 
 
 def test_int8_keeps_only_files_of_blocks_of_32() -> None:

@@ -73,7 +73,7 @@ def test_gguf_prompt_stack_equals_the_layer_loop_to_the_bit(tensor_type, length,
 @needs_int8_blocks
 def test_int8_gguf_prompt_stack_equals_the_layer_loop_to_the_bit() -> None:
     """bfloat16 (assertions on bf16 hidden states and caches): --quantization int8's products
-    on 8-bit activations, no epilogues."""
+    on 8-bit activations, with their own epilogues (SiLU x up from 33 rows, the residual)."""
     from gguf import GGMLQuantizationType as GGML
     from spmd_runtime.runtime.layers.quantization import quantize_linear_weights
 
