@@ -90,6 +90,70 @@ struct Int8Panel {
   std::vector<float> scale, offset;
 };
 
+// unpack_int8_panel for Q4_0 and Q4_1, 16 features at a time. A block's 16 code bytes hold
+// input j's code in the low nibble of byte j and input 16 + j's in the high one, so dword p of
+// the bytes holds words p (low nibbles) and 4 + p (high nibbles) of the panel's layout: four
+// features' bytes are loaded to a register (one a 128-bit lane), four registers transposed to
+// dword p of all 16 features (a 4 x 4 dword transpose in each lane, then one permutation), and
+// the nibbles split; the blocks' scales and minimums are gathered 16 at a time. Features past
+// `count` repeat the last one (their outputs are never stored). ~5x fewer operations than
+// unpacking each block and transposing the words (at 64 SmolLM2 rows the unpacking was ~20% of
+// the product).
+template <int64_t KIND>
+void unpack_nibble_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t f0,
+                         int64_t count, Int8Panel& panel) {
+  static_assert(KIND == kQ4_0 || KIND == kQ4_1);
+  constexpr int64_t kBytes = block_format(KIND).bytes, kCodesAt = KIND == kQ4_1 ? 4 : 2;
+  const int64_t B = K / kBlock;
+  panel.codes.resize((B + 1) / 2 * 2 * 8 * kInt8Panel);
+  panel.scale.resize(B * kInt8Panel);
+  panel.offset.resize(B * kInt8Panel);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // Transposed, lane l of y[p] holds dword p of features l, 4 + l, 8 + l, 12 + l: back in order.
+  const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const auto bytes16 = [](const uint8_t* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  };
+  for (int64_t half = 0; half < kInt8Panel; half += 16) {
+    const uint8_t* rows[16];
+    alignas(64) int32_t apart[16];
+    for (int f = 0; f < 16; ++f) {
+      rows[f] = blocks + (f0 + std::min<int64_t>(half + f, count - 1)) * row_bytes;
+      apart[f] = static_cast<int32_t>(rows[f] - rows[0]);
+    }
+    const __m512i gather_at = _mm512_load_si512(apart);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t at = b * kBytes + kCodesAt;
+      __m512i x[4];
+      for (int k = 0; k < 4; ++k) {
+        x[k] = _mm512_castsi128_si512(bytes16(rows[4 * k] + at));
+        x[k] = _mm512_inserti32x4(x[k], bytes16(rows[4 * k + 1] + at), 1);
+        x[k] = _mm512_inserti32x4(x[k], bytes16(rows[4 * k + 2] + at), 2);
+        x[k] = _mm512_inserti32x4(x[k], bytes16(rows[4 * k + 3] + at), 3);
+      }
+      const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+      const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+      const __m512i y[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                            _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+      uint32_t* words = panel.codes.data() + b * 8 * kInt8Panel + half;
+      for (int p = 0; p < 4; ++p) {
+        const __m512i dword = _mm512_permutexvar_epi32(in_order, y[p]);
+        _mm512_storeu_si512(words + p * kInt8Panel, _mm512_and_si512(dword, nibble));
+        _mm512_storeu_si512(words + (p + 4) * kInt8Panel,
+                            _mm512_and_si512(_mm512_srli_epi16(dword, 4), nibble));
+      }
+      // d (and Q4_1's minimum m above it) of the 16 blocks: w = d u + m, or d (u - 8).
+      const __m512i head = _mm512_i32gather_epi32(gather_at, rows[0] + b * kBytes, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+      const __m512 offset = KIND == kQ4_1
+          ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
+          : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+      _mm512_storeu_ps(panel.scale.data() + b * kInt8Panel + half, d);
+      _mm512_storeu_ps(panel.offset.data() + b * kInt8Panel + half, offset);
+    }
+  }
+}
+
 // Output features f0 .. f0 + count - 1 (count <= 32) of `blocks` (rows of row_bytes) unpacked
 // into `panel`: each feature's blocks in the order they lie in memory (the panel's rows are
 // one run of bytes), then two blocks of 16 features at a time (16 code words each) turned by
@@ -97,6 +161,8 @@ struct Int8Panel {
 template <int64_t KIND>
 void unpack_int8_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t f0,
                        int64_t count, Int8Panel& panel) {
+  if constexpr (KIND == kQ4_0 || KIND == kQ4_1)
+    return unpack_nibble_panel<KIND>(blocks, row_bytes, K, f0, count, panel);
   constexpr int64_t kBytes = block_format(KIND).bytes;
   const int64_t B = K / kBlock, even = (B + 1) / 2 * 2;
   panel.codes.resize(even * 8 * kInt8Panel);
