@@ -13,7 +13,8 @@
 // row's tile of 6 rows x 32 features multiplies it: eight VPDPBUSD a block a register of
 // sums, then one conversion, one multiply and two FMAs fold it into float32 (1.48x the bf16
 // tile's multiply-adds a second, measured alone). Decode batches of 16-32 rows put the rows in
-// the lanes instead (int8_lanes_tile).
+// the lanes instead (int8_lanes_tile). A product may also add a residual or finish a gate/up
+// projection's SiLU x up (Int8Out), from the tiles' sums parked per task (finish_rows).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
