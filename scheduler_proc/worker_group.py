@@ -233,7 +233,13 @@ class WorkerGroup:
         except zmq.ZMQError as error:
             if self._is_stopping():
                 raise Stopping() from None
-            raise WorkersFailed(f"worker rank {rank} is unreachable: {error}") from None
+            reason = f"worker rank {rank} is unreachable: {error}"
+            if self.nodes is not None:
+                # Across nodes a worker whose connection is gone (its node killed or cut off)
+                # is what a silent node is, found sooner: ZeroMQ may drop the peer before its
+                # heartbeats lapse. The group restarts (or, restarts spent, the job ends).
+                raise GroupLost(self.nodes.restart(reason)) from None
+            raise WorkersFailed(reason) from None
 
     def end_job(self, reason: str) -> None:
         """The job failed: every node's launcher stops its workers and exits."""
