@@ -81,18 +81,18 @@ def _one_int8_part(rows: torch.Tensor, weight: object):
     return weight.parts[0]
 
 
-# Past this many rows a fused gate/up projection on 8-bit activations runs SiLU x up after its
+# From this many rows a fused gate/up projection on 8-bit activations runs SiLU x up after its
 # panels (gguf_int8_silu_linear, the same bits as silu_mul after the product), so the [rows, 2 x
 # intermediate] product is never written. Measured alone on 2 Zen 5 cores the two forms take the
 # same time (SmolLM2's gate/up at 64 rows 189-196 against 188-218 us, at 1,024 2.8-2.9 against
 # 2.8-3.4 ms); in the rows-in-the-lanes tiles (up to 32 rows) the fused one ran 1-4% slower.
-INT8_GATED_FROM_ROWS = INT8_LANES_TO + 1
+INT8_GATED_FROM_ROWS = INT8_LANES_TO + 1   # cpu_layer_stack.h kInt8GatedFromRows mirrors it
 
 
 def int8_silu_product(rows: torch.Tensor, weight: object) -> torch.Tensor | None:
     """SiLU(rows @ gate^T) * (rows @ up^T) for a fused gate/up projection (gate rows first) of
-    one block type on 8-bit activations, past INT8_GATED_FROM_ROWS rows, in one product whose
-    tiles finish each output (spmd_cpu::gguf_int8_silu_linear); None for anything else (the
+    one block type on 8-bit activations, from INT8_GATED_FROM_ROWS rows, in one product that
+    finishes each task's outputs (spmd_cpu::gguf_int8_silu_linear); None for anything else (the
     caller multiplies, then silu_mul)."""
     part = _one_int8_part(rows, weight)
     if part is None or rows.shape[0] < INT8_GATED_FROM_ROWS or part.data.shape[0] % 32:
