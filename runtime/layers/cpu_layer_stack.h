@@ -270,19 +270,20 @@ inline void check_caches(const char* who, at::TensorList caches, const char* nam
                 kv_heads, ", ", head_dim, "] (num_kv_heads, head_dim) expected");
 }
 
+// The [GGML type, in_features] of a projection's slot pair at w that multiplies 8-bit
+// activations (GGUF blocks whose stand-in ends in 1); nullopt for any other.
+inline std::optional<std::pair<int64_t, int64_t>> int8_blocks(const Tensor* w) {
+  if (!gguf_blocks(w[0]) || w[1].numel() != 3) return std::nullopt;
+  const int64_t* info = w[1].const_data_ptr<int64_t>();
+  if (info[2] != 1) return std::nullopt;
+  return std::make_pair(info[0], info[1]);
+}
+
 // input [n, in] @ a projection's weight (its slot pair at w) as linear.py multiplies n rows:
 // GGUF blocks in either dtype; float32 weights otherwise MKL-packed (an opaque buffer) or
 // oneDNN-packed (shaped as the weight); bf16 ones oneDNN-packed or plain [out, in] tensors,
 // which linear.py gives the bf16 tiles at the row counts they take and oneDNN's linear
 // otherwise.
-// The [GGML type, in_features] of a projection's slot pair at w that multiplies 8-bit
-// activations (GGUF blocks whose stand-in ends in 1); nullopt for any other.
-inline std::optional<std::pair<int64_t, int64_t>> int8_blocks(const Tensor* w) {
-  if (!gguf_blocks(w[0]) || w[1].numel() != 3 || w[1].const_data_ptr<int64_t>()[2] != 1)
-    return std::nullopt;
-  return std::make_pair(w[1].const_data_ptr<int64_t>()[0], w[1].const_data_ptr<int64_t>()[1]);
-}
-
 inline Tensor project(const Tensor& input, const Tensor* w, int64_t n) {
   const Ops& f = ops();
   const bool plain = input.scalar_type() != at::kFloat;
