@@ -115,6 +115,11 @@ void unpack_nibble_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, in
   const auto bytes16 = [](const uint8_t* p) {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   };
+  // The next panel's bytes (one run, just past this one's) fetched to L2 while this one's are
+  // unpacked: its rows interleave 16 streams, which the hardware prefetcher missed.
+  const char* ahead = reinterpret_cast<const char*>(blocks + (f0 + kInt8Panel) * row_bytes);
+  const char* const ahead_end = ahead + (count == kInt8Panel ? kInt8Panel * row_bytes : 0);
+  constexpr int kAheadLines = (kBytes + 3) / 4;   // 2 B iterations cover 32 rows of B kBytes
   for (int64_t half = 0; half < kInt8Panel; half += 16) {
     const uint8_t* rows[16];
     alignas(64) int32_t apart[16];
@@ -124,6 +129,8 @@ void unpack_nibble_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, in
     }
     const __m512i gather_at = _mm512_load_si512(apart);
     for (int64_t b = 0; b < B; ++b) {
+      for (int l = 0; l < kAheadLines && ahead < ahead_end; ++l, ahead += 64)
+        _mm_prefetch(ahead, _MM_HINT_T1);
       const int64_t at = b * kBytes + kCodesAt;
       __m512i x[4];
       for (int k = 0; k < 4; ++k) {
