@@ -146,6 +146,11 @@ class CacheOptions(SchedulingOptions, kw_only=True):
         "while others run, so running requests can grow without preemption"))] = 0.2
     enable_prefix_caching: Annotated[bool, Meta(description=(
         "reuse the KV cache of shared prompt prefixes across requests"))] = True
+    kv_cache_huge_pages: Annotated[bool, Meta(description=(
+        "on a CPU worker under Linux, ask for transparent huge pages (2 MiB) for the KV cache, "
+        "where the kernel's transparent_hugepage setting is madvise or always: a decode step "
+        "reads blocks scattered over the pool, which on 4 KiB pages miss the TLB block after "
+        "block (W2 with --quantization int8: 1.08-1.11x the tokens a second, docs/BENCHMARKS.md)"))] = True
 
 
 class ExecutionOptions(CacheOptions, kw_only=True):

@@ -13,6 +13,7 @@ from spmd_runtime.protocol.model_config import ModelConfig
 from spmd_runtime.runtime.layers.attention import fresh_prompt_batch
 from spmd_runtime.runtime.layers.linear import weight_bytes, weight_parameters
 from spmd_runtime.runtime.models.llama import LlamaForCausalLM
+from spmd_runtime.worker_proc import host_memory
 
 # The KV cache a CPU worker takes when not told: a laptop-sized bound (see size_kv_cache).
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
@@ -215,11 +216,12 @@ def split_for_windows(model: ModelConfig, sizing: CacheSizing, num_sliding: int,
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device, kv_heads: int | None = None,
-                      num_sliding_blocks: int = 0
+                      num_sliding_blocks: int = 0, huge_pages: bool = False
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (key, value) slot tensors of shape [num_blocks * block_size, kv_heads, head_dim]
     (the sliding-window layers' with `num_sliding_blocks`, where given, instead); kv_heads:
-    this rank's (default all of them)."""
+    this rank's (default all of them); huge_pages: on the CPU, on transparent huge pages where
+    the kernel gives them (worker_proc/host_memory.py)."""
     kv_heads = kv_heads or config.num_key_value_heads
 
     def shape(layer: int) -> tuple[int, int, int]:
@@ -231,9 +233,29 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     # and a masked slot still multiplies its value by zero, so no slot may ever hold NaN or
     # inf (what uninitialised memory can). Every page is also touched now: the resident memory
     # is the whole pool from the start, rather than creeping up as blocks are first used.
+    if device.type == "cpu":
+        slots = host_memory.zeroed([shape(layer // 2) for layer in
+                                    range(2 * config.num_hidden_layers)], dtype, huge_pages)
+        return list(zip(slots[0::2], slots[1::2], strict=True))
     return [(torch.zeros(shape(layer), dtype=dtype, device=device),
              torch.zeros(shape(layer), dtype=dtype, device=device))
             for layer in range(config.num_hidden_layers)]
+
+
+def log_huge_pages(caches: list[tuple[torch.Tensor, torch.Tensor]], asked: bool,
+                   rank: int) -> None:
+    """Whether a CPU KV cache lies on huge pages, and if not, why."""
+    mode = host_memory.huge_pages_mode()
+    if not asked:
+        log.info("rank %d KV cache on 4 KiB pages (--no-kv-cache-huge-pages)", rank)
+    elif mode not in ("always", "madvise"):
+        log.info("rank %d KV cache on 4 KiB pages: transparent huge pages are %s here (%s)",
+                 rank, mode, host_memory.THP_SETTING)
+    else:
+        tensors = [t for pair in caches for t in pair]
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        log.info("rank %d KV cache on transparent huge pages: %.2f of %.2f GiB", rank,
+                 host_memory.huge_page_bytes(tensors) / 2**30, total / 2**30)
 
 
 def allocate_pools(config: EngineConfig, model: ModelConfig, sizing: CacheSizing,
@@ -252,7 +274,10 @@ def allocate_pools(config: EngineConfig, model: ModelConfig, sizing: CacheSizing
                  model.num_hidden_layers - len(model.sliding_layers), num_sliding,
                  len(model.sliding_layers), model.sliding_window)
     kv_caches = allocate_kv_cache(model, num_blocks + 1, config.block_size, dtype, device,
-                                  kv_heads, num_sliding + 1 if num_sliding else 0)
+                                  kv_heads, num_sliding + 1 if num_sliding else 0,
+                                  huge_pages=config.kv_cache_huge_pages)
+    if device.type == "cpu":
+        log_huge_pages(kv_caches, config.kv_cache_huge_pages, rank)
     # A CPU block holds one block of context in every layer, whichever pool it came from.
     num_cpu_blocks = config.kv_swap_memory // sizing.bytes_per_block
     return kv_caches, num_blocks, num_sliding, num_cpu_blocks

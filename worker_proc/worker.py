@@ -129,7 +129,8 @@ def drafter_for(config: EngineConfig, runner: ModelRunner, vocab_size: int, num_
     draft_config, model = load_draft_model(config, device, dtype, vocab_size)
     check_draft_windows(config, draft_config, runner)
     kv_caches = allocate_kv_cache(draft_config, num_blocks, config.block_size, dtype, device,
-                                  num_sliding_blocks=num_sliding_blocks)
+                                  num_sliding_blocks=num_sliding_blocks,
+                                  huge_pages=config.kv_cache_huge_pages)
     size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
     log.info("draft KV cache: %d blocks, %.2f GiB", num_blocks, size / 2**30)
     return Drafter(model, kv_caches, runner.inputs, runner.requests)
