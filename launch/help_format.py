@@ -15,7 +15,7 @@ ADVANCED_FIELDS = frozenset((
     "thermal_hysteresis_c", "thermal_kp", "heartbeat_timeout_s", "rejoin_timeout_s",
     "max_message_bytes", "prompt_lookup_min", "prompt_lookup_max",
     "speculative_disable_by_batch_size", "row_parallel_chunks", "graph_reserved_mem",
-    "thermal_victims"))
+    "thermal_victims", "kv_cache_huge_pages"))
 
 
 class DefaultsShown(argparse.HelpFormatter):
