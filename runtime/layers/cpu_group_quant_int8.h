@@ -12,9 +12,11 @@
 // 32 output features into [block][four inputs][feature] code words once per call, and every
 // row's tile of 6 rows x 32 features multiplies it: eight VPDPBUSD a block a register of
 // sums, then one conversion, one multiply and two FMAs fold it into float32 (1.48x the bf16
-// tile's multiply-adds a second, measured alone). Decode batches of 16-32 rows put the rows in
-// the lanes instead (int8_lanes_tile). A product may also add a residual or finish a gate/up
-// projection's SiLU x up (Int8Out), from the tiles' sums parked per task (finish_rows).
+// tile's multiply-adds a second, measured alone). Every row count takes the panels: with the
+// next panel fetched while this one unpacks, they beat a transposed form with the rows in the
+// vector lanes at 16-32 rows (removed; SmolLM2's four products from memory at 16 rows 152-154
+// against 225-230 us a layer, equal at 32). A product may also add a residual or finish a
+// gate/up projection's SiLU x up (Int8Out), from the tiles' sums parked per task (finish_rows).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -253,35 +255,6 @@ inline void int8_panel_rows(const Int8Rows& x, int64_t M, int64_t K, const Int8P
   });
 }
 
-// Rows in the lanes, for kInt8LanesFrom to kInt8LanesTo rows (decode batches): the transpose of
-// the panels above, so the weights need no transposing (SmolLM2's 120 projections from memory
-// at 32 rows on 2 Zen 5 cores: 8.2 ms, on the panels 12.2, bf16 10.5; at 40-48 rows three
-// registers of rows did no better than the panels). x's codes are packed once per product
-// as [word of four inputs][row] (16 rows a register, zero past the last row), its steps and
-// sums as [block][row]; a tile of F output features x RV registers of rows broadcasts each
-// feature's four codes against the rows' same inputs, and folds each block's integer sums in
-// float32 as int8_tile does.
-constexpr int64_t kInt8LanesFrom = 16, kInt8LanesTo = 32;
-
-struct Int8Lanes {
-  std::vector<uint32_t> codes;      // [K / 4][RV][16]
-  std::vector<float> step, sum;     // [K / 32][RV][16]
-};
-
-// x's codes in the lanes (K a multiple of 64: pack_word_lanes takes 16 words at a time).
-inline void pack_int8_lanes(const Int8Rows& x, int64_t M, int64_t K, Int8Lanes& lanes) {
-  const int64_t RV = spmd_cpu::lane_registers(M), B = K / kBlock;
-  lanes.codes.resize(K / 4 * RV * 16);
-  spmd_cpu::pack_word_lanes(x.codes.data(), M, K / 4, lanes.codes.data());
-  lanes.step.assign(B * RV * 16, 0.f);
-  lanes.sum.assign(B * RV * 16, 0.f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < B; ++b) {
-      lanes.step[(b * RV + r / 16) * 16 + r % 16] = x.step[r * B + b];
-      lanes.sum[(b * RV + r / 16) * 16 + r % 16] = x.sum[r * B + b];
-    }
-}
-
 // The lanes of `row` that `lanes` selects, stored from dst on (float32, or rounded to bf16).
 inline void store_first(float* dst, __m512 row, __mmask16 lanes) {
   _mm512_mask_storeu_ps(dst, lanes, row);
@@ -295,50 +268,6 @@ inline void store_first(spmd_cpu::bf16_bits* dst, __m512 row, __mmask16 lanes) {
   for (int i = 0; i < 16; ++i)
     if (lanes >> i & 1) dst[i] = part[i];
 #endif
-}
-
-// Features f0 .. f0 + count - 1 (count <= F) against the rows in the lanes: done(r, sums)
-// receives row r's float32 sums of those features in lanes 0 .. count - 1 (as int8_tile's).
-template <int64_t KIND, int F, int RV, class Done>
-void int8_lanes_tile(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* blocks,
-                     int64_t row_bytes, int64_t f0, int64_t count, Done&& done) {
-  constexpr int64_t kBytes = block_format(KIND).bytes;
-  const int64_t B = K / kBlock;
-  alignas(32) uint32_t codes[F][8];
-  float scale[F], offset[F];
-  __m512 acc[F][RV];
-  for (int f = 0; f < F; ++f)
-    for (int v = 0; v < RV; ++v) acc[f][v] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    for (int f = 0; f < F; ++f) {
-      __m256i unpacked = _mm256_setzero_si256();
-      scale[f] = offset[f] = 0.f;
-      if (f < count)
-        unpacked = unsigned_block<KIND>(blocks + (f0 + f) * row_bytes + b * kBytes, scale[f],
-                                        offset[f]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[f]), unpacked);
-    }
-    __m512i sums[F][RV];
-    for (int f = 0; f < F; ++f)
-      for (int v = 0; v < RV; ++v) sums[f][v] = _mm512_setzero_si512();
-    for (int p = 0; p < 8; ++p) {
-      __m512i rows[RV];
-      for (int v = 0; v < RV; ++v)
-        rows[v] = _mm512_loadu_si512(x.codes.data() + ((b * 8 + p) * RV + v) * 16);
-      for (int f = 0; f < F; ++f) {
-        const __m512i w = _mm512_set1_epi32(static_cast<int>(codes[f][p]));
-        for (int v = 0; v < RV; ++v) sums[f][v] = _mm512_dpbusd_epi32(sums[f][v], w, rows[v]);
-      }
-    }
-    for (int v = 0; v < RV; ++v) {
-      const __m512 step = _mm512_loadu_ps(x.step.data() + (b * RV + v) * 16);
-      const __m512 sum = _mm512_loadu_ps(x.sum.data() + (b * RV + v) * 16);
-      for (int f = 0; f < F; ++f)
-        acc[f][v] = fold_block(acc[f][v], sums[f][v], step, _mm512_set1_ps(scale[f]),
-                               _mm512_set1_ps(offset[f]), sum);
-    }
-  }
-  spmd_cpu::store_lane_rows(acc, M, done);
 }
 
 // Where a product's float32 sums go (E: float32, or bf16 rounded once): out, rows ldo apart,
@@ -407,54 +336,9 @@ void finish_rows(const Int8Out<E>& o, int64_t M, int64_t f0, int64_t count, int6
   }
 }
 
-// A thread's tasks [begin, end) of int8_lanes_product (F features each), stored from the tiles
-// (plain) or parked and finished (fused). Each form a function of its own: in one, the
-// compiler's inlining left the plain tiles 15-40% slower.
-template <int64_t KIND, int F, int RV, class E>
-__attribute__((noinline)) void plain_lane_tasks(const Int8Lanes& x, int64_t M, int64_t K,
-                                                const uint8_t* blocks, int64_t row_bytes,
-                                                int64_t N, const Int8Out<E>& o, int64_t begin,
-                                                int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t f0 = t * F, count = std::min<int64_t>(F, N - f0);
-    const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
-    int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, f0, count, [&](int64_t r, __m512 row) {
-      store_first(o.out + r * o.ldo + f0, row, lanes);
-    });
-  }
-}
-
-template <int64_t KIND, int F, int RV, class E>
-__attribute__((noinline)) void fused_lane_tasks(const Int8Lanes& x, int64_t M, int64_t K,
-                                                const uint8_t* blocks, int64_t row_bytes,
-                                                int64_t N, const Int8Out<E>& o, int64_t begin,
-                                                int64_t end) {
-  std::vector<float> sums(M * 16), gates(o.up > 0 ? M * 16 : 0);
-  const auto park = [](float* into) {
-    return [into](int64_t r, __m512 row) { _mm512_storeu_ps(into + r * 16, row); };
-  };
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t f0 = t * F, count = std::min<int64_t>(F, N - f0);
-    if (o.up > 0)
-      int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, f0, count, park(gates.data()));
-    int8_lanes_tile<KIND, F, RV>(x, M, K, blocks, row_bytes, o.up + f0, count, park(sums.data()));
-    finish_rows(o, M, f0, count, 16, sums.data(), o.up > 0 ? gates.data() : nullptr);
-  }
-}
-
-// o = x's codes in the lanes @ the blocks' weights^T, F features a task: N output features (a
-// gate/up projection's: N gate features, and then their up features).
-template <int64_t KIND, int F, int RV, class E>
-void int8_lanes_product(const Int8Lanes& x, int64_t M, int64_t K, const uint8_t* blocks,
-                        int64_t row_bytes, int64_t N, const Int8Out<E>& o) {
-  const bool plain = o.residual == nullptr && o.up == 0;
-  at::parallel_for(0, (N + F - 1) / F, 1, [&](int64_t begin, int64_t end) {
-    if (plain) plain_lane_tasks<KIND, F, RV>(x, M, K, blocks, row_bytes, N, o, begin, end);
-    else fused_lane_tasks<KIND, F, RV>(x, M, K, blocks, row_bytes, N, o, begin, end);
-  });
-}
-
-// A thread's panels [begin, end) of int8_blocks_product, plain or fused (as the lane tasks).
+// A thread's panels [begin, end) of int8_blocks_product: the plain product stores from its
+// tiles, the fused ones park the tiles' sums and finish them (finish_rows). Each form a function
+// of its own: in one, the compiler's inlining left the plain tiles 15-40% slower.
 template <int64_t KIND, class E>
 __attribute__((noinline)) void plain_panels(const Int8Rows& x, int64_t M, int64_t K,
                                             const uint8_t* blocks, int64_t row_bytes, int64_t N,
@@ -497,19 +381,11 @@ __attribute__((noinline)) void fused_panels(const Int8Rows& x, int64_t M, int64_
   }
 }
 
-// o = x's codes @ the blocks' weights^T for N output features (as int8_lanes_product).
+// o = x's codes @ the blocks' weights^T for N output features, kInt8Panel a task (a gate/up
+// projection's: N gate features, and then their up features).
 template <int64_t KIND, class E>
 void int8_blocks_product(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* blocks,
                          int64_t row_bytes, int64_t N, const Int8Out<E>& o) {
-  if (M >= kInt8LanesFrom && M <= kInt8LanesTo && K % 64 == 0) {
-    Int8Lanes lanes;
-    pack_int8_lanes(x, M, K, lanes);
-    switch (spmd_cpu::lane_registers(M)) {
-      case 1: return int8_lanes_product<KIND, 12, 1>(lanes, M, K, blocks, row_bytes, N, o);
-      case 2: return int8_lanes_product<KIND, 6, 2>(lanes, M, K, blocks, row_bytes, N, o);
-      default: return int8_lanes_product<KIND, 4, 3>(lanes, M, K, blocks, row_bytes, N, o);
-    }
-  }
   const bool plain = o.residual == nullptr && o.up == 0;
   at::parallel_for(0, (N + kInt8Panel - 1) / kInt8Panel, 1, [&](int64_t begin, int64_t end) {
     if (plain) plain_panels<KIND>(x, M, K, blocks, row_bytes, N, o, begin, end);

@@ -54,21 +54,19 @@ def int8_keeps_blocks(layer_types: list[str]) -> bool:
         and int8_blocks_supported()
 
 
-# The row counts at which an int8 weight's products take 8-bit activations; the others take
-# the blocks' own products. Measured on SmolLM2's 120 projections in a row (weights from
-# memory, 2 Zen 5 cores), bf16 rows: 7.9 ms against 6.4 bf16 at 8 rows, 8.2 against 10.5 at 32
-# (rows in the lanes), 15.2 against 14.7 at 36 (the bf16 rows-in-the-lanes tiles reach 48),
-# 17.0 against 19.8 at 64. float32 rows past 16 leave the float32 panels for them too.
-INT8_FROM_ROWS = 16
-INT8_LANES_TO = 32          # cpu_group_quant_int8.h kInt8LanesTo
-BF16_LANES_TO = 48          # cpu_bf16_gemm.h kLanesMaxRows
+# An int8 weight's products take 8-bit activations at every row count. Measured on SmolLM2's
+# four projections of 30 layers (weights from memory, 2 Zen 5 cores, us a layer, the blocks'
+# own products against the 8-bit ones): bf16 rows 151 / 98 at 1 row, 196 / 115 at 8, 350 / 254
+# at 32, 502 / 312 at 40, 660 / 476 at 64; float32 rows 139 / 85 at 1, 381 / 125 at 8. (The
+# blocks' own products took the row counts below 16, and bf16 rows 33-48, until the int8 panels
+# fetched their next panel ahead.)
+INT8_FROM_ROWS = 1
 
 
 def takes_int8(weight: BlockParts, rows: int, dtype: torch.dtype) -> bool:
-    """Whether an int8 weight's product of `rows` rows of `dtype` takes 8-bit activations."""
-    if not weight.int8_activations or rows < INT8_FROM_ROWS:
-        return False
-    return dtype != torch.bfloat16 or not INT8_LANES_TO < rows <= BF16_LANES_TO
+    """Whether an int8 weight's product of `rows` rows of `dtype` (float32 or bf16) takes 8-bit
+    activations: every row count from INT8_FROM_ROWS."""
+    return weight.int8_activations and rows >= INT8_FROM_ROWS
 
 
 def _one_int8_part(rows: torch.Tensor, weight: object):
@@ -83,10 +81,11 @@ def _one_int8_part(rows: torch.Tensor, weight: object):
 
 # From this many rows a fused gate/up projection on 8-bit activations runs SiLU x up after its
 # panels (gguf_int8_silu_linear, the same bits as silu_mul after the product), so the [rows, 2 x
-# intermediate] product is never written. Measured alone on 2 Zen 5 cores the two forms take the
-# same time (SmolLM2's gate/up at 64 rows 189-196 against 188-218 us, at 1,024 2.8-2.9 against
-# 2.8-3.4 ms); in the rows-in-the-lanes tiles (up to 32 rows) the fused one ran 1-4% slower.
-INT8_GATED_FROM_ROWS = INT8_LANES_TO + 1   # cpu_layer_stack.h kInt8GatedFromRows mirrors it
+# intermediate] product is never written. Measured alone on 2 Zen 5 cores (SmolLM2's gate/up,
+# 30 layers from memory, us): fewer rows the fused form is slower (1 row 42 against 32-35, 8
+# rows 71 against 59), at 16-32 rows the two are equal, and at 64 rows and 1,024 as well
+# (189-196 against 188-218 us, 2.8-2.9 against 2.8-3.4 ms).
+INT8_GATED_FROM_ROWS = 33   # cpu_layer_stack.h kInt8GatedFromRows mirrors it
 
 
 def int8_silu_product(rows: torch.Tensor, weight: object) -> torch.Tensor | None:

@@ -242,7 +242,8 @@ def test_int8_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(dty
                                                                              sequences) -> None:
     """bfloat16 and float32 (assertions on hidden states and caches in that dtype):
     --quantization int8 over GGUF blocks runs the one-call decode through gguf_int8_linear at
-    its row counts (24: rows in the lanes; 64: the panels), as the layer loop multiplies them."""
+    its row counts (24: the plain gate/up product and silu_mul; 64: SiLU x up in the product),
+    as the layer loop multiplies them."""
     from gguf import GGMLQuantizationType as GGML
     from spmd_runtime.runtime.layers.int8_blocks import takes_int8
     from spmd_runtime.runtime.layers.quantization import quantize_linear_weights

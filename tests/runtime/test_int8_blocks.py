@@ -16,7 +16,6 @@ from spmd_runtime.runtime.layers.int8_blocks import (
     INT8_BLOCK_TYPES,
     INT8_FROM_ROWS,
     INT8_GATED_FROM_ROWS,
-    INT8_LANES_TO,
     int8_keeps_blocks,
     int8_residual_product,
     int8_silu_product,
@@ -61,9 +60,9 @@ def test_8bit_activations_times_the_blocks_is_the_quantized_rows_exact_product(
         tensor_type, rows, out_features, in_features) -> None:
     """float32 (to float32 summation) and bfloat16 (to one rounding): the product is the
     dequantized weights times the rows quantized to 8 bits per block of 32, for every block
-    type of 32: on the panels (full tiles of 6 rows and their tails, a partial panel of 32
-    features) and with 16-32 rows in the lanes (in_features a multiple of 64; partial registers
-    of rows, a partial tile of features); a zero row gives zeros."""
+    type of 32, on the panels at every row count (full tiles of 6 rows and their tails, a
+    partial panel of 32 features, in_features an odd and an even count of blocks); a zero row
+    gives zeros."""
     blocks = blocks_of(tensor_type, out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features)) * \
         torch.logspace(-2, 1, in_features)
@@ -105,8 +104,8 @@ def test_the_fused_8bit_products_are_the_product_then_silu_mul_or_the_add_to_the
         tensor_type, rows, dtype) -> None:
     """float32 and bfloat16 (bit equality in that dtype): SiLU x up in a gate/up projection's
     epilogue is silu_mul after gguf_int8_linear, and the residual added in a projection's
-    epilogue is torch's add after it, on the panels and with rows in the lanes, over a partial
-    panel (48 gate features: 32 + 16) and a partial tile of features (40 outputs)."""
+    epilogue is torch's add after it, on the panels (full tiles of 6 rows and their tails), over
+    a partial panel (48 gate features: 32 + 16; 40 outputs: 32 + 8)."""
     ops = torch.ops.spmd_cpu
     generator = torch.Generator().manual_seed(rows)
     gate_up, down = blocks_of(tensor_type, 96, 128, seed=1), blocks_of(tensor_type, 40, 64, seed=2)
@@ -142,8 +141,9 @@ def test_the_fused_8bit_products_refuse_bad_inputs_naming_them() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_layer_loop_takes_the_8bit_epilogues_where_they_pay(dtype) -> None:
     """float32 and bfloat16 (bit equality in that dtype): SiLU x up goes into the gate/up
-    product from INT8_GATED_FROM_ROWS rows where it takes 8-bit activations (before that the
-    rows-in-the-lanes tiles were faster alone), the residual wherever the product takes them
+    product from INT8_GATED_FROM_ROWS rows where it takes 8-bit activations (below that the
+    plain product and silu_mul were as fast or faster alone), the residual wherever the product
+    takes them
     and the residual is in the rows' dtype and the product's shape; elsewhere the caller
     multiplies and adds."""
     def int8_weight(out_features: int, in_features: int):
@@ -152,8 +152,9 @@ def test_the_layer_loop_takes_the_8bit_epilogues_where_they_pay(dtype) -> None:
         return dataclasses.replace(weight, int8_activations=True)
 
     gate_up, down = int8_weight(96, 128), int8_weight(40, 64)
-    assert INT8_GATED_FROM_ROWS == INT8_LANES_TO + 1
-    for rows in (INT8_FROM_ROWS - 1, INT8_LANES_TO, INT8_GATED_FROM_ROWS, 64):
+    assert INT8_FROM_ROWS < INT8_GATED_FROM_ROWS
+    for rows in (INT8_FROM_ROWS - 1, INT8_FROM_ROWS, INT8_GATED_FROM_ROWS - 1,
+                 INT8_GATED_FROM_ROWS, 64):
         x = torch.randn(rows, 128).to(dtype)
         gated = int8_silu_product(x, gate_up)
         assert (gated is not None) == (rows >= INT8_GATED_FROM_ROWS and
@@ -216,22 +217,20 @@ def test_an_int8_model_keeps_the_files_blocks_and_its_predictions() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_products_take_8bit_activations_at_their_row_counts(dtype) -> None:
     """float32 and bfloat16 (bit-equality of products in that dtype): an int8 weight's product
-    is the 8-bit one at takes_int8's row counts (from INT8_FROM_ROWS; bf16 rows leave 33-48 to
-    the bf16 lanes tiles) and the blocks' own at the others."""
+    is the 8-bit one at takes_int8's row counts (every one from INT8_FROM_ROWS) and the blocks'
+    own at the others (none: an empty batch)."""
     weight = from_gguf_blocks(blocks_of(GGML.Q8_0, 64, 128).numpy(), GGML.Q8_0, (64, 128), dtype)
     int8 = dataclasses.replace(weight, int8_activations=True)
     part = weight.parts[0]
     assert not takes_int8(weight, 64, dtype)
-    for rows in (INT8_FROM_ROWS - 1, INT8_FROM_ROWS, INT8_LANES_TO, INT8_LANES_TO + 1, 49):
+    assert INT8_FROM_ROWS == 1 and not takes_int8(int8, 0, dtype)
+    for rows in (1, 2, 7, 16, 32, 33, 48, 49):
         x = torch.randn(rows, 128).to(dtype)
         blocks_own = group_quant_linear(x, weight, None)
         eight_bit = torch.ops.spmd_cpu.gguf_int8_linear(x, part.data, int(part.kind), 128)
         assert not torch.equal(blocks_own, eight_bit)
-        expected_int8 = rows >= INT8_FROM_ROWS and (
-            dtype == torch.float32 or not INT8_LANES_TO < rows <= 48)
-        assert takes_int8(int8, rows, dtype) == expected_int8
-        assert torch.equal(group_quant_linear(x, int8, None),
-                           eight_bit if expected_int8 else blocks_own)
+        assert takes_int8(int8, rows, dtype)
+        assert torch.equal(group_quant_linear(x, int8, None), eight_bit)
 
 
 @needs_int8_blocks

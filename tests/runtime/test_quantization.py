@@ -133,14 +133,10 @@ def test_int8_on_cuda_is_refused_with_what_to_change_and_compile_leaves_it_eager
 
 def test_an_int8_engine_answers() -> None:
     """The default dtype (bf16 on an AVX512-BF16 CPU): the embedded file's blocks take 8-bit
-    activations from INT8_FROM_ROWS rows, so the long prompt runs through them and the short
-    one through the blocks' own products."""
-    from spmd_runtime.runtime.layers.int8_blocks import INT8_FROM_ROWS
-
+    activations at every row count, a short prompt, a long one and the decode steps alike."""
     context = "France is a country in Western Europe, and its largest city is its seat of " \
               "government, known for the Eiffel Tower and the Louvre. " * 2
     with LLM("smollm2", quantization="int8", device="cpu", num_kv_blocks=256) as llm:
-        assert len(llm.tokenizer.encode(context)) >= INT8_FROM_ROWS
         outs = llm.generate(["The capital of France is", context + "The capital of France is"],
                             SamplingParams(max_tokens=4, temperature=0.0))
     for out in outs:
