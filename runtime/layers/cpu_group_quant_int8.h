@@ -312,7 +312,7 @@ inline __m512 silu_step(const spmd_cpu::bf16_bits*, __m512 gate, __m512 up) {
   return spmd_cpu::silu_mul_lanes(gate, up);
 }
 
-// Rows 0 .. M - 1 of a task's parked sums (float32, rows `width` apart: 16 or 32 features from
+// Rows 0 .. M - 1 of a task's parked sums (float32, rows `width` apart: a panel's features from
 // f0, `count` of them real) stored into o with the residual added, or with `gates` (the gate
 // features' sums, parked alike) as SiLU(gate) * up. (The plain product stores from its tiles:
 // parked, its [1,024, 3,072] product took 18% longer.)
