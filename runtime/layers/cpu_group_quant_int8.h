@@ -312,21 +312,21 @@ inline __m512 silu_step(const spmd_cpu::bf16_bits*, __m512 gate, __m512 up) {
   return spmd_cpu::silu_mul_lanes(gate, up);
 }
 
-// Rows 0 .. M - 1 of a task's parked sums (float32, rows `width` apart: a panel's features from
+// Rows 0 .. M - 1 of a panel's parked sums (float32, rows kInt8Panel apart: its features from
 // f0, `count` of them real) stored into o with the residual added, or with `gates` (the gate
 // features' sums, parked alike) as SiLU(gate) * up. (The plain product stores from its tiles:
 // parked, its [1,024, 3,072] product took 18% longer.)
 template <class E>
-void finish_rows(const Int8Out<E>& o, int64_t M, int64_t f0, int64_t count, int64_t width,
-                 const float* sums, const float* gates) {
-  for (int64_t h = 0; h < width && h < count; h += 16) {
+void finish_rows(const Int8Out<E>& o, int64_t M, int64_t f0, int64_t count, const float* sums,
+                 const float* gates) {
+  for (int64_t h = 0; h < count; h += 16) {
     const __mmask16 lanes = static_cast<__mmask16>(
         count - h >= 16 ? 0xFFFF : (1u << (count - h)) - 1);
     for (int64_t r = 0; r < M; ++r) {
       E* dst = o.out + r * o.ldo + f0 + h;
-      const __m512 sum = _mm512_loadu_ps(sums + r * width + h);
+      const __m512 sum = _mm512_loadu_ps(sums + r * kInt8Panel + h);
       if (gates != nullptr) {
-        const __m512 gate = round_to(dst, _mm512_loadu_ps(gates + r * width + h));
+        const __m512 gate = round_to(dst, _mm512_loadu_ps(gates + r * kInt8Panel + h));
         store_first(dst, silu_step(dst, gate, round_to(dst, sum)), lanes);
       } else {
         const __m512 residual = load_first(o.residual + r * o.ldo + f0 + h, lanes);
@@ -377,7 +377,7 @@ __attribute__((noinline)) void fused_panels(const Int8Rows& x, int64_t M, int64_
     }
     unpack_int8_panel<KIND>(blocks, row_bytes, K, o.up + f0, count, panel);
     int8_panel_rows(x, M, K, panel, park(sums.data()));
-    finish_rows(o, M, f0, count, kInt8Panel, sums.data(), o.up > 0 ? gates.data() : nullptr);
+    finish_rows(o, M, f0, count, sums.data(), o.up > 0 ? gates.data() : nullptr);
   }
 }
 

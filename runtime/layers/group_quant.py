@@ -299,7 +299,7 @@ def group_quant_linear(x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Te
     float32_out, where the fused kernel is built)."""
     rows = x.reshape(-1, x.shape[-1])
     out_dtype = torch.float32 if float32_out else x.dtype
-    if takes_int8(weight, rows.shape[0], rows.dtype):
+    if takes_int8(weight, rows.shape[0]):
         out = int8_product(rows, weight, bias).to(out_dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
     bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_ops.load()
@@ -330,7 +330,7 @@ def fused_bf16_part(rows: torch.Tensor, weight: object, min_rows: int = 0) -> Bl
     8-bit activations), or None."""
     if not isinstance(weight, GroupQuantWeight) or len(weight.parts) != 1 or \
             rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or rows.dim() != 2 or \
-            takes_int8(weight, rows.shape[0], rows.dtype):
+            takes_int8(weight, rows.shape[0]):
         return None
     part, out_features = weight.parts[0], weight.parts[0].data.shape[0]
     if rows.shape[0] < min_rows or part.data.device.type != "cpu" or \
@@ -368,7 +368,7 @@ def decode_layers_blocks(weight: GroupQuantWeight,
     if len(weight.parts) != 1 or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     part = weight.parts[0]
-    if takes_int8(weight, rows, weight.dtype):
+    if takes_int8(weight, rows):
         return part.data, _block_info(int(part.kind), weight.in_features, 1)
     shape = (weight.in_features, part.data.shape[0])
     if weight.dtype == torch.bfloat16:

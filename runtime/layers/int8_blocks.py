@@ -63,8 +63,8 @@ def int8_keeps_blocks(layer_types: list[str]) -> bool:
 INT8_FROM_ROWS = 1
 
 
-def takes_int8(weight: BlockParts, rows: int, dtype: torch.dtype) -> bool:
-    """Whether an int8 weight's product of `rows` rows of `dtype` (float32 or bf16) takes 8-bit
+def takes_int8(weight: BlockParts, rows: int) -> bool:
+    """Whether an int8 weight's product of `rows` rows (float32 or bf16) takes 8-bit
     activations: every row count from INT8_FROM_ROWS."""
     return weight.int8_activations and rows >= INT8_FROM_ROWS
 
@@ -74,7 +74,7 @@ def _one_int8_part(rows: torch.Tensor, weight: object):
     or None."""
     if not getattr(weight, "int8_activations", False) or len(weight.parts) != 1 or \
             rows.dim() != 2 or rows.device.type != "cpu" or \
-            not takes_int8(weight, rows.shape[0], rows.dtype):
+            not takes_int8(weight, rows.shape[0]):
         return None
     return weight.parts[0]
 

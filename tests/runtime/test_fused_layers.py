@@ -250,7 +250,7 @@ def test_int8_gguf_decode_layers_in_one_call_equal_the_layer_loop_to_the_bit(dty
 
     model, config = gguf_tiny_model(GGML.Q4_1, dtype)
     quantize_linear_weights(model, "int8")
-    assert takes_int8(model.layers[0].mlp.down_proj, sequences, dtype)
+    assert takes_int8(model.layers[0].mlp.down_proj, sequences)
     assert_one_call_is_the_layer_loop(model, config, sequences)
 
 

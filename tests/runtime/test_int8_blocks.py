@@ -158,12 +158,12 @@ def test_the_layer_loop_takes_the_8bit_epilogues_where_they_pay(dtype) -> None:
         x = torch.randn(rows, 128).to(dtype)
         gated = int8_silu_product(x, gate_up)
         assert (gated is not None) == (rows >= INT8_GATED_FROM_ROWS and
-                                       takes_int8(gate_up, rows, dtype))
+                                       takes_int8(gate_up, rows))
         if gated is not None:
             assert torch.equal(gated, torch.ops.spmd_cpu.silu_mul(group_quant_linear(x, gate_up, None)))
         h, residual = torch.randn(rows, 64).to(dtype), torch.randn(rows, 40).to(dtype)
         added = int8_residual_product(residual, h, down)
-        assert (added is not None) == takes_int8(down, rows, dtype)
+        assert (added is not None) == takes_int8(down, rows)
         if added is not None:
             assert torch.equal(added, residual + group_quant_linear(h, down, None))
             other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
@@ -222,14 +222,14 @@ def test_int8_products_take_8bit_activations_at_their_row_counts(dtype) -> None:
     weight = from_gguf_blocks(blocks_of(GGML.Q8_0, 64, 128).numpy(), GGML.Q8_0, (64, 128), dtype)
     int8 = dataclasses.replace(weight, int8_activations=True)
     part = weight.parts[0]
-    assert not takes_int8(weight, 64, dtype)
-    assert INT8_FROM_ROWS == 1 and not takes_int8(int8, 0, dtype)
+    assert not takes_int8(weight, 64)
+    assert INT8_FROM_ROWS == 1 and not takes_int8(int8, 0)
     for rows in (1, 2, 7, 16, 32, 33, 48, 49):
         x = torch.randn(rows, 128).to(dtype)
         blocks_own = group_quant_linear(x, weight, None)
         eight_bit = torch.ops.spmd_cpu.gguf_int8_linear(x, part.data, int(part.kind), 128)
         assert not torch.equal(blocks_own, eight_bit)
-        assert takes_int8(int8, rows, dtype)
+        assert takes_int8(int8, rows)
         assert torch.equal(group_quant_linear(x, int8, None), eight_bit)
 
 
