@@ -93,25 +93,26 @@ struct Int8Panel {
   std::vector<float> scale, offset;
 };
 
-// unpack_int8_panel for Q4_0 and Q4_1, 16 features at a time. A block's 16 code bytes hold
-// input j's code in the low nibble of byte j and input 16 + j's in the high one, so dword p of
-// the bytes holds words p (low nibbles) and 4 + p (high nibbles) of the panel's layout: four
-// features' bytes are loaded to a register (one a 128-bit lane), four registers transposed to
-// dword p of all 16 features (a 4 x 4 dword transpose in each lane, then one permutation), and
-// the nibbles split; the blocks' scales and minimums are gathered 16 at a time. Features past
-// `count` repeat the last one (their outputs are never stored). ~5x fewer operations than
-// unpacking each block and transposing the words (at 64 SmolLM2 rows the unpacking was ~20% of
-// the product).
+// unpack_int8_panel for Q4_0, Q4_1 and Q8_0, 16 features at a time. Dword p of a block's code
+// bytes from byte 16 h on holds (Q4) words p (low nibbles) and 4 + p (high nibbles) of the
+// panel's layout, or (Q8_0, h = 0 and 1) word 4 h + p: four features' 16 bytes are loaded to a
+// register (one a 128-bit lane), four registers transposed to dword p of all 16 features (a
+// 4 x 4 dword transpose in each lane, then one permutation), and the nibbles split (Q8_0's
+// signed codes shifted by 128 instead); the blocks' scales (and Q4_1's minimums) are gathered
+// 16 at a time. Features past `count` repeat the last one (their outputs are never stored).
+// ~5x fewer operations than unpacking each block and transposing the words (at 64 SmolLM2 rows
+// the unpacking was ~20% of the product; the Q8_0 LM head's product at 64 rows took 3.7 ms with
+// that, 2.9-3.0 with this).
 template <int64_t KIND>
-void unpack_nibble_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t f0,
-                         int64_t count, Int8Panel& panel) {
-  static_assert(KIND == kQ4_0 || KIND == kQ4_1);
+void unpack_transposed_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t f0,
+                             int64_t count, Int8Panel& panel) {
+  static_assert(KIND == kQ4_0 || KIND == kQ4_1 || KIND == kQ8_0);
   constexpr int64_t kBytes = block_format(KIND).bytes, kCodesAt = KIND == kQ4_1 ? 4 : 2;
   const int64_t B = K / kBlock;
   panel.codes.resize((B + 1) / 2 * 2 * 8 * kInt8Panel);
   panel.scale.resize(B * kInt8Panel);
   panel.offset.resize(B * kInt8Panel);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(-128);
   // Transposed, lane l of y[p] holds dword p of features l, 4 + l, 8 + l, 12 + l: back in order.
   const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const auto bytes16 = [](const uint8_t* p) {
@@ -129,11 +130,8 @@ void unpack_nibble_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, in
       rows[f] = blocks + (f0 + std::min<int64_t>(half + f, count - 1)) * row_bytes;
       apart[f] = static_cast<int32_t>(rows[f] - rows[0]);
     }
-    const __m512i gather_at = _mm512_load_si512(apart);
-    for (int64_t b = 0; b < B; ++b) {
-      for (int l = 0; l < kAheadLines && ahead < ahead_end; ++l, ahead += 64)
-        _mm_prefetch(ahead, _MM_HINT_T1);
-      const int64_t at = b * kBytes + kCodesAt;
+    // Dword p (0-3) of the 16 bytes from `at` of each of the 16 features' rows, in order.
+    const auto dwords = [&](int64_t at, __m512i out[4]) {
       __m512i x[4];
       for (int k = 0; k < 4; ++k) {
         x[k] = _mm512_castsi128_si512(bytes16(rows[4 * k] + at));
@@ -145,19 +143,37 @@ void unpack_nibble_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, in
       const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
       const __m512i y[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
                             _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+      for (int p = 0; p < 4; ++p) out[p] = _mm512_permutexvar_epi32(in_order, y[p]);
+    };
+    const __m512i gather_at = _mm512_load_si512(apart);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int l = 0; l < kAheadLines && ahead < ahead_end; ++l, ahead += 64)
+        _mm_prefetch(ahead, _MM_HINT_T1);
+      const int64_t at = b * kBytes + kCodesAt;
       uint32_t* words = panel.codes.data() + b * 8 * kInt8Panel + half;
+      __m512i dword[4];
+      dwords(at, dword);
       for (int p = 0; p < 4; ++p) {
-        const __m512i dword = _mm512_permutexvar_epi32(in_order, y[p]);
-        _mm512_storeu_si512(words + p * kInt8Panel, _mm512_and_si512(dword, nibble));
-        _mm512_storeu_si512(words + (p + 4) * kInt8Panel,
-                            _mm512_and_si512(_mm512_srli_epi16(dword, 4), nibble));
+        if constexpr (KIND == kQ8_0) {
+          _mm512_storeu_si512(words + p * kInt8Panel, _mm512_xor_si512(dword[p], sign));
+        } else {
+          _mm512_storeu_si512(words + p * kInt8Panel, _mm512_and_si512(dword[p], nibble));
+          _mm512_storeu_si512(words + (p + 4) * kInt8Panel,
+                              _mm512_and_si512(_mm512_srli_epi16(dword[p], 4), nibble));
+        }
       }
-      // d (and Q4_1's minimum m above it) of the 16 blocks: w = d u + m, or d (u - 8).
+      if constexpr (KIND == kQ8_0) {
+        dwords(at + 16, dword);
+        for (int p = 0; p < 4; ++p)
+          _mm512_storeu_si512(words + (p + 4) * kInt8Panel, _mm512_xor_si512(dword[p], sign));
+      }
+      // d (and Q4_1's minimum m above it) of the 16 blocks: w = d u + m, d (u - 8) or
+      // d (u - 128).
       const __m512i head = _mm512_i32gather_epi32(gather_at, rows[0] + b * kBytes, 1);
       const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
       const __m512 offset = KIND == kQ4_1
           ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
-          : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+          : _mm512_mul_ps(d, _mm512_set1_ps(KIND == kQ8_0 ? -128.f : -8.f));
       _mm512_storeu_ps(panel.scale.data() + b * kInt8Panel + half, d);
       _mm512_storeu_ps(panel.offset.data() + b * kInt8Panel + half, offset);
     }
@@ -171,8 +187,8 @@ void unpack_nibble_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, in
 template <int64_t KIND>
 void unpack_int8_panel(const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t f0,
                        int64_t count, Int8Panel& panel) {
-  if constexpr (KIND == kQ4_0 || KIND == kQ4_1)
-    return unpack_nibble_panel<KIND>(blocks, row_bytes, K, f0, count, panel);
+  if constexpr (KIND == kQ4_0 || KIND == kQ4_1 || KIND == kQ8_0)
+    return unpack_transposed_panel<KIND>(blocks, row_bytes, K, f0, count, panel);
   constexpr int64_t kBytes = block_format(KIND).bytes;
   const int64_t B = K / kBlock, even = (B + 1) / 2 * 2;
   panel.codes.resize(even * 8 * kInt8Panel);
