@@ -282,12 +282,17 @@ class ModelRunner:
                      s.params.logprobs is None for s in states)
         if not kept:
             hidden = hidden[self._sample_rows(step)]
-        raw_logits = self.model.compute_logits(hidden, float32=not greedy)
-        logits = penalize_requests(raw_logits, states, in_flight.tokens if in_flight else None)
-        logits = apply_token_masks(logits, step.sample_ids, step.token_masks)
-        tokens = sample_on_device(logits, [s.params for s in states],
-                                  [len(s.token_ids) for s in states], self.generator)
-        logprobs = sampled_logprobs(raw_logits, states, step.sample_ids, tokens)
+        # Unconstrained greedy rows may take their tokens from the head without any logits.
+        tokens = self.model.greedy_tokens(hidden) if greedy and not any(
+            r in step.token_masks for r in step.sample_ids) else None
+        logprobs = None
+        if tokens is None:
+            raw_logits = self.model.compute_logits(hidden, float32=not greedy)
+            logits = penalize_requests(raw_logits, states, in_flight.tokens if in_flight else None)
+            logits = apply_token_masks(logits, step.sample_ids, step.token_masks)
+            tokens = sample_on_device(logits, [s.params for s in states],
+                                      [len(s.token_ids) for s in states], self.generator)
+            logprobs = sampled_logprobs(raw_logits, states, step.sample_ids, tokens)
         host_tokens = tokens
         if cuda:
             host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -500,6 +500,7 @@ void dot_supers(const uint8_t* row, int64_t K, const Quantized& xq, int64_t r0, 
 
 #include "cpu_group_quant_vnni.h"
 #include "cpu_group_quant_int8.h"
+#include "cpu_int8_head.h"
 
 #if defined(SPMD_GGUF_VNNI)
 constexpr bool kVnni = true;
@@ -1210,6 +1211,86 @@ at::Tensor gguf_int8_silu_linear(const at::Tensor& x, const at::Tensor& blocks, 
   return int8_linear(x, blocks, kind, in_features, I, nullptr, I);
 }
 
+// The bound table of gguf_int8_head for a head's blocks [N, bytes a row] of a type of blocks of
+// 32: [N (K / 32 + 1)] float32, feature v's bound per block of 32 inputs at [v K / 32 ..], then
+// each feature's largest (cpu_int8_head.h).
+at::Tensor gguf_int8_head_bounds(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  constexpr const char* op = "gguf_int8_head_bounds";
+  check_blocks(op, blocks, kind, in_features);
+  TORCH_CHECK(block_format(kind).weights == kBlock, op, ": GGML type ", kind, " is not a block "
+              "of 32 (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0)");
+  TORCH_CHECK(gguf_int8_linear_supported(), op, ": runs where the build has AVX-512 BW and "
+              "VNNI (ask gguf_int8_linear_supported)");
+  const int64_t N = blocks.size(0), B = in_features / kBlock;
+  at::Tensor out = at::empty({N * (B + 1)}, blocks.options().dtype(at::kFloat));
+#if defined(SPMD_GGUF_INT8)
+  head_bounds(kind, blocks.data_ptr<uint8_t>(), blocks.size(1), N, in_features,
+              out.data_ptr<float>());
+#endif
+  return out;
+}
+
+// What gguf_int8_head and gguf_int8_greedy_head check: gguf_int8_linear's arguments, and the
+// bound table's shape for these blocks.
+void check_int8_head(const char* op, const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                     int64_t in_features, const at::Tensor& bounds) {
+  check_int8_linear(op, x, blocks, kind, in_features);
+  const int64_t N = blocks.size(0), B = in_features / kBlock;
+  spmd_cpu::check_tensor(op, "bounds", bounds, 1);
+  TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.is_contiguous() &&
+                  bounds.size(0) == N * (B + 1),
+              op, ": bounds must be the contiguous float32 [", N * (B + 1),
+              "] table gguf_int8_head_bounds makes of these blocks, got ", bounds.scalar_type(),
+              " ", bounds.sizes());
+}
+
+// The LM head's logits [M, N] float32 for x [M, K] (float32 or bfloat16) and W [N, K] as GGUF
+// blocks of 32: gguf_int8_linear's sums, with every logit the bound cannot rule out of the
+// row's largest re-scored exactly (cpu_int8_head.h); `bounds` from gguf_int8_head_bounds. The
+// first index of each row's largest logit is the exact product's.
+at::Tensor gguf_int8_head(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                          int64_t in_features, const at::Tensor& bounds) {
+  constexpr const char* op = "gguf_int8_head";
+  check_int8_head(op, x, blocks, kind, in_features, bounds);
+  const int64_t M = x.size(0), N = blocks.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(SPMD_GGUF_INT8)
+  if (M == 0 || N == 0) return out;
+  const auto run = [&](auto element) {
+    using E = decltype(element);
+    int8_head(static_cast<const E*>(x.const_data_ptr()), M, in_features, kind,
+              blocks.data_ptr<uint8_t>(), blocks.size(1), N, bounds.data_ptr<float>(),
+              out.data_ptr<float>());
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(spmd_cpu::bf16_bits{});
+#endif
+  return out;
+}
+
+// Each row's greedy token, int64 [M]: the first index of the largest logit gguf_int8_head
+// gives (the exact product's), its [M, N] logits never written (cpu_int8_head.h).
+at::Tensor gguf_int8_greedy_head(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                                 int64_t in_features, const at::Tensor& bounds) {
+  constexpr const char* op = "gguf_int8_greedy_head";
+  check_int8_head(op, x, blocks, kind, in_features, bounds);
+  const int64_t M = x.size(0), N = blocks.size(0);
+  TORCH_CHECK(N > 0, op, ": the head has no features");
+  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
+#if defined(SPMD_GGUF_INT8)
+  if (M == 0) return tokens;
+  const auto run = [&](auto element) {
+    using E = decltype(element);
+    int8_greedy_head(static_cast<const E*>(x.const_data_ptr()), M, in_features, kind,
+                     blocks.data_ptr<uint8_t>(), blocks.size(1), N, bounds.data_ptr<float>(),
+                     tokens.data_ptr<int64_t>());
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(spmd_cpu::bf16_bits{});
+#endif
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
@@ -1230,6 +1311,11 @@ TORCH_LIBRARY_FRAGMENT(spmd_cpu, m) {
         "Tensor residual) -> Tensor");
   m.def("gguf_int8_silu_linear(Tensor x, Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("gguf_int8_linear_supported() -> bool", &gguf_int8_linear_supported);
+  m.def("gguf_int8_head_bounds(Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_int8_head(Tensor x, Tensor blocks, int kind, int in_features, Tensor bounds) "
+        "-> Tensor");
+  m.def("gguf_int8_greedy_head(Tensor x, Tensor blocks, int kind, int in_features, "
+        "Tensor bounds) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
@@ -1242,4 +1328,7 @@ TORCH_LIBRARY_IMPL(spmd_cpu, CPU, m) {
   m.impl("gguf_int8_linear", &gguf_int8_linear);
   m.impl("gguf_int8_residual_linear", &gguf_int8_residual_linear);
   m.impl("gguf_int8_silu_linear", &gguf_int8_silu_linear);
+  m.impl("gguf_int8_head_bounds", &gguf_int8_head_bounds);
+  m.impl("gguf_int8_head", &gguf_int8_head);
+  m.impl("gguf_int8_greedy_head", &gguf_int8_greedy_head);
 }

@@ -28,6 +28,7 @@ from spmd_runtime.runtime.layers.group_quant import (
     decode_layers_blocks,
     group_quant_linear,
 )
+from spmd_runtime.runtime.layers.int8_blocks import Int8BlocksHead
 from spmd_runtime.runtime.layers.plain_bf16 import plain_bf16_linear
 from spmd_runtime.runtime.layers.quantization import (
     Int8Weight,
@@ -182,7 +183,7 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         tensors += [t for value in vars(module).values()
                     if isinstance(value, PackedWeight | Int8Weight | RescoredInt8Head
-                                  | GroupQuantWeight)
+                                  | GroupQuantWeight | Int8BlocksHead)
                     for t in value.tensors()]
     return sum(t.numel() * t.element_size()
                for t in {_storage_key(t): t for t in tensors}.values())
@@ -197,7 +198,8 @@ def weight_parameters(model: nn.Module) -> int:
         for name, value in [*module._parameters.items(), *vars(module).items()]:
             if tied and module is model and name == "lm_head":    # the embedding's parameters
                 continue
-            if isinstance(value, torch.Tensor | PackedWeight | Int8Weight | GroupQuantWeight):
+            if isinstance(value, torch.Tensor | PackedWeight | Int8Weight | GroupQuantWeight
+                          | Int8BlocksHead):
                 key = _storage_key(value) if isinstance(value, torch.Tensor) else id(value)
                 weights[key] = value
     return sum(w.numel() if isinstance(w, torch.Tensor) else w.shape.numel()
@@ -216,13 +218,15 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 def logits_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | Int8Weight |
-                  RescoredInt8Head | GroupQuantWeight) -> torch.Tensor:
+                  RescoredInt8Head | GroupQuantWeight | Int8BlocksHead) -> torch.Tensor:
     """The LM head's product: `linear`, but GGUF blocks give float32 logits whatever x's
     dtype. Rounded to bf16, logits of ~10-20 are 1/16-1/8 apart, so near-equal ones tie: int8
     over bf16 agreed with float32's top-1 on 96.54% of 24,434 positions, 97.39% with the bf16
     product's float32 sums kept (bench/quant_quality.py)."""
     if isinstance(weight, GroupQuantWeight):
         return group_quant_linear(x, weight, None, float32_out=True)
+    if isinstance(weight, Int8BlocksHead):
+        return weight.logits(x)
     return linear(x, weight)
 
 

@@ -21,7 +21,7 @@ import torch
 from spmd_runtime.runtime import cpu_features
 from spmd_runtime.runtime.layers import cpu_ops
 from spmd_runtime.runtime.layers.group_quant import GroupQuantWeight
-from spmd_runtime.runtime.layers.int8_blocks import with_int8_activations
+from spmd_runtime.runtime.layers.int8_blocks import Int8BlocksHead, with_int8_activations
 from torch import nn
 
 QUANTIZATION_METHODS = ("none", "int8")
@@ -194,8 +194,9 @@ def swap_weight(module: nn.Module, name: str, replacement: object) -> None:
 
 def quantize_linear_weights(model: nn.Module, method: str) -> int:
     """Replace the decoder layers' projection weights (attention QKV and output, MLP gate/up and
-    down) by their quantized form, and (without tensor parallelism, in a float32 model) the LM
-    head by a RescoredInt8Head, in place. Returns the number of weights quantized.
+    down) by their quantized form, and the LM head: a GGUF head of blocks of 32 by an
+    Int8BlocksHead, or (without tensor parallelism, in a float32 model) a float head by a
+    RescoredInt8Head, in place. Returns the number of weights quantized.
 
     The LM head is re-scored in float because quantized alone it cost a point of top-1
     agreement with float32 on English text (~98% -> ~97%, bench/quant_quality.py)."""
@@ -215,9 +216,15 @@ def quantize_linear_weights(model: nn.Module, method: str) -> int:
         count += 1
     # A bfloat16 head keeps its table (the tied embedding: no bytes of its own) and runs on the
     # CPU's bfloat16 units; an int8 copy would add a byte per vocabulary weight for little. A
-    # GGUF head keeps its blocks and their own products (8-bit activations there cost ~0.3
-    # points of top-1 agreement, bench/quant_quality.py).
-    if model.tp.size == 1 and isinstance(model.lm_head, torch.Tensor) and \
+    # GGUF head of blocks of 32 keeps its blocks and takes 8-bit activations, its possible
+    # argmaxes re-scored exactly (Int8BlocksHead: 8-bit logits alone cost ~0.3 points of top-1
+    # agreement, bench/quant_quality.py); other GGUF heads keep their blocks' own products.
+    head = Int8BlocksHead.of(model.lm_head) if isinstance(model.lm_head, GroupQuantWeight) \
+        else None
+    if head is not None:
+        swap_weight(model, "lm_head", head)
+        count += 1
+    elif model.tp.size == 1 and isinstance(model.lm_head, torch.Tensor) and \
             model.lm_head.dtype == torch.float32:
         swap_weight(model, "lm_head", RescoredInt8Head(Int8Weight.quantize(model.lm_head),
                                                  model.lm_head.detach()))

@@ -90,6 +90,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden, float32 or cap is not None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Llama's, uncapped only: the cap's float32 tanh can tie logits apart, and the first
+        index of a tie is what greedy decoding takes."""
+        return super().greedy_tokens(hidden) if self.config.final_logit_softcapping is None \
+            else None
+
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Llama's loading, the two MLP norms besides; every norm then holds 1 + its checkpoint

@@ -12,6 +12,7 @@ from spmd_runtime.runtime.layers.attention import (
 )
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
 from spmd_runtime.runtime.layers.group_quant import assign_weight, stack_rows
+from spmd_runtime.runtime.layers.int8_blocks import Int8BlocksHead
 from spmd_runtime.runtime.layers.linear import decode_layers_slots, logits_linear
 from spmd_runtime.runtime.layers.norm import RMSNorm
 from spmd_runtime.runtime.layers.parallel import (
@@ -281,6 +282,16 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.gather_last_dim(logits_linear(hidden, self.lm_head))
         logits = logits[..., :self.config.vocab_size]
         return logits.float() if float32 else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy token (the first index of compute_logits' largest) straight from a
+        head that gives it without the logits (an int8 GGUF head on one rank whose features are
+        the vocabulary: Int8BlocksHead.greedy_tokens); None for any other head."""
+        head = self.lm_head
+        if isinstance(head, Int8BlocksHead) and self.tp.size == 1 and \
+                head.shape[0] == self.config.vocab_size:
+            return head.greedy_tokens(hidden)
+        return None
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

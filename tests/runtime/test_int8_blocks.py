@@ -16,6 +16,7 @@ from spmd_runtime.runtime.layers.int8_blocks import (
     INT8_BLOCK_TYPES,
     INT8_FROM_ROWS,
     INT8_GATED_FROM_ROWS,
+    Int8BlocksHead,
     int8_keeps_blocks,
     int8_residual_product,
     int8_silu_product,
@@ -195,19 +196,21 @@ def gguf_model(tensor_type: GGML, dtype: torch.dtype = torch.float32):
 @needs_int8_blocks
 def test_an_int8_model_keeps_the_files_blocks_and_its_predictions() -> None:
     """float32 (assertions on float32 logits): quantizing a model held in GGUF blocks marks its
-    projections for 8-bit activations without copying a byte of them, leaves the head alone,
-    and its prompt logits stay the blocks' own within the activations' rounding."""
+    projections for 8-bit activations without copying a byte of them, puts an Int8BlocksHead
+    over the head's own blocks (the tied embedding's, not a copy), and its prompt logits stay
+    the blocks' own within the activations' rounding."""
     model, config = gguf_model(GGML.Q4_1)
     before = [getattr(module, name) for module, name in model.projection_slots()]
     ids = torch.randint(0, config.vocab_size, (48,), generator=torch.Generator().manual_seed(2))
     exact = model.prompt_logits(ids.tolist())
     head = model.lm_head
-    assert quantize_linear_weights(model, "int8") == 4 * config.num_hidden_layers
+    assert quantize_linear_weights(model, "int8") == 4 * config.num_hidden_layers + 1
     for (module, name), held in zip(model.projection_slots(), before, strict=True):
         weight = getattr(module, name)
         assert isinstance(weight, GroupQuantWeight) and weight.int8_activations
         assert weight.parts[0].data.data_ptr() == held.parts[0].data.data_ptr()
-    assert model.lm_head is head
+    assert isinstance(model.lm_head, Int8BlocksHead) and model.lm_head.weight is head
+    assert model.embed_tokens is head
     quantized = model.prompt_logits(ids.tolist())
     assert 0 < ((quantized - exact).norm() / exact.norm()).item() < 0.02
     assert (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
