@@ -170,6 +170,29 @@ inline bool widen_row(const E* x, int64_t K, std::vector<double>& xd) {
   return finite;
 }
 
+// U_v's factor for a row whose steps sum to `steps`: that sum rounded up to float32 (past the
+// double sum's roundings), so that scale widest_v >= B_v.
+inline float reach_scale(double steps) { return round_up(steps * (1.0 + std::ldexp(1.0, -40))); }
+
+// B_v of n features (feature(i), with 8-bit logit logit(i)) into bound[0 .. n), each one's table
+// row fetched kBoundsAhead features ahead (they lie scattered: one at a time, their misses cost
+// more than the re-scoring); returns the largest of `floor` and every logit(i) - bound[i].
+template <class Feature, class Logit>
+double bound_features(const float* table, const float* step, int64_t B, size_t n,
+                      Feature&& feature, Logit&& logit, std::vector<double>& bound, double floor) {
+  bound.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kBoundsAhead < n) {
+      const char* ahead = reinterpret_cast<const char*>(table + feature(i + kBoundsAhead) * B);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 4 * B - 1, _MM_HINT_T0);
+    }
+    bound[i] = feature_bound(table + feature(i) * B, step, B);
+    floor = std::max(floor, logit(i) - bound[i]);
+  }
+  return floor;
+}
+
 // One row's 8-bit logits [N] re-scored where the bound cannot rule a feature out (above); x
 // the row's inputs (K), `near`, `bound` and `xd` scratch.
 template <int64_t KIND, class E>
@@ -191,25 +214,14 @@ void rescore_head_row(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64
     for (int64_t v = 0; v < N; ++v) logits[v] = exact(v);
     return;
   }
-  features_reaching(logits, table + N * B, N, round_up(steps * (1.0 + std::ldexp(1.0, -40))),
-                    lowered(floor0), near);
-  // The features' bounds and weights lie scattered over their tables: each fetched a few
-  // features ahead (one at a time, their misses cost more than the re-scoring).
-  bound.resize(near.size());
-  double floor = floor0;
-  for (size_t i = 0; i < near.size(); ++i) {
-    if (i + kBoundsAhead < near.size()) {
-      const char* ahead = reinterpret_cast<const char*>(table + near[i + kBoundsAhead] * B);
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 4 * B - 1, _MM_HINT_T0);
-    }
-    bound[i] = feature_bound(table + near[i] * B, step, B);
-    floor = std::max(floor, logits[near[i]] - bound[i]);
-  }
+  features_reaching(logits, table + N * B, N, reach_scale(steps), lowered(floor0), near);
+  const double floor = bound_features(
+      table, step, B, near.size(), [&](size_t i) { return near[i]; },
+      [&](size_t i) { return logits[near[i]]; }, bound, floor0);
   size_t kept = 0;
   for (size_t i = 0; i < near.size(); ++i)
     if (logits[near[i]] + bound[i] >= floor) near[kept++] = near[i];
-  for (size_t i = 0; i < kept; ++i) {
+  for (size_t i = 0; i < kept; ++i) {   // their weights, like their bounds, fetched ahead
     if (i + 1 < kept) {
       const char* next = reinterpret_cast<const char*>(blocks + near[i + 1] * row_bytes);
       for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
@@ -339,7 +351,8 @@ inline int64_t first_largest_of(const std::vector<float>& values) {
 template <int64_t KIND, class E>
 int64_t greedy_row_token(const std::vector<GreedyRow*>& parts, const uint8_t* blocks,
                          int64_t row_bytes, int64_t N, int64_t K, const E* x, const float* step,
-                         double steps, const float* table, std::vector<double>& xd) {
+                         double steps, float scale, const float* table,
+                         std::vector<double>& xd) {
   const int64_t B = K / kBlock;
   const auto exact = [&](int64_t v) { return exact_logit<KIND>(blocks + v * row_bytes, xd.data(), K); };
   double floor = -INFINITY;
@@ -357,20 +370,14 @@ int64_t greedy_row_token(const std::vector<GreedyRow*>& parts, const uint8_t* bl
   // a row at 64 rows of random-token prompts, ~125 reach the row's floor).
   std::vector<std::pair<int64_t, float>> near;
   const float* widest = table + N * B;
-  const float reach = lowered(floor), by = round_up(steps * (1.0 + std::ldexp(1.0, -40)));
+  const float reach = lowered(floor);
   for (const GreedyRow* g : parts)
     for (const auto& [v, L] : g->near)
-      if (std::fma(by, widest[v], L) >= reach) near.emplace_back(v, L);
-  std::vector<double> bound(near.size());
-  for (size_t i = 0; i < near.size(); ++i) {
-    if (i + kBoundsAhead < near.size()) {
-      const char* ahead = reinterpret_cast<const char*>(table + near[i + kBoundsAhead].first * B);
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 4 * B - 1, _MM_HINT_T0);
-    }
-    bound[i] = feature_bound(table + near[i].first * B, step, B);
-    floor = std::max(floor, near[i].second - bound[i]);
-  }
+      if (std::fma(scale, widest[v], L) >= reach) near.emplace_back(v, L);
+  std::vector<double> bound;
+  floor = bound_features(
+      table, step, B, near.size(), [&](size_t i) { return near[i].first; },
+      [&](size_t i) { return near[i].second; }, bound, floor);
   int64_t token = -1;
   float most = -INFINITY;
   for (size_t i = 0; i < near.size(); ++i) {
@@ -394,7 +401,7 @@ void int8_greedy_head(const E* x, int64_t M, int64_t K, int64_t kind, const uint
   std::vector<float> scale(M);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < B; ++b) steps[r] += rows.step[r * B + b];
-    scale[r] = round_up(steps[r] * (1.0 + std::ldexp(1.0, -40)));
+    scale[r] = reach_scale(steps[r]);
   }
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   std::vector<std::vector<GreedyRow>> states(tasks, std::vector<GreedyRow>(M));
@@ -415,7 +422,8 @@ void int8_greedy_head(const E* x, int64_t M, int64_t K, int64_t kind, const uint
         for (int64_t r = begin; r < end; ++r) {
           for (int64_t t = 0; t < tasks; ++t) parts[t] = &states[t][r];
           tokens[r] = greedy_row_token<KIND>(parts, blocks, row_bytes, N, K, x + r * K,
-                                             rows.step.data() + r * B, steps[r], table, xd);
+                                             rows.step.data() + r * B, steps[r], scale[r], table,
+                                             xd);
         }
       });
     }
