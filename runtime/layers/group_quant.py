@@ -1,29 +1,24 @@
 """GGUF's quantized weights kept quantized (`--quantization gguf`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 and the K-quants Q4_K, Q5_K and Q6_K, held as the file's own block bytes.
 
-Each of these formats cuts a weight row into blocks (32 weights; the K-quants' super-blocks 256)
-and stores per block its scales and codes: Q4_0 and Q4_1 blocks of 32 with a float16 d (Q4_1
-also a minimum m), 4-bit codes q, w = d (q - 8) or d q + m; Q5_0 and Q5_1 likewise with 5-bit
-codes; Q8_0 8-bit signed codes, w = d q. The K-quants add 6-bit (Q6_K: 8-bit) scales per block
-of 32 (16) under a float16 d and dmin. A GroupQuantWeight holds each output feature's row of
-blocks exactly as the file stores it, so a weight takes what it takes in the file (Q4_K: 4.5
-bits, Q6_K: 6.56), and nothing is converted at load. A fused projection whose parts are of
-different types (Q4_K_M's Q4_K queries and keys beside Q6_K values) holds one part per type.
+Each format cuts a weight row into blocks (32 weights; the K-quants' super-blocks 256) of
+scales and codes: Q4_0 and Q4_1 a float16 d (Q4_1 also a minimum m) and 4-bit codes q, w =
+d (q - 8) or d q + m; Q5_0 and Q5_1 likewise with 5-bit codes; Q8_0 8-bit signed codes, w = d q;
+the K-quants 6-bit (Q6_K: 8-bit) scales per block of 32 (16) under a float16 d and dmin. A
+GroupQuantWeight holds each output feature's row of blocks exactly as the file stores it
+(Q4_K: 4.5 bits a weight, Q6_K: 6.56), nothing converted at load; a fused projection of parts
+of different types (Q4_K_M's Q4_K queries and keys beside Q6_K values) holds one part per type.
 
 The products (runtime/layers/cpu_group_quant.cpp): at decode's few rows the activations are
 held as 16-bit fixed point per block of 32 (per super-block of 256 for the K-quants where the
 kernels are built with AVX512-VNNI) and multiplied by the block codes with integer dot
-products; past f32_integer_rows rows, where the library is built with AVX-512, each task
-dequantizes a panel of output features to float32 (gguf's own values) inside the product and
-multiplies it with FMA tiles, and elsewhere the weights are dequantized to float32 64 output
-features at a time for MKL's GEMM. With bfloat16 activations (the CPU default where it has
-AVX512-BF16 or AMX), past bf16_gemm_rows rows (a lone decode row stays integer), the weights
-are rounded to bfloat16: dequantized into a panel of 8 or 32 output features at a time inside
-the library's product and multiplied there with VDPBF16PS tiles (gguf_bf16_linear), or, in a
-build without AVX512-BF16, a chunk at a time for oneDNN's bf16 GEMM. `expand` is gguf's own
-dequantisation, bit for bit what `--quantization none` loads. On another device (CUDA), or
-without the C++ library, the blocks are expanded a projection at a time by torch operations
-(runtime/layers/gguf_torch.py).
+products; past f32_integer_rows rows each task dequantizes a panel of output features to
+float32 (gguf's own values) inside the product for FMA tiles (MKL's GEMM on 64 features at a
+time without AVX-512). bfloat16 activations past bf16_gemm_rows rows multiply weights rounded
+to bfloat16, dequantized a panel at a time inside the library's VDPBF16PS tiles
+(gguf_bf16_linear; oneDNN's bf16 GEMM on chunks without AVX512-BF16); `--quantization int8`
+takes 8-bit activations (int8_blocks.py). `expand` is gguf's own dequantisation, what
+`--quantization none` loads; on CUDA, or without the C++ library, torch operations (gguf_torch.py).
 """
 from __future__ import annotations
 
@@ -252,7 +247,13 @@ class GroupQuantWeight:
             *rows.shape, self.in_features)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of `ids` (a token embedding lookup), in `dtype`, on ids' device."""
+        """The rows of `ids` (a token embedding lookup), in `dtype`, on ids' device; Q8_0 rows on
+        the CPU dequantized by the library (gguf's values bit for bit, ~6x its numpy's speed)."""
+        part, ops = self.parts[0], {torch.float32: "gguf_dequantize", torch.bfloat16: "gguf_dequantize_bf16"}
+        if len(self.parts) == 1 and part.kind == GGML.Q8_0 and ids.device.type == "cpu" == \
+                part.data.device.type and self.dtype in ops and cpu_ops.load():
+            return getattr(torch.ops.spmd_cpu, ops[self.dtype])(part.data.index_select(
+                0, ids.reshape(-1)), int(part.kind), self.in_features).view(*ids.shape, self.in_features)
         return self.expand(ids).to(device=ids.device, dtype=self.dtype)
 
 

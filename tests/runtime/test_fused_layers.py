@@ -293,6 +293,24 @@ def test_decode_layers_run_only_for_a_plain_decode_batch_of_packed_weights() -> 
     assert plain_model.fused_decode_weights(batch, 4) is None       # a weight left unpacked
 
 
+@needs_ops
+def test_decode_layer_weights_are_built_once_a_row_count_and_again_after_a_swap() -> None:
+    from spmd_runtime.runtime.layers.quantization import swap_weight
+
+    model, config = packed_tiny_model(layers=2)
+    _, batch, _ = decode_batch(config, 4)
+    first = model.fused_decode_weights(batch, 4)
+    assert first is not None and model.fused_decode_weights(batch, 4) is first
+    attn = model.layers[0].self_attn
+    packed = attn.qkv_proj
+    swap_weight(attn, "qkv_proj", torch.zeros(packed.stand_in.shape))
+    assert model.fused_decode_weights(batch, 4) is None             # the swapped weight seen
+    swap_weight(attn, "qkv_proj", packed)
+    again = model.fused_decode_weights(batch, 4)
+    assert again is not first and len(again) == len(first)
+    assert all(a is b for a, b in zip(again, first, strict=True))
+
+
 # ---- Refused arguments: every one a Python RuntimeError naming the operator and the argument.
 
 def _spmd():

@@ -524,3 +524,21 @@ def test_row_parallel_shards_partial_products_sum_to_the_whole(tensor_type) -> N
     parts = sum(group_quant_linear(x[:, start:start + 512], shard, None)
                 for start, shard in zip((0, 512), shards, strict=True))
     torch.testing.assert_close(parts, group_quant_linear(x, weight, None), rtol=1e-5, atol=1e-4)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tensor_type", [GGML.Q8_0, GGML.Q4_1])
+def test_an_embedding_lookup_is_ggufs_dequantisation_of_its_rows(dtype, tensor_type) -> None:
+    """float32 and bfloat16 (assertions on the looked-up rows in that dtype, exact): Q8_0 rows
+    come from the library, other types from gguf; both are gguf's values, rounded to bf16 as
+    torch rounds them."""
+    from dataclasses import replace
+
+    weight, expected = quantized(tensor_type, out_features=80, in_features=64)
+    weight = replace(weight, dtype=dtype)
+    ids = torch.tensor([[3, 79, 0, 3], [41, 12, 66, 5]])
+    rows = weight.embedding(ids)
+    assert rows.dtype == dtype and rows.shape == (2, 4, 64)
+    assert torch.equal(rows, torch.from_numpy(expected)[ids].to(dtype))
+    assert weight.embedding(torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, 64)
