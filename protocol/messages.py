@@ -52,6 +52,11 @@ class AddRequest(_Wire, tag="add"):
     # Whether the deltas carry text (when the scheduler has a tokenizer); a client that
     # detokenizes by itself saves the scheduler the work.
     detokenize: bool = True
+    # Whether a delta follows every step that adds tokens. False: the whole output in one delta
+    # when the request ends, for a client that waits for it (generate()), sparing it a wakeup
+    # and the scheduler a frame each step. A request with stop strings streams regardless
+    # (they are matched on its text as it comes).
+    stream: bool = True
 
 
 class AbortRequest(_Wire, tag="abort"):

@@ -76,13 +76,14 @@ class ClientCore(RpcCore):
                         params: SamplingParams | Sequence[SamplingParams] | None,
                         priority: int | Sequence[int], request_timeout_s: float | None,
                         chat: bool) -> list[AddRequest]:
-        """generate()'s AddRequests, one per prompt, in order."""
+        """generate()'s AddRequests, one per prompt, in order: each output in one delta when it
+        ends (generate() waits for whole outputs)."""
         prompt_list = as_prompt_list(prompts)
         param_list = as_param_list(params, len(prompt_list))
         priorities = as_priority_list(priority, len(prompt_list))
         check_request_timeout(request_timeout_s)
         return [add_request(next(self._tags), prompt, p, chat=chat, priority=rank,
-                            timeout_s=request_timeout_s)
+                            timeout_s=request_timeout_s, stream=False)
                 for prompt, p, rank in zip(prompt_list, param_list, priorities, strict=True)]
 
     def _stream_request(self, prompt: Prompt, params: SamplingParams | None,
@@ -124,11 +125,13 @@ def output_of(request: AddRequest, request_id: int,
 
 def add_request(tag: int, prompt: Prompt, params: SamplingParams, *, chat: bool = False,
                 request_id: int | None = None, priority: int = 0,
-                timeout_s: float | None = None, detokenize: bool = True) -> AddRequest:
+                timeout_s: float | None = None, detokenize: bool = True,
+                stream: bool = True) -> AddRequest:
     """The AddRequest of one prompt. Texts and conversations are tokenized by the engine; with
-    chat, a text is one user message, rendered (like a conversation) with its chat template."""
+    chat, a text is one user message, rendered (like a conversation) with its chat template.
+    stream=False: the output comes in one delta when the request ends."""
     fields = {"tag": tag, "params": params, "request_id": request_id, "priority": priority,
-              "timeout_s": timeout_s, "detokenize": detokenize}
+              "timeout_s": timeout_s, "detokenize": detokenize, "stream": stream}
     if isinstance(prompt, str):
         if chat:
             return AddRequest(messages=[ChatMessage("user", prompt)], **fields)

@@ -37,6 +37,7 @@ class RequestIntake:
         self._arrivals += 1
         request = Request(request_id, prompt, message.params, client, self._arrivals,
                           message.priority)
+        request.stream = message.stream or bool(message.params.stop)
         self.scheduler.add(request)
         if matcher is not None:
             self.scheduler.constrained.add(request_id, matcher)

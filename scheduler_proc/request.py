@@ -30,7 +30,7 @@ class Request:
                  "num_blocks_sent", "known_to_workers", "num_tokens_streamed", "arrival_seq",
                  "block_hashes", "num_cached_blocks", "cpu_block_ids", "priority", "arrival_time",
                  "queue_time_s", "output_logprobs", "prompt_logprobs", "draft_length",
-                 "num_blocks_slid", "sliding", "drafted")
+                 "num_blocks_slid", "sliding", "drafted", "stream")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  client: bytes = b"", arrival_seq: int = 0, priority: int = 0) -> None:
@@ -56,6 +56,8 @@ class Request:
         self.num_blocks_sent = 0
         self.known_to_workers = False
         self.num_tokens_streamed = 0
+        # False: its deltas wait for its end (AddRequest.stream).
+        self.stream = True
         # Chained hashes of its full blocks (prefix caching), and how many of its blocks are cached.
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0

@@ -42,7 +42,7 @@ from spmd_runtime.scheduler_proc.startup import (
     kv_cache_manager,
 )
 from spmd_runtime.scheduler_proc.stats import StepTimes, engine_stats
-from spmd_runtime.scheduler_proc.streaming import stream_update
+from spmd_runtime.scheduler_proc.streaming import QuietClients, stream_update
 from spmd_runtime.scheduler_proc.thermal import ThermalControl, load_policy_class
 from spmd_runtime.scheduler_proc.worker_group import (
     GroupLost,
@@ -70,6 +70,7 @@ class SchedulerServer:
         # The group's waits on workers end when a stop is requested (see stop()).
         self.group = WorkerGroup(config, self.ctx, self.encoder, lambda: self._stopping)
         self.tokenizer = ServedTokenizer(config.model)
+        self.quiet = QuietClients()
         self.scheduler: Scheduler | None = None
         self.intake: RequestIntake | None = None
         self.model_info: ModelInfo | None = None
@@ -285,7 +286,7 @@ class SchedulerServer:
         return AbortDone(tag=message.tag, request_id=message.request_id)
 
     def _stream(self, update: StepUpdate) -> None:
-        unreachable, stopped = stream_update(self.front, self.tokenizer, update)
+        unreachable, stopped = stream_update(self.front, self.tokenizer, update, self.quiet)
         for request_id in stopped:
             self.scheduler.abort(request_id, FinishReason.STOP)
         for client in unreachable:

@@ -1,6 +1,10 @@
 """Streaming results: after each step every client gets one frame holding the new tokens
-(and text) of all its requests."""
+(and text) of all its requests; a request sent with stream=False, its whole output in one delta
+when it ends."""
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from spmd_runtime.protocol.messages import Outputs, RequestDelta
 from spmd_runtime.scheduler_proc.finishing import FinishRules
@@ -9,18 +13,49 @@ from spmd_runtime.scheduler_proc.scheduler import StepUpdate
 from spmd_runtime.scheduler_proc.served_tokenizer import ServedTokenizer
 
 
-def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
-                  update: StepUpdate) -> tuple[list[bytes], list[int]]:
-    """Send what the update's requests produced since they were last streamed; returns the
+class QuietClients:
+    """Clients waiting on requests that send nothing until they end (stream=False): each gets an
+    empty frame at most every CHECK_S, so that one gone is noticed (the send fails) while its
+    requests still run, and the client hears the engine alive."""
+
+    CHECK_S = 0.5
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._quiet_since: dict[bytes, float] = {}   # last frame to each quiet client
+
+    def heard(self, client: bytes) -> None:
+        """The client got a frame: its quiet time starts over."""
+        self._quiet_since.pop(client, None)
+
+    def check(self, front: RpcFront, clients: set[bytes]) -> list[bytes]:
+        """Send the empty frame to those of `clients` quiet for CHECK_S; the ones gone."""
+        now, gone = self._clock(), []
+        for client in clients:
+            if now - self._quiet_since.setdefault(client, now) >= self.CHECK_S:
+                self._quiet_since[client] = now
+                if not front.reply(client, Outputs(deltas=[])):
+                    gone.append(client)
+        return gone
+
+
+def stream_update(front: RpcFront, tokenizer: ServedTokenizer, update: StepUpdate,
+                  quiet: QuietClients | None = None) -> tuple[list[bytes], list[int]]:
+    """Send what the update's requests produced since they were last streamed (a request with
+    stream=False: only once it ends, its quiet client checked on by `quiet`); returns the
     clients that could not be reached (gone, or not reading), and the requests whose text
     reached a stop string: they are reported finished ("stop") and should end now."""
     stopped: list[int] = []
     by_client: dict[bytes, list[RequestDelta]] = {}
     seen: set[int] = set()
+    waiting: set[bytes] = set()
     for request in update.progressed + update.finished:
         if request.request_id in seen:
             continue
         seen.add(request.request_id)
+        if not request.stream and request.finish_reason is None:
+            waiting.add(request.client)
+            continue
         first = request.num_tokens_streamed == 0
         new_tokens = request.output_token_ids[request.num_tokens_streamed:]
         logprobs = request.output_logprobs[request.num_tokens_streamed:] \
@@ -43,6 +78,10 @@ def stream_update(front: RpcFront, tokenizer: ServedTokenizer,
                          is not None else None))
     unreachable = [client for client, deltas in by_client.items()
                    if not front.reply(client, Outputs(deltas=deltas))]
+    if quiet is not None:
+        for client in by_client:
+            quiet.heard(client)
+        unreachable += quiet.check(front, waiting - by_client.keys())
     return unreachable, stopped
 
 

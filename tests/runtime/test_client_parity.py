@@ -184,3 +184,35 @@ def assert_idle(llm: LLM) -> None:
     stats = wait_idle(llm.client)
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@pytest.mark.timeout(300)
+def test_generate_gets_each_output_in_one_frame_and_stream_a_frame_a_token(llm) -> None:
+    """What both faces build on: generate()'s requests (stream=False) get their whole output in
+    one delta when they end; a streamed request a delta per step."""
+    import msgspec
+    from raw_socket import RawSocket
+    from spmd_runtime.protocol.messages import AddRequest, Outputs, RequestAccepted
+    from spmd_runtime.runtime.client_core import add_request
+
+    assert add_request(1, PROMPTS[0], GREEDY).stream
+    with Client(llm.config.rpc_address) as client:
+        assert not any(r.stream for r in client._batch_requests(PROMPTS, GREEDY, 0, None, False))
+    raw = RawSocket(llm.config.rpc_address)
+    try:
+        for stream in (False, True):
+            raw.send(msgspec.msgpack.encode(AddRequest(tag=1, prompt_token_ids=PROMPTS[2],
+                                                       params=GREEDY, stream=stream)))
+            assert isinstance(raw.recv(), RequestAccepted)
+            frames = []
+            while not frames or frames[-1].deltas[-1].finish_reason is None:
+                frame = raw.recv()
+                assert isinstance(frame, Outputs)
+                if frame.deltas:            # empty ones: the quiet client checked on
+                    frames.append(frame)
+            tokens = [t for f in frames for d in f.deltas for t in d.token_ids]
+            assert len(tokens) == GREEDY.max_tokens
+            assert len(frames) == (GREEDY.max_tokens if stream else 1)
+    finally:
+        raw.close()
+    assert_idle(llm)
