@@ -237,13 +237,14 @@ class LlamaForCausalLM(nn.Module):
         # stay the same objects: built once per row count (~0.3 ms a step at SmolLM2's 30
         # layers), again where a projection was swapped (quantized or packed) since.
         marks = (self.layers[0].self_attn.qkv_proj, self.layers[-1].mlp.down_proj)
-        cache = self.__dict__.setdefault("_decode_weights_by_rows", {})
-        held = cache.get(num_tokens)
-        if held is None or held[0][0] is not marks[0] or held[0][1] is not marks[1]:
-            if len(cache) > 1024:
-                cache.clear()
-            held = cache[num_tokens] = (marks, self._decode_layer_weights(num_tokens))
-        return held[1]
+        held = self.__dict__.get("_decode_weights_by_rows")
+        if held is None or held[0][0] is not marks[0] or held[0][1] is not marks[1] \
+                or len(held[1]) > 1024:     # (a swap: no list of the old weights kept)
+            held = self.__dict__["_decode_weights_by_rows"] = (marks, {})
+        lists = held[1]
+        if num_tokens not in lists:
+            lists[num_tokens] = self._decode_layer_weights(num_tokens)
+        return lists[num_tokens]
 
     def _decode_layer_weights(self, num_tokens: int) -> list[torch.Tensor] | None:
         """fused_decode_weights' list at `num_tokens` rows, the batch aside."""
