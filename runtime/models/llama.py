@@ -235,7 +235,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         # The list depends on the row count alone (decode_layers_slots) while the projections
         # stay the same objects: built once per row count (~0.3 ms a step at SmolLM2's 30
-        # layers), again where a projection was swapped (quantized or packed) since.
+        # layers), all again once the first layer's QKV or the last layer's down projection is
+        # another object (quantizing or packing swaps every projection, those two included).
         marks = (self.layers[0].self_attn.qkv_proj, self.layers[-1].mlp.down_proj)
         held = self.__dict__.get("_decode_weights_by_rows")
         if held is None or held[0][0] is not marks[0] or held[0][1] is not marks[1] \
