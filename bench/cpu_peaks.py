@@ -1,4 +1,5 @@
-"""What one core of this CPU can issue: clock, dot-product rates, and which ops share their pipes.
+"""What one core of this CPU can issue: clock, dot-product rates, which ops share their pipes; and
+the memory's read bandwidth.
 
 The int8 products (runtime/layers/cpu_group_quant_int8.h) and the bf16 ones are judged against
 these rates, so they are measured here, not assumed. Each figure comes from a loop of 16-24
@@ -11,6 +12,9 @@ The mixed loops put one other instruction beside every two VPDPBUSD: where VPDPB
 that instruction takes the same pipes. An int8 tile folds each block's integer sums into float32
 (a conversion, a multiply and one or two FMAs per 8 VPDPBUSD), so which of those share the pipes
 bounds the tile below the VPDPBUSD rate.
+
+The read bandwidth (one thread, then one a core) is what memory-bound work is held to: a decode
+step's attention reads every running request's keys and values.
 
     python bench/cpu_peaks.py                 # needs a C compiler and AVX512-VNNI/BF16
     python bench/cpu_peaks.py --iterations 5000000
@@ -71,6 +75,46 @@ def c_source() -> str:
             + "".join(loops) + "  return (int)(x & 1) * 0;\n}\n")
 
 
+BANDWIDTH_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+                          return t.tv_sec + t.tv_nsec * 1e-9; }
+int main(int argc, char** argv) {
+  size_t n = (size_t)atol(argv[1]) << 20;
+  char* p = aligned_alloc(1 << 21, n);
+  for (size_t i = 0; i < n; i += 4096) p[i] = 1;
+  for (int threads = 1; threads <= omp_get_max_threads(); threads += omp_get_max_threads() - 1) {
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+      double t = now();
+      long long total = 0;
+      #pragma omp parallel num_threads(threads) reduction(+ : total)
+      {
+        size_t part = n / threads;
+        const char* q = p + omp_get_thread_num() * part;
+        __m512i acc = _mm512_setzero_si512();
+        for (size_t i = 0; i + 256 <= part; i += 256)
+          acc = _mm512_add_epi64(_mm512_add_epi64(acc, _mm512_load_si512(q + i)),
+                _mm512_add_epi64(_mm512_add_epi64(_mm512_load_si512(q + i + 64),
+                _mm512_load_si512(q + i + 128)), _mm512_load_si512(q + i + 192)));
+        total += _mm512_reduce_add_epi64(acc);
+      }
+      double rate = n / (now() - t) / 1e9;
+      if (rate > best) best = rate;
+      if (total == 42) puts("");
+    }
+    printf("read-%d %.4f\n", threads, best);
+    if (omp_get_max_threads() == 1) break;
+  }
+  return 0;
+}
+"""
+
+
 def cpu_has(*flags: str) -> bool:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -80,20 +124,28 @@ def cpu_has(*flags: str) -> bool:
     return all(flag in words for flag in flags)
 
 
-def measure(iterations: int) -> dict[str, float]:
-    """Compile and run the program once; its figures by name (G a second; the clock in GHz)."""
+def _compile_and_run(source: str, argument: int, flags: list[str]) -> dict[str, float]:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH: set CC")
     with tempfile.TemporaryDirectory(prefix="cpu-peaks-") as tmp:
-        source, program = Path(tmp) / "peaks.c", Path(tmp) / "peaks"
-        source.write_text(c_source())
-        subprocess.run([compiler, "-O2", "-march=native", str(source), "-o", str(program)],
+        path, program = Path(tmp) / "peaks.c", Path(tmp) / "peaks"
+        path.write_text(source)
+        subprocess.run([compiler, "-O2", "-march=native", *flags, str(path), "-o", str(program)],
                        check=True)
-        out = subprocess.run([str(program), str(iterations)], check=True, capture_output=True,
+        out = subprocess.run([str(program), str(argument)], check=True, capture_output=True,
                              text=True).stdout
     return {name: float(value) for name, value in (line.rsplit(" ", 1)
-                                                  for line in out.splitlines())}
+                                                  for line in out.splitlines() if line)}
+
+
+def measure(iterations: int, bandwidth_mib: int = 512) -> dict[str, float]:
+    """Compile and run the programs; their figures by name (G a second; the clock in GHz; the
+    read bandwidth in GB/s over a buffer of bandwidth_mib MiB, 0 for none)."""
+    rates = _compile_and_run(c_source(), iterations, [])
+    if bandwidth_mib:
+        rates |= _compile_and_run(BANDWIDTH_SOURCE, bandwidth_mib, ["-fopenmp"])
+    return rates
 
 
 def report(rates: dict[str, float], cores: int) -> str:
@@ -108,19 +160,24 @@ def report(rates: dict[str, float], cores: int) -> str:
     for label, _ in BESIDE:
         rate = rates[f"vpdpbusd+{label}"]
         lines.append(f"  beside {label:<22} {rate / clock:4.2f} VPDPBUSD a cycle")
+    for name in sorted(n for n in rates if n.startswith("read-")):
+        threads = int(name.split("-")[1])
+        lines.append(f"memory read, {threads} thread{'s' * (threads > 1)}: {rates[name]:.1f} GB/s")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=50_000_000,
-                        help="loop trips per figure (default 50,000,000: ~6 s in all)")
+                        help="loop trips per figure (default 50,000,000: ~1 s in all)")
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="buffer the read bandwidth is measured over (0: skip it)")
     args = parser.parse_args(argv)
     if not cpu_has("avx512_vnni", "avx512_bf16"):
         print("cpu_peaks: this CPU lacks AVX512-VNNI or AVX512-BF16; nothing to measure")
         return 0
     cores = len(os.sched_getaffinity(0))
-    print(report(measure(args.iterations), cores))
+    print(report(measure(args.iterations, args.bandwidth_mib), cores))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""bench/cpu_peaks.py: its generated program builds and reports every figure it promises, each a
+"""bench/cpu_peaks.py: its generated programs build and report every figure they promise, each a
 rate a core could plausibly issue (no figure is asserted against a timing)."""
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_program_has_independent_chains():
 def test_report_names_every_figure():
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this machine")
-    run = subprocess.run([sys.executable, str(SCRIPT), "--iterations", "2000000"],
+    run = subprocess.run([sys.executable, str(SCRIPT), "--iterations", "2000000",
+                          "--bandwidth-mib", "64"],
                          capture_output=True, text=True, timeout=120, check=True)
     if not _module().cpu_has("avx512_vnni", "avx512_bf16"):
         assert "nothing to measure" in run.stdout
@@ -46,3 +47,5 @@ def test_report_names_every_figure():
     assert [label for label, _ in beside] == [label for label, _ in _module().BESIDE]
     for rate in [*per_cycle.values(), *(rate for _, rate in beside)]:
         assert 0.1 < float(rate) < 8
+    reads = re.findall(r"^memory read, (\d+) threads?: ([\d.]+) GB/s", run.stdout, re.M)
+    assert reads and reads[0][0] == "1" and all(float(rate) > 0 for _, rate in reads)
