@@ -72,7 +72,7 @@ def c_source() -> str:
             "  t = now();\n  for (long i = 0; i < 4 * n; i++) { __asm__ volatile("
             '"add $1, %0\\n\\tadd $1, %0\\n\\tadd $1, %0\\n\\tadd $1, %0" : "+r"(x)); }\n'
             '  dt = now() - t;\n  printf("clock %.4f\\n", 16.0 * n / dt / 1e9);\n'
-            + "".join(loops) + "  return (int)(x & 1) * 0;\n}\n")
+            + "".join(loops) + "  (void)x;\n  return 0;\n}\n")
 
 
 BANDWIDTH_SOURCE = r"""
@@ -85,7 +85,8 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
                           return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char** argv) {
   size_t n = (size_t)atol(argv[1]) << 20;
-  char* p = aligned_alloc(1 << 21, n);
+  char* p = aligned_alloc(4096, n);   /* n: whole MiB, so a multiple of the alignment */
+  if (p == NULL) { fprintf(stderr, "cannot allocate %zu bytes\n", n); return 1; }
   for (size_t i = 0; i < n; i += 4096) p[i] = 1;
   for (int threads = 1; threads <= omp_get_max_threads(); threads += omp_get_max_threads() - 1) {
     double best = 0;
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-mib", type=int, default=512,
                         help="buffer the read bandwidth is measured over (0: skip it)")
     args = parser.parse_args(argv)
+    if args.iterations < 1 or args.bandwidth_mib < 0:
+        parser.error("--iterations must be >= 1 and --bandwidth-mib >= 0")
     if not cpu_has("avx512_vnni", "avx512_bf16"):
         print("cpu_peaks: this CPU lacks AVX512-VNNI or AVX512-BF16; nothing to measure")
         return 0
