@@ -159,18 +159,63 @@ def test_the_greedy_head_gives_the_heads_first_largest_logit(tensor_type, dtype,
 
 
 @needs_int8_blocks
-def test_rows_that_are_not_finite_are_rescored_whole() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,features", [(16, 1), (16, 6), (17, 7), (31, 100), (32, 601),
+                                           (48, 13), (67, 250)])
+def test_the_q8_0_greedy_head_of_a_decode_batch_gives_the_exact_first_largest(dtype, rows,
+                                                                              features) -> None:
+    """int64 tokens: from 16 rows a Q8_0 greedy head takes the lane tiles (16 rows a register,
+    6 features a tile, the file's blocks read in place); its token is the exact logits' argmax
+    at partial row registers, partial tiles and tasks' edges, also with K = 576 (SmolLM2's),
+    and equal exact logits (two identical rows of weights, in different tiles and tasks, the
+    largest for most rows) give the lower feature, as argmax does."""
+    blocks, x, exact = case(GGML.Q8_0, dtype, rows, features, seed=rows + features)
+    kind = int(GGML.Q8_0)
+    tokens = torch.ops.spmd_cpu.gguf_int8_greedy_head(x, blocks, kind, 96,
+                                                      bounds_of(blocks, kind, 96))
+    assert torch.equal(tokens, exact.float().argmax(1))
+    # Inputs all positive: every block's codes sum to ~32 x 100, the term the shift of the
+    # weights' codes to unsigned bytes takes off the integer sums.
+    shifted = (x.float().abs() + 1).to(dtype)
+    exact_shifted = shifted.double() @ torch.from_numpy(exact_weights(blocks, GGML.Q8_0, 96)).t()
+    tokens = torch.ops.spmd_cpu.gguf_int8_greedy_head(shifted, blocks, kind, 96,
+                                                      bounds_of(blocks, kind, 96))
+    assert torch.equal(tokens, exact_shifted.float().argmax(1))
+    wide = blocks_of(GGML.Q8_0, features, 576, seed=features)
+    x_wide = rows_with_outliers(rows, 576, rows).to(dtype)
+    exact_wide = (x_wide.double() @ torch.from_numpy(exact_weights(wide, GGML.Q8_0, 576)).t())
+    tokens = torch.ops.spmd_cpu.gguf_int8_greedy_head(x_wide, wide, kind, 576,
+                                                      bounds_of(wide, kind, 576))
+    assert torch.equal(tokens, exact_wide.float().argmax(1))
+    if features >= 13:
+        common = rows_with_outliers(1, 96, 99)
+        x_tied = (x.float() + 4 * common).to(dtype)
+        tied = blocks.clone()
+        low, high = 3, features - 2
+        tied[low] = tied[high] = torch.from_numpy(
+            gguf.quants.quantize((3 * common.sign()).numpy(), GGML.Q8_0)[0])
+        exact_tied = (x_tied.double() @ torch.from_numpy(exact_weights(tied, GGML.Q8_0, 96)).t())
+        first = exact_tied.float().argmax(1)
+        assert (first == low).sum() >= rows // 2
+        tokens = torch.ops.spmd_cpu.gguf_int8_greedy_head(x_tied, tied, kind, 96,
+                                                          bounds_of(tied, kind, 96))
+        assert torch.equal(tokens, first)
+
+
+@needs_int8_blocks
+@pytest.mark.parametrize("rows", [5, 20])
+def test_rows_that_are_not_finite_are_rescored_whole(rows) -> None:
     """float32: a row holding inf or NaN gets exact logits throughout (no 8-bit bound holds for
     it) and the greedy head picks from them as greedy_tokens does; a zero row and the finite
-    rows are unaffected."""
-    blocks, x, exact = case(GGML.Q8_0, torch.float32, 5, 100)
+    rows are unaffected (5 rows: the panels; 20: the Q8_0 lane tiles)."""
+    blocks, x, exact = case(GGML.Q8_0, torch.float32, rows, 100)
     x[1, 3], x[2, 7], x[3] = float("inf"), float("nan"), 0.0
     kind = int(GGML.Q8_0)
     table = bounds_of(blocks, kind, 96)
     logits = torch.ops.spmd_cpu.gguf_int8_head(x, blocks, kind, 96, table)
     tokens = torch.ops.spmd_cpu.gguf_int8_greedy_head(x, blocks, kind, 96, table)
     assert torch.equal(tokens, torch.ops.spmd_cpu.greedy_tokens(logits))
-    for row in (0, 4):
+    for row in [0] + list(range(4, rows)):
         assert tokens[row] == exact[row].float().argmax()
     assert not logits[3].any() and tokens[3] == 0
     assert torch.isnan(logits[2]).all() and tokens[2] == 0
