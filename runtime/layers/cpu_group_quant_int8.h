@@ -12,11 +12,14 @@
 // 32 output features into [block][four inputs][feature] code words once per call, and every
 // row's tile of 6 rows x 32 features multiplies it: eight VPDPBUSD a block a register of
 // sums, then one conversion, one multiply and two FMAs fold it into float32 (1.48x the bf16
-// tile's multiply-adds a second, measured alone). Every row count takes the panels: with the
-// next panel fetched while this one unpacks, they beat a transposed form with the rows in the
-// vector lanes at 16-32 rows (removed; SmolLM2's four products from memory at 16 rows 152-154
-// against 225-230 us a layer, equal at 32). A product may also add a residual or finish a
-// gate/up projection's SiLU x up (Int8Out), from the tiles' sums parked per task (finish_rows).
+// tile's multiply-adds a second, measured alone). With the next panel fetched while this one
+// unpacks, the panels beat a first transposed form with the rows in the vector lanes at 16-32
+// rows (SmolLM2's four products from memory at 16 rows 152-154 against 225-230 us a layer,
+// equal at 32). The lane tiles below (q4_1_lane_product) fetch each tile's weights a block
+// ahead and take two registers of rows a broadcast: 17-32 rows against Q4_1 blocks take them
+// (SmolLM2's 120 decode products at 32 rows 7.1 against 8.0-8.6 ms; at 16, 48 and 64 rows the
+// panels were as fast or faster). A product may also add a residual or finish a gate/up
+// projection's SiLU x up (Int8Out), from the tiles' sums parked per task (finish_rows).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -63,6 +66,45 @@ void quantize_rows_int8(const E* x, int64_t M, int64_t K, Int8Rows& out) {
         out.sum[r * B + b] = step * static_cast<float>(total);
       }
   });
+}
+
+// x's rows with 16 rows in the lanes of a register (the lane tiles: Q4_1 products here, the
+// Q8_0 greedy head in cpu_int8_head.h): word p of a block's codes of rows 16 g .. 16 g + 15,
+// and per block the rows' steps, step x code sums, and -128 x code sums (the Q8_0 tiles' shift
+// of the weights' codes to unsigned bytes). Padding rows have zero codes and steps.
+struct LaneRows {
+  int64_t groups;                 // register rows of 16 (the last padded with zero codes)
+  std::vector<__m512i> codes;     // [group][block][word p]: lane r = row 16 g + r's codes 4p..4p+3
+  std::vector<__m512i> shift;     // [group][block]: lane r = -128 x the sum of that block's codes
+  std::vector<__m512> step;       // [group][block]: lane r = that block's step (0: padding)
+  std::vector<__m512> sum;        // [group][block]: lane r = its step x its codes' sum
+};
+
+inline void lane_rows(const Int8Rows& x, int64_t M, int64_t K, LaneRows& out) {
+  const int64_t B = K / kBlock;
+  out.groups = (M + 15) / 16;
+  out.codes.assign(out.groups * B * 8, _mm512_setzero_si512());
+  out.shift.assign(out.groups * B, _mm512_setzero_si512());
+  out.step.assign(out.groups * B, _mm512_setzero_ps());
+  out.sum.assign(out.groups * B, _mm512_setzero_ps());
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t g = r / 16, lane = r % 16;
+    for (int64_t b = 0; b < B; ++b) {
+      const int8_t* q = x.codes.data() + r * K + b * kBlock;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      // sum(q + 128) by SAD against zero, less 32 x 128.
+      const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(bytes, _mm256_set1_epi8(-128)),
+                                          _mm256_setzero_si256());
+      const int64_t total = _mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) +
+                            _mm256_extract_epi64(sad, 2) + _mm256_extract_epi64(sad, 3) - 4096;
+      int32_t* words = reinterpret_cast<int32_t*>(out.codes.data() + (g * B + b) * 8);
+      for (int p = 0; p < 8; ++p) std::memcpy(words + p * 16 + lane, q + 4 * p, 4);
+      reinterpret_cast<int32_t*>(out.shift.data() + g * B + b)[lane] =
+          static_cast<int32_t>(-128 * total);
+      reinterpret_cast<float*>(out.step.data() + g * B + b)[lane] = x.step[r * B + b];
+      reinterpret_cast<float*>(out.sum.data() + g * B + b)[lane] = x.sum[r * B + b];
+    }
+  }
 }
 
 // Block `s`'s 32 codes as unsigned bytes (Q8_0's signed ones shifted by 128), with its scale a
@@ -352,6 +394,107 @@ void finish_rows(const Int8Out<E>& o, int64_t M, int64_t f0, int64_t count, cons
   }
 }
 
+// Decode batches (kLaneProductFrom to kLaneProductTo rows) against Q4_1 blocks, 16 rows in a
+// register's lanes: each feature's code bytes are broadcast straight from the file's blocks,
+// their low and high nibbles (inputs 4j.. and 16 + 4j..) masked into two unsigned words, each
+// against RV registers of rows' words of x's codes, so no panel is unpacked. A block folds as
+// fold_block does, operation for operation, so every sum is the panels' bit for bit. Four
+// tiles of F = 4 features make 16, whose sums (16 features x 16 rows a register of rows) are
+// turned by one register transpose and stored a row at a time, with the residual added where
+// Int8Out has one.
+constexpr int kLaneTileFeatures = 4;
+constexpr int64_t kLaneProductFrom = 17, kLaneProductTo = 32;   // rows that take the lanes
+
+// Sums of F features from f0 (Q4_1 rows of row_bytes) for register rows g0 .. g0 + RV - 1.
+template <int RV>
+inline void q4_1_lane_tile(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int64_t B,
+                           const LaneRows& x, int64_t g0, __m512 out[kLaneTileFeatures][RV]) {
+  constexpr int64_t kBytes = 20;   // Q4_1: d and m (fp16), then 16 bytes of two nibbles
+  constexpr int F = kLaneTileFeatures;
+  __m512 acc[F][RV];
+  for (int f = 0; f < F; ++f)
+    for (int v = 0; v < RV; ++v) acc[f][v] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < B; ++b) {
+    // The next tile's rows a block ahead (F interleaved streams the hardware misses).
+    for (int f = 0; f < F; ++f)
+      _mm_prefetch(reinterpret_cast<const char*>(blocks + (f0 + F + f) * row_bytes + b * kBytes),
+                   _MM_HINT_T0);
+    __m512i sums[F][RV];
+    for (int f = 0; f < F; ++f)
+      for (int v = 0; v < RV; ++v) sums[f][v] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i low_rows[RV], high_rows[RV];
+      for (int v = 0; v < RV; ++v) {
+        low_rows[v] = x.codes[((g0 + v) * B + b) * 8 + j];
+        high_rows[v] = x.codes[((g0 + v) * B + b) * 8 + 4 + j];
+      }
+      for (int f = 0; f < F; ++f) {
+        int32_t word;
+        std::memcpy(&word, blocks + (f0 + f) * row_bytes + b * kBytes + 4 + 4 * j, 4);
+        const __m512i w = _mm512_set1_epi32(word);
+        const __m512i low = _mm512_and_si512(w, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(w, 4), nibble);
+        for (int v = 0; v < RV; ++v) {
+          sums[f][v] = _mm512_dpbusd_epi32(sums[f][v], low, low_rows[v]);
+          sums[f][v] = _mm512_dpbusd_epi32(sums[f][v], high, high_rows[v]);
+        }
+      }
+    }
+    for (int f = 0; f < F; ++f) {
+      const uint8_t* s = blocks + (f0 + f) * row_bytes + b * kBytes;
+      const __m512 d = _mm512_set1_ps(half_at(s)), m = _mm512_set1_ps(half_at(s + 2));
+      for (int v = 0; v < RV; ++v)
+        acc[f][v] = fold_block(acc[f][v], sums[f][v], x.step[(g0 + v) * B + b], d, m,
+                               x.sum[(g0 + v) * B + b]);
+    }
+  }
+  for (int f = 0; f < F; ++f)
+    for (int v = 0; v < RV; ++v) out[f][v] = acc[f][v];
+}
+
+// Register rows g0 .. g0 + RV - 1 against 16 features from f0, stored as Int8Out says.
+template <int RV, class E>
+inline void q4_1_lane_rows(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int64_t B,
+                           const LaneRows& x, int64_t g0, int64_t M, const Int8Out<E>& o) {
+  __m512 sums[16][RV];
+  for (int t = 0; t < 16 / kLaneTileFeatures; ++t)
+    q4_1_lane_tile<RV>(blocks, row_bytes, f0 + t * kLaneTileFeatures, B, x, g0,
+                       sums + t * kLaneTileFeatures);
+  for (int v = 0; v < RV; ++v) {
+    __m512i rows[16];   // rows[f]: feature f0 + f's sums of 16 rows; turned: rows[r], 16 features
+    for (int f = 0; f < 16; ++f) rows[f] = _mm512_castps_si512(sums[f][v]);
+    spmd_cpu::transpose_words(rows);
+    const int64_t r0 = (g0 + v) * 16;
+    for (int64_t r = 0; r < std::min<int64_t>(16, M - r0); ++r) {
+      E* dst = o.out + (r0 + r) * o.ldo + f0;
+      __m512 sum = _mm512_castsi512_ps(rows[r]);
+      if (o.residual != nullptr)
+        sum = _mm512_add_ps(round_to(dst, sum),
+                            load_first(o.residual + (r0 + r) * o.ldo + f0, 0xFFFF));
+      store_first(dst, sum, 0xFFFF);
+    }
+  }
+}
+
+// int8_blocks_product over Q4_1 blocks with the rows in the lanes (N a multiple of 16).
+template <class E>
+void q4_1_lane_product(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* blocks,
+                       int64_t row_bytes, int64_t N, const Int8Out<E>& o) {
+  LaneRows lanes;
+  lane_rows(x, M, K, lanes);
+  const int64_t B = K / kBlock;
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      int64_t g0 = 0;
+      for (; g0 + 2 <= lanes.groups; g0 += 2)
+        q4_1_lane_rows<2>(blocks, row_bytes, panel * 16, B, lanes, g0, M, o);
+      if (g0 < lanes.groups) q4_1_lane_rows<1>(blocks, row_bytes, panel * 16, B, lanes, g0, M, o);
+    }
+  });
+}
+
 // A thread's panels [begin, end) of int8_blocks_product: the plain product stores from its
 // tiles, the fused ones park the tiles' sums and finish them (finish_rows). Each form a function
 // of its own: in one, the compiler's inlining left the plain tiles 15-40% slower.
@@ -402,6 +545,8 @@ __attribute__((noinline)) void fused_panels(const Int8Rows& x, int64_t M, int64_
 template <int64_t KIND, class E>
 void int8_blocks_product(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* blocks,
                          int64_t row_bytes, int64_t N, const Int8Out<E>& o) {
+  if (KIND == kQ4_1 && o.up == 0 && M >= kLaneProductFrom && M <= kLaneProductTo && N % 16 == 0)
+    return q4_1_lane_product(x, M, K, blocks, row_bytes, N, o);
   const bool plain = o.residual == nullptr && o.up == 0;
   at::parallel_for(0, (N + kInt8Panel - 1) / kInt8Panel, 1, [&](int64_t begin, int64_t end) {
     if (plain) plain_panels<KIND>(x, M, K, blocks, row_bytes, N, o, begin, end);

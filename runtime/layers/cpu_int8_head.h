@@ -349,38 +349,6 @@ __attribute__((noinline)) void greedy_panels(const Int8Rows& x, int64_t M, int64
 // interleaved streams the hardware prefetcher missed); with it SmolLM2's greedy head took
 // 1.46-1.50 against 2.19-2.23 ms at 32 rows, 0.95 against 1.21 at 16 and 2.86-2.93 against
 // 3.26-3.54 at 64 (alternating builds, 2-core Zen 5).
-struct LaneRows {
-  int64_t groups;                 // register rows of 16 (the last padded with zero codes)
-  std::vector<__m512i> codes;     // [group][block][word p]: lane r = row 16 g + r's codes 4p..4p+3
-  std::vector<__m512i> shift;     // [group][block]: lane r = -128 x the sum of that block's codes
-  std::vector<__m512> step;       // [group][block]: lane r = that block's step (0: padding)
-};
-
-inline void lane_rows(const Int8Rows& x, int64_t M, int64_t K, LaneRows& out) {
-  const int64_t B = K / kBlock;
-  out.groups = (M + 15) / 16;
-  out.codes.assign(out.groups * B * 8, _mm512_setzero_si512());
-  out.shift.assign(out.groups * B, _mm512_setzero_si512());
-  out.step.assign(out.groups * B, _mm512_setzero_ps());
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t g = r / 16, lane = r % 16;
-    for (int64_t b = 0; b < B; ++b) {
-      const int8_t* q = x.codes.data() + r * K + b * kBlock;
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      // sum(q + 128) by SAD against zero, less 32 x 128.
-      const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(bytes, _mm256_set1_epi8(-128)),
-                                          _mm256_setzero_si256());
-      const int64_t total = _mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) +
-                            _mm256_extract_epi64(sad, 2) + _mm256_extract_epi64(sad, 3) - 4096;
-      int32_t* words = reinterpret_cast<int32_t*>(out.codes.data() + (g * B + b) * 8);
-      for (int p = 0; p < 8; ++p) std::memcpy(words + p * 16 + lane, q + 4 * p, 4);
-      reinterpret_cast<int32_t*>(out.shift.data() + g * B + b)[lane] =
-          static_cast<int32_t>(-128 * total);
-      reinterpret_cast<float*>(out.step.data() + g * B + b)[lane] = x.step[r * B + b];
-    }
-  }
-}
-
 // The 8-bit logits of F features from f0 for register rows g0 .. g0 + RV - 1: out[f][rv].
 template <int F, int RV>
 inline void lane_tile(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int64_t B,

@@ -121,6 +121,32 @@ def test_the_fused_8bit_products_are_the_product_then_silu_mul_or_the_add_to_the
 
 
 @needs_int8_blocks
+@pytest.mark.parametrize("rows", [17, 24, 31, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 96), (960, 576), (576, 1536)])
+def test_q4_1_decode_batches_in_the_lanes_are_the_panels_to_the_bit(rows, dtype, shape) -> None:
+    """float32 and bfloat16 (bit equality in that dtype): 17-32 rows against Q4_1 blocks (N a
+    multiple of 16) take the lane tiles (rows in the vector lanes, the file's blocks read in
+    place); their plain and residual products equal, bit for bit, the same rows taken 16 at a
+    time, which take the panels (a partial register of rows included). SmolLM2's shapes too."""
+    ops = torch.ops.spmd_cpu
+    out_features, in_features = shape
+    kind = int(GGML.Q4_1)
+    blocks = blocks_of(GGML.Q4_1, out_features, in_features, seed=rows)
+    generator = torch.Generator().manual_seed(out_features + rows)
+    x = (torch.randn(rows, in_features, generator=generator) *
+         torch.logspace(-2, 1, in_features)).to(dtype)
+    residual = torch.randn(rows, out_features, generator=generator).to(dtype)
+    chunks = range(0, rows, 16)
+    assert torch.equal(ops.gguf_int8_linear(x, blocks, kind, in_features), torch.cat(
+        [ops.gguf_int8_linear(x[i:i + 16], blocks, kind, in_features) for i in chunks]))
+    assert torch.equal(
+        ops.gguf_int8_residual_linear(x, blocks, kind, in_features, residual),
+        torch.cat([ops.gguf_int8_residual_linear(x[i:i + 16], blocks, kind, in_features,
+                                                 residual[i:i + 16]) for i in chunks]))
+
+
+@needs_int8_blocks
 def test_the_fused_8bit_products_refuse_bad_inputs_naming_them() -> None:
     ops = torch.ops.spmd_cpu
     q41 = int(GGML.Q4_1)
