@@ -349,6 +349,7 @@ __attribute__((noinline)) void greedy_panels(const Int8Rows& x, int64_t M, int64
 // interleaved streams the hardware prefetcher missed); with it SmolLM2's greedy head took
 // 1.46-1.50 against 2.19-2.23 ms at 32 rows, 0.95 against 1.21 at 16 and 2.86-2.93 against
 // 3.26-3.54 at 64 (alternating builds, 2-core Zen 5).
+
 // The 8-bit logits of F features from f0 for register rows g0 .. g0 + RV - 1: out[f][rv].
 template <int F, int RV>
 inline void lane_tile(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int64_t B,
