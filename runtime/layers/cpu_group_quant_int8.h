@@ -405,6 +405,15 @@ void finish_rows(const Int8Out<E>& o, int64_t M, int64_t f0, int64_t count, cons
 constexpr int kLaneTileFeatures = 4;
 constexpr int64_t kLaneProductFrom = 17, kLaneProductTo = 32;   // rows that take the lanes
 
+// A lane tile's next tile: the rows of features f0 .. f0 + F - 1, from byte `at` of each, asked
+// for a block ahead of where they are read (F interleaved streams, which the hardware
+// prefetcher does not follow: without it the tiles ran ~20% slower than the panels).
+template <int F>
+inline void prefetch_tile_rows(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int64_t at) {
+  for (int f = 0; f < F; ++f)
+    _mm_prefetch(reinterpret_cast<const char*>(blocks + (f0 + f) * row_bytes + at), _MM_HINT_T0);
+}
+
 // Sums of F features from f0 (Q4_1 rows of row_bytes) for register rows g0 .. g0 + RV - 1.
 template <int RV>
 inline void q4_1_lane_tile(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int64_t B,
@@ -416,10 +425,7 @@ inline void q4_1_lane_tile(const uint8_t* blocks, int64_t row_bytes, int64_t f0,
     for (int v = 0; v < RV; ++v) acc[f][v] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < B; ++b) {
-    // The next tile's rows a block ahead (F interleaved streams the hardware misses).
-    for (int f = 0; f < F; ++f)
-      _mm_prefetch(reinterpret_cast<const char*>(blocks + (f0 + F + f) * row_bytes + b * kBytes),
-                   _MM_HINT_T0);
+    prefetch_tile_rows<F>(blocks, row_bytes, f0 + F, b * kBytes);
     __m512i sums[F][RV];
     for (int f = 0; f < F; ++f)
       for (int v = 0; v < RV; ++v) sums[f][v] = _mm512_setzero_si512();

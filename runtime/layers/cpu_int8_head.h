@@ -269,8 +269,23 @@ struct GreedyRow {
   std::vector<std::pair<int64_t, float>> near;   // (feature, 8-bit logit) kept
 };
 
-// Lanes `hit` of a tile row's sums (features f0 ..) kept, the bests among them bounded; a
-// higher floor raises the row's reach that every task reads (`shared`).
+// Feature v's 8-bit logit L kept for a row; a new best is bounded, and a higher floor raises
+// the row's reach that every task reads (`shared`).
+inline void keep_one(GreedyRow& g, int64_t v, float L, const float* table, const float* step,
+                     int64_t B, std::atomic<float>& shared) {
+  g.near.emplace_back(v, L);
+  if (L > g.best) {
+    g.best = L;
+    g.floor = std::max(g.floor, L - feature_bound(table + v * B, step, B));
+    g.reach = lowered(g.floor);
+    float seen = shared.load(std::memory_order_relaxed);
+    while (g.reach > seen &&
+           !shared.compare_exchange_weak(seen, g.reach, std::memory_order_relaxed)) {
+    }
+  }
+}
+
+// Lanes `hit` of a tile row's sums (features f0 ..) kept (keep_one).
 __attribute__((noinline, cold)) inline void keep_hits(GreedyRow& g, int64_t f0, __m512 v0,
                                                      __m512 v1, uint32_t hit, const float* table,
                                                      const float* step, int64_t B,
@@ -280,16 +295,7 @@ __attribute__((noinline, cold)) inline void keep_hits(GreedyRow& g, int64_t f0, 
   _mm512_store_ps(sums + 16, v1);
   for (; hit; hit &= hit - 1) {
     const int lane = __builtin_ctz(hit);
-    const float L = sums[lane];
-    g.near.emplace_back(f0 + lane, L);
-    if (L > g.best) {
-      g.best = L;
-      g.floor = std::max(g.floor, L - feature_bound(table + (f0 + lane) * B, step, B));
-      g.reach = lowered(g.floor);
-    }
-  }
-  float seen = shared.load(std::memory_order_relaxed);
-  while (g.reach > seen && !shared.compare_exchange_weak(seen, g.reach, std::memory_order_relaxed)) {
+    keep_one(g, f0 + lane, sums[lane], table, step, B, shared);
   }
 }
 
@@ -360,11 +366,7 @@ inline void lane_tile(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int6
     for (int v = 0; v < RV; ++v) acc[f][v] = _mm512_setzero_ps();
   const __m512i to_unsigned = _mm512_set1_epi8(-128);
   for (int64_t b = 0; b < B; ++b) {
-    // The next tile's rows, a block's bytes ahead of where this tile reads them: F streams
-    // interleaved, which the hardware prefetcher does not follow.
-    for (int f = 0; f < F; ++f)
-      _mm_prefetch(reinterpret_cast<const char*>(blocks + (f0 + F + f) * row_bytes + b * kBytes),
-                   _MM_HINT_T0);
+    prefetch_tile_rows<F>(blocks, row_bytes, f0 + F, b * kBytes);
     __m512i sums[F][RV];
     for (int v = 0; v < RV; ++v) {
       const __m512i shift = x.shift[(g0 + v) * B + b];
@@ -391,21 +393,6 @@ inline void lane_tile(const uint8_t* blocks, int64_t row_bytes, int64_t f0, int6
   }
   for (int f = 0; f < F; ++f)
     for (int v = 0; v < RV; ++v) out[f][v] = acc[f][v];
-}
-
-// Feature v's 8-bit logit L for a row kept (greedy_panels' keep_hits, one lane).
-inline void keep_one(GreedyRow& g, int64_t v, float L, const float* table, const float* step,
-                     int64_t B, std::atomic<float>& shared) {
-  g.near.emplace_back(v, L);
-  if (L > g.best) {
-    g.best = L;
-    g.floor = std::max(g.floor, L - feature_bound(table + v * B, step, B));
-    g.reach = lowered(g.floor);
-    float seen = shared.load(std::memory_order_relaxed);
-    while (g.reach > seen &&
-           !shared.compare_exchange_weak(seen, g.reach, std::memory_order_relaxed)) {
-    }
-  }
 }
 
 constexpr int kLaneFeatures = 6;   // features a lane tile holds (6 x 2 registers of rows)
@@ -543,24 +530,22 @@ void int8_greedy_head(const E* x, int64_t M, int64_t K, int64_t kind, const uint
   with_kind(kind, [&](auto k) {
     constexpr int64_t KIND = decltype(k)::value;
     if constexpr (block_format(KIND).weights == kBlock) {
-      if (KIND == kQ8_0 && M >= kLaneRowsFrom) {
-        LaneRows lanes;
-        lane_rows(rows, M, K, lanes);
-        const int64_t tiles = (N + kLaneFeatures - 1) / kLaneFeatures;
-        at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t t = begin; t < end; ++t)
+      // A task's share of the Q8_0 lane tiles (decode batches) or of the panels.
+      const bool in_lanes = KIND == kQ8_0 && M >= kLaneRowsFrom;
+      LaneRows lanes;
+      if (in_lanes) lane_rows(rows, M, K, lanes);
+      const int64_t units = in_lanes ? (N + kLaneFeatures - 1) / kLaneFeatures : panels;
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t first = units * t / tasks, last = units * (t + 1) / tasks;
+          if (in_lanes)
             greedy_lane_tiles(rows, lanes, M, K, blocks, row_bytes, N, table, scale.data(),
-                              states[t].data(), reach.data(), tiles * t / tasks,
-                              tiles * (t + 1) / tasks);
-        });
-      } else {
-        at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t t = begin; t < end; ++t)
+                              states[t].data(), reach.data(), first, last);
+          else
             greedy_panels<KIND>(rows, M, K, blocks, row_bytes, N, table, scale.data(),
-                                states[t].data(), reach.data(), panels * t / tasks,
-                                panels * (t + 1) / tasks);
-        });
-      }
+                                states[t].data(), reach.data(), first, last);
+        }
+      });
       at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
         std::vector<double> xd(K);
         std::vector<GreedyRow*> parts(tasks);
