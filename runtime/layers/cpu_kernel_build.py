@@ -23,7 +23,8 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_attention.cpp", "cpu_quantization.cpp", "cpu_layers.cpp",
                                     "cpu_decode_layers.cpp", "cpu_prompt_layers.cpp",
                                     "cpu_prefill_attention.cpp",
-                                    "cpu_group_quant.cpp", "cpu_bf16_linear.cpp")]
+                                    "cpu_group_quant.cpp", "cpu_bf16_linear.cpp",
+                                    "cpu_bf16_panels.cpp")]
 # Every header beside the sources, so that a new one is never left out of the digest.
 HEADERS = sorted(HERE.glob("cpu_*.h"))
 LIBRARY = "libspmd_cpu_ops.so"

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "cpu_bf16_linear.h"
+#include "cpu_bf16_panels.h"
 #include "cpu_math.h"
 
 namespace spmd_cpu::layer_stack {
@@ -202,9 +203,11 @@ inline std::pair<int64_t, int64_t> gguf_shape(const char* who, at::TensorList we
 }
 
 // The slot holding a projection's [out, in] shape: a packed weight's stand-in (packed weights
-// are opaque), a plain bf16 weight itself.
+// are opaque; so are bf16 panels, int32 words), a plain bf16 weight itself.
 inline size_t shape_slot(at::TensorList weights, size_t index, at::ScalarType dtype) {
-  return dtype == at::kFloat || weights[index].is_mkldnn() ? index + 1 : index;
+  return dtype == at::kFloat || weights[index].is_mkldnn() || is_bf16_panels(weights[index])
+             ? index + 1
+             : index;
 }
 
 // A projection's rows (output features); 0 where its shape is not one.
@@ -234,6 +237,15 @@ inline void check_projection(const char* who, at::TensorList weights, size_t ind
               who, ": ", name, " is a ", shaped.scalar_type(), " ", shaped.sizes(),
               " tensor, a [", out, ", ", in, "] weight in x's dtype ", s.dtype, " expected");
   const Tensor& packed = weights[index];
+  if (is_bf16_panels(packed)) {   // bf16_panels_pack's words for the stand-in's shape
+    check_cpu_tensor(packed, who, slot_name(index).c_str());
+    TORCH_CHECK(s.dtype == at::kBFloat16 && packed.dim() == 2 && packed.size(0) * 32 == out &&
+                    packed.size(1) == in * 16,
+                who, ": ", slot_name(index), " is an int32 ", packed.sizes(), " tensor: the "
+                "bf16 panels of a [", out, ", ", in, "] weight are [", out / 32, ", ", in * 16,
+                "] and serve bfloat16 x only");
+    return;
+  }
   TORCH_CHECK(s.dtype != at::kFloat || (packed.is_mkldnn() && packed.scalar_type() == at::kFloat &&
                                         packed.numel() >= shaped.numel()),
               who, ": ", slot_name(index), " is not a float32 weight packed by ",
@@ -281,9 +293,9 @@ inline std::optional<std::pair<int64_t, int64_t>> int8_blocks(const Tensor* w) {
 
 // input [n, in] @ a projection's weight (its slot pair at w) as linear.py multiplies n rows:
 // GGUF blocks in either dtype; float32 weights otherwise MKL-packed (an opaque buffer) or
-// oneDNN-packed (shaped as the weight); bf16 ones oneDNN-packed or plain [out, in] tensors,
-// which linear.py gives the bf16 tiles at the row counts they take and oneDNN's linear
-// otherwise.
+// oneDNN-packed (shaped as the weight); bf16 ones packed as panels (cpu_bf16_panels.h), else
+// oneDNN-packed or plain [out, in] tensors, which linear.py gives the bf16 tiles at the row
+// counts they take and oneDNN's linear otherwise.
 inline Tensor project(const Tensor& input, const Tensor* w, int64_t n) {
   const Ops& f = ops();
   const bool plain = input.scalar_type() != at::kFloat;
@@ -295,6 +307,7 @@ inline Tensor project(const Tensor& input, const Tensor* w, int64_t n) {
     return plain ? f.gguf_bf16_linear.call(input.contiguous(), w[0], info[0], info[1], false)
                  : f.gguf_linear.call(input.contiguous(), w[0], info[0], info[1], 0);
   }
+  if (is_bf16_panels(w[0])) return bf16_panels_linear(input.contiguous(), w[0], w[1]);
   if (!plain && w[0].sizes() != w[1].sizes()) return f.linear.call(input, w[0], w[1], no_bias, n);
   if (w[0].is_mkldnn()) return onednn_linear(input, w[0]);
   if (bf16_linear_takes(n, w[0].size(1), w[0].size(0)))
@@ -378,6 +391,8 @@ inline Tensor finish_layer(const char* who, const Tensor& x, const Tensor& atten
   if (gate_up_int8 && n >= kInt8GatedFromRows && w[6].size(0) % 32 == 0) {
     activation = f.gguf_int8_silu_linear.call(normed.contiguous(), w[6], gate_up_int8->first,
                                               gate_up_int8->second);
+  } else if (is_bf16_panels(w[6])) {   // SiLU x up in the panels' epilogue, at any row count
+    activation = bf16_panels_silu_linear(normed.contiguous(), w[6], w[7]);
   } else if (e.silu_in_product) {
     const auto [kind, in] = epilogue_blocks(who, weights, base + 6);
     activation = f.gguf_bf16_silu_linear.call(normed.contiguous(), w[6], kind, in);
@@ -387,6 +402,8 @@ inline Tensor finish_layer(const char* who, const Tensor& x, const Tensor& atten
   if (const auto down_int8 = int8_blocks(w + 8))
     return f.gguf_int8_residual_linear.call(activation.contiguous(), w[8], down_int8->first,
                                             down_int8->second, residual.contiguous());
+  if (is_bf16_panels(w[8]))
+    return bf16_panels_residual_linear(activation.contiguous(), w[8], w[9], residual.contiguous());
   if (!e.residual_in_product) return residual.add_(project(activation, w + 8, n));
   const auto [kind, in] = epilogue_blocks(who, weights, base + 8);
   return f.gguf_bf16_residual_linear.call(activation.contiguous(), w[8], kind, in,

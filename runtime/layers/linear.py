@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from spmd_runtime.runtime import cpu_features
+from spmd_runtime.runtime.layers.bf16_panels import PanelWeight, panel_linear, panels_take
 from spmd_runtime.runtime.layers.group_quant import (
     GroupQuantWeight,
     decode_layers_blocks,
@@ -142,6 +143,8 @@ def decode_layers_slots(weight: object, rows: int) -> tuple[torch.Tensor, torch.
     and their type; None for any other form."""
     if isinstance(weight, PackedWeight):
         return weight.packed, weight.stand_in
+    if isinstance(weight, PanelWeight):
+        return weight.panels, weight.stand_in
     if isinstance(weight, GroupQuantWeight):
         return decode_layers_blocks(weight, rows)
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
@@ -171,7 +174,8 @@ def pack_linear_weights(model: nn.Module) -> int:
         weight = getattr(module, name)
         tied = module is model and name == "lm_head" and weight is model.embed_tokens
         if isinstance(weight, torch.Tensor) and not (tied and weight.dtype == torch.bfloat16):
-            swap_weight(module, name, PackedWeight.pack(weight))
+            swap_weight(module, name, PanelWeight.pack(weight) if panels_take(weight)
+                        else PackedWeight.pack(weight))
             count += 1
     return count
 
@@ -182,7 +186,7 @@ def weight_bytes(model: nn.Module) -> int:
     tensors = list(model.parameters())
     for module in model.modules():
         tensors += [t for value in vars(module).values()
-                    if isinstance(value, PackedWeight | Int8Weight | RescoredInt8Head
+                    if isinstance(value, PackedWeight | PanelWeight | Int8Weight | RescoredInt8Head
                                   | GroupQuantWeight | Int8BlocksHead)
                     for t in value.tensors()]
     return sum(t.numel() * t.element_size()
@@ -198,8 +202,8 @@ def weight_parameters(model: nn.Module) -> int:
         for name, value in [*module._parameters.items(), *vars(module).items()]:
             if tied and module is model and name == "lm_head":    # the embedding's parameters
                 continue
-            if isinstance(value, torch.Tensor | PackedWeight | Int8Weight | GroupQuantWeight
-                          | Int8BlocksHead):
+            if isinstance(value, torch.Tensor | PackedWeight | PanelWeight | Int8Weight
+                          | GroupQuantWeight | Int8BlocksHead):
                 key = _storage_key(value) if isinstance(value, torch.Tensor) else id(value)
                 weights[key] = value
     return sum(w.numel() if isinstance(w, torch.Tensor) else w.shape.numel()
@@ -217,8 +221,9 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return id(tensor)
 
 
-def logits_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | Int8Weight |
-                  RescoredInt8Head | GroupQuantWeight | Int8BlocksHead) -> torch.Tensor:
+def logits_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | PanelWeight |
+                  Int8Weight | RescoredInt8Head | GroupQuantWeight | Int8BlocksHead
+                  ) -> torch.Tensor:
     """The LM head's product: `linear`, but GGUF blocks give float32 logits whatever x's
     dtype. Rounded to bf16, logits of ~10-20 are 1/16-1/8 apart, so near-equal ones tie: int8
     over bf16 agreed with float32's top-1 on 96.54% of 24,434 positions, 97.39% with the bf16
@@ -231,8 +236,11 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | Int8Wei
 
 
 def linear(x: torch.Tensor,
-           weight: torch.Tensor | PackedWeight | Int8Weight | RescoredInt8Head | GroupQuantWeight,
+           weight: torch.Tensor | PackedWeight | PanelWeight | Int8Weight | RescoredInt8Head
+           | GroupQuantWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, PanelWeight):
+        return panel_linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
         return packed_linear(x, weight, bias)
     if isinstance(weight, Int8Weight):

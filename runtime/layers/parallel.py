@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from spmd_runtime.protocol.model_config import ModelConfig
+from spmd_runtime.runtime.layers.bf16_panels import panel_residual_product
 from spmd_runtime.runtime.layers.group_quant import Blocks, GroupQuantWeight, fused_bf16_part
 from spmd_runtime.runtime.layers.int8_blocks import int8_residual_product
 from spmd_runtime.runtime.layers.linear import linear
@@ -166,10 +167,15 @@ def residual_row_parallel_linear(residual: torch.Tensor, x: torch.Tensor, weight
     rows times a weight's GGUF blocks take the fused bf16 kernel, the residual is added in the
     product (spmd_cpu::gguf_bf16_residual_linear: the same bits as the add; past 48 rows in
     its tiles' epilogue, a 512-token prompt step's 30 separate adds ~2 ms on 2 Zen 5 cores);
-    so it is where they take 8-bit activations (int8_blocks.int8_residual_product)."""
+    so it is where they take 8-bit activations (int8_blocks.int8_residual_product) and for a
+    bf16 weight held as panels (bf16_panels.panel_residual_product)."""
     part = residual_in_product(residual, x, weight, tp)
     if part is None:
-        fused = int8_residual_product(residual, x, weight) if tp.size == 1 else None
+        fused = None
+        if tp.size == 1:
+            fused = panel_residual_product(residual, x, weight)
+            if fused is None:
+                fused = int8_residual_product(residual, x, weight)
         return residual + row_parallel_linear(x, weight, None, tp) if fused is None else fused
     return torch.ops.spmd_cpu.gguf_bf16_residual_linear(
         x.contiguous(), part.data, int(part.kind), weight.in_features, residual.contiguous())

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from spmd_runtime.runtime.layers.attention_backend import AttentionBackend
+from spmd_runtime.runtime.layers.bf16_panels import panel_silu_product
 from spmd_runtime.runtime.layers.group_quant import silu_gated_product
 from spmd_runtime.runtime.layers.linear import linear
 from spmd_runtime.runtime.layers.norm import rms_norm
@@ -93,9 +94,11 @@ def fused_mlp_inputs(x: torch.Tensor, attention_output: torch.Tensor, norm_weigh
                      intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """mlp_inputs with the residual add and the norm as one C++ pass, and SiLU x up as another
     (float32 or bfloat16 CPU), or in the gate/up product's tiles (GGUF blocks, a prompt's bf16
-    rows: group_quant.silu_gated_product)."""
+    rows: group_quant.silu_gated_product; bf16 panels, any rows: bf16_panels.panel_silu_product)."""
     x, normed = torch.ops.spmd_cpu.add_rms_norm(x, attention_output, norm_weight, eps)
-    activation = silu_gated_product(normed, gate_up_weight)
+    activation = panel_silu_product(normed, gate_up_weight)
+    if activation is None:
+        activation = silu_gated_product(normed, gate_up_weight)
     if activation is None:
         activation = torch.ops.spmd_cpu.silu_mul(linear(normed, gate_up_weight))
     return x, activation

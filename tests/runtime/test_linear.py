@@ -97,9 +97,12 @@ def test_bf16_packed_weight_gives_the_plain_weights_bits_at_decode_row_counts() 
 
 
 @pytest.mark.skipif(not BF16_PACKING, reason="oneDNN computes no bfloat16 on this CPU (no AVX-512)")
-def test_packing_a_bf16_model_keeps_its_logits_bits_and_its_bytes() -> None:
-    """bfloat16: the projections are packed, the tied head stays the embedding table (no copy),
-    the logits are the plain model's bits and the weights take the same bytes."""
+def test_packing_a_bf16_model_for_onednn_keeps_its_logits_bits_and_its_bytes(monkeypatch) -> None:
+    """bfloat16, oneDNN's layout (a CPU with AMX, or shapes the panels do not take): the
+    projections are packed, the tied head stays the embedding table (no copy), the logits are
+    the plain model's bits and the weights take the same bytes. (The panels' model:
+    test_bf16_panels.py.)"""
+    monkeypatch.setattr(linear_mod, "panels_take", lambda weight: False)
     model, config = tiny_tied_llama(torch.bfloat16)
     ids = torch.randint(0, 300, (20,)).tolist()
     plain_bytes = linear_mod.weight_bytes(model)
