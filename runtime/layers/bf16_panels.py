@@ -20,6 +20,14 @@ from spmd_runtime.runtime.layers import cpu_ops
 AMX = {"amx_bf16", "amx_tile"} <= cpu_features.detect().flags
 
 
+# Past this many in_features a panel (32 x in_features bf16) outgrows a quarter of a core's L2,
+# and a few-row product that reads it twice (a 12-row tile, then the rest) fell behind oneDNN:
+# a Llama-3.2-1B down projection (8192 in) at 16 rows took 1.18x its time; up to 2048 in the
+# panels were within 5% of it at every row count measured and 0.64-0.85x at 1-64 rows on
+# SmolLM2's shapes (docs/BENCHMARKS.md).
+PANELS_MAX_IN_FEATURES = 4096
+
+
 @functools.cache
 def _supported(in_features: int, out_features: int) -> bool:
     return cpu_ops.load() and bool(
@@ -28,11 +36,11 @@ def _supported(in_features: int, out_features: int) -> bool:
 
 def panels_take(weight: torch.Tensor, amx: bool | None = None) -> bool:
     """Whether this weight is held as panels: a 2-D bfloat16 CPU weight of a shape the library's
-    build takes (AVX512-BF16; in and out features multiples of 32), on a CPU without AMX
-    (`amx`: default, this CPU's)."""
+    build takes (AVX512-BF16; in and out features multiples of 32, at most
+    PANELS_MAX_IN_FEATURES in), on a CPU without AMX (`amx`: default, this CPU's)."""
     return not (AMX if amx is None else amx) and weight.dtype == torch.bfloat16 and \
         weight.device.type == "cpu" and weight.dim() == 2 and \
-        _supported(weight.shape[1], weight.shape[0])
+        weight.shape[1] <= PANELS_MAX_IN_FEATURES and _supported(weight.shape[1], weight.shape[0])
 
 
 @dataclass(frozen=True)

@@ -90,11 +90,15 @@ def test_packing_a_bf16_model_holds_panels_in_the_weights_bytes() -> None:
 
 
 def test_panels_leave_amx_cpus_other_dtypes_and_shapes_to_onednn() -> None:
+    """Which bf16 weights the panels hold; oneDNN keeps the rest."""
     weight = torch.randn(64, 64).bfloat16()
     assert bf16_panels.panels_take(weight, amx=False)
     assert not bf16_panels.panels_take(weight, amx=True)
     assert not bf16_panels.panels_take(weight.float(), amx=False)
     assert not bf16_panels.panels_take(torch.randn(70, 64).bfloat16(), amx=False)
+    wide = bf16_panels.PANELS_MAX_IN_FEATURES
+    assert bf16_panels.panels_take(torch.empty(32, wide, dtype=torch.bfloat16), amx=False)
+    assert not bf16_panels.panels_take(torch.empty(32, wide + 32, dtype=torch.bfloat16), amx=False)
 
 
 def _args():
