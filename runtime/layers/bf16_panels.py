@@ -1,10 +1,11 @@
 """bfloat16 projections held in the C++ library's own packed layout (cpu_bf16_panels.cpp): each
 [out, in] weight packed once at load into panels of 32 output features, its bytes once (no
 plain copy kept), multiplied by register tiles at every row count. On a CPU worker with
-AVX512-BF16 and no AMX it replaces oneDNN's prepacked bf16 weight, which it outran on SmolLM2's shapes on
-2 Zen 5 cores at every row count measured (0.71x oneDNN's time at 1 row, 0.80x at 32, 0.96x at
-512: docs/BENCHMARKS.md), and it takes the MLP's epilogues: SiLU x up in the gate/up product and
-the residual in the down projection's, the same bits as the separate passes.
+AVX512-BF16 and no AMX it replaces oneDNN's prepacked bf16 weight where it measured faster, on
+inputs of up to PANELS_MAX_IN_FEATURES (SmolLM2's shapes on 2 Zen 5 cores: 0.69-0.96x
+oneDNN's time at 1-32 rows, 0.98-1.02x at 512; bench/bf16_panels_ab.py, docs/BENCHMARKS.md),
+and it takes the MLP's epilogues: SiLU x up in the gate/up product and the residual in the
+down projection's, the same bits as the separate passes.
 """
 from __future__ import annotations
 
@@ -20,12 +21,11 @@ from spmd_runtime.runtime.layers import cpu_ops
 AMX = {"amx_bf16", "amx_tile"} <= cpu_features.detect().flags
 
 
-# Past this many in_features a panel (32 x in_features bf16) outgrows a quarter of a core's L2,
-# and a few-row product that reads it twice (a 12-row tile, then the rest) fell behind oneDNN:
-# a Llama-3.2-1B down projection (8192 in) at 16 rows took 1.18x its time; up to 2048 in the
-# panels were within 5% of it at every row count measured and 0.64-0.85x at 1-64 rows on
-# SmolLM2's shapes (docs/BENCHMARKS.md).
-PANELS_MAX_IN_FEATURES = 4096
+# The widest inputs measured faster on the panels (bench/bf16_panels_ab.py, 2 Zen 5 cores):
+# SmolLM2's 576 and 1536 at 0.69-0.95x oneDNN's time at 1-64 rows and 0.98-1.02x at 512, where
+# Llama-3.2-1B's 2048 (a panel of 128 KiB, past L1) gained only at one row (0.85-1.00x) and
+# took 1.02-1.08x at 16-512 rows, its 8192 (down projection) 1.18x at 16 rows.
+PANELS_MAX_IN_FEATURES = 1536
 
 
 @functools.cache

@@ -3,9 +3,9 @@
 // so that every row count, a decode row to a prompt's thousands, runs the register tiles of
 // 12 rows x 32 features (fewer rows: the same tiles, shorter) with float32 sums that never cross
 // lanes. oneDNN's prepacked bf16 product is opaque (no address to fetch ahead, no epilogue of
-// ours) and was the slower one on SmolLM2's four shapes on 2 Zen 5 cores, 30 layers' distinct
-// weights in turn (docs/BENCHMARKS.md): 0.71x its time at 1 row, 0.71x at 8, 0.80x at 32,
-// 0.86x at 64, 0.91x at 128, 0.96x at 512.
+// ours) and was the slower one on SmolLM2's four shapes on 2 Zen 5 cores at 1-32 rows, 24
+// layers' distinct weights in turn (bench/bf16_panels_ab.py): the panels took 0.69-0.96x its
+// time, 0.98-1.02x at 512 rows. Wider inputs stay with oneDNN (bf16_panels.py).
 //
 // Panel p holds output features 16p .. 16p + 15 and N/2 + 16p .. N/2 + 16p + 15 (its low and
 // high register): for a fused gate/up weight (gate rows first) a panel's two halves are a gate

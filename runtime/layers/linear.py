@@ -5,10 +5,12 @@ On an Intel CPU worker with MKL, float32 weights are packed once at load into MK
 oneDNN (64 rows: 330-420 GFLOP/s against 215-300), 2-4x at one row, and prefill chunks ~10%
 faster, in the same float32 arithmetic. On other CPUs MKL's sgemm was the slower one (2-3.3x
 oneDNN's time on an AMD Zen 5 VM), so float32 weights are packed for oneDNN there. bfloat16
-weights are packed once at load into oneDNN's layout for its linear primitive where oneDNN
-computes bf16 (PackedWeight too): the same bits as on the plain weight, which oneDNN would
-otherwise reorder on every call (on a 2-core AVX512-BF16 VM 1.3-1.8x faster at 1-32 rows,
-docs/BENCHMARKS.md). A plain bf16 weight (a tied LM head, which stays the embedding table)
+weights are packed once at load: on a CPU with AVX512-BF16 and no AMX into the C++ library's
+panels (bf16_panels.py PanelWeight: its own tiles at every row count, 0.69-0.96x oneDNN's time
+at 1-32 rows on SmolLM2's shapes), elsewhere into oneDNN's layout for its linear primitive
+where oneDNN computes bf16 (PackedWeight too): the same bits as on the plain weight, which
+oneDNN would otherwise reorder on every call (on a 2-core AVX512-BF16 VM 1.3-1.8x faster at 1-32
+rows, docs/BENCHMARKS.md). A plain bf16 weight (a tied LM head, which stays the embedding table)
 meets decode-sized inputs on the C++ library's AVX512-BF16 tiles where they run
 (plain_bf16.py). Otherwise (a torch without MKL, compiled layers, longer inputs on a plain
 bf16 weight) oneDNN's linear primitive on the plain weight, the one
@@ -154,7 +156,8 @@ def decode_layers_slots(weight: object, rows: int) -> tuple[torch.Tensor, torch.
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` on this device can be packed: float32 for MKL (Intel) or
-    oneDNN, bfloat16 for oneDNN where it computes bf16."""
+    oneDNN, bfloat16 for oneDNN where it computes bf16 (which every CPU with the panels' tiles
+    does: pack_linear_weights then picks the panels per weight)."""
     if device.type != "cpu":
         return False
     onednn = dtype in _ONEDNN_DTYPES and _onednn_linear is not None and hasattr(
