@@ -107,15 +107,12 @@ def engine(args: argparse.Namespace) -> None:
         execute((batch[first:first + 8], [], [], [], []))
     ids = [r.request_id for r in batch]
 
-    def use(name: str):
-        def run_with(body):
-            def run():
-                for i, (module, attr) in enumerate(slots):
-                    if i in forms[name]:
-                        swap_weight(module, attr, forms[name][i])
-                body()
-            return run
-        return run_with
+    def with_form(name: str, body):
+        def run() -> None:
+            for i, weight in forms[name].items():
+                swap_weight(*slots[i], weight)
+            body()
+        return run
 
     def decode() -> None:
         for _ in range(args.decode_steps):
@@ -125,7 +122,7 @@ def engine(args: argparse.Namespace) -> None:
         execute(([request(args.prompt)], [], [], [], []))
 
     for what, body, count in (("decode step", decode, args.decode_steps), ("prefill step", prefill, 1)):
-        medians = alternate({name: use(name)(body) for name in forms}, args.rounds)
+        medians = alternate({name: with_form(name, body) for name in forms}, args.rounds)
         print(f"{what} ({args.batch if body is decode else args.prompt} "
               f"{'requests' if body is decode else 'tokens'}): oneDNN "
               f"{medians['onednn'] / count * 1e3:.1f} ms, panels "

@@ -86,6 +86,22 @@ inline __m512 round_bf16(__m512 x) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
+// The bf16 epilogues of a tile's float32 sums, each the bits of its separate pass over the
+// product rounded to bf16: residual + product (torch's bf16 add; 16 residual values), and
+// SiLU(gate) * up (silu_mul's bf16 step) of 16 gate features' sums and their up features'.
+inline __m512 plus_rounded(__m512 sums, const bf16_bits* residual) {
+  return _mm512_add_ps(round_bf16(sums), vload_bf16(residual));
+}
+inline __m512 silu_mul_rounded(__m512 gate, __m512 up) {
+  return silu_mul_lanes(round_bf16(gate), round_bf16(up));
+}
+
+// A fused gate/up weight's panel p (gate rows first, `half` of each): its lane j < 16 holds
+// gate feature 16p + j, lane 16 + j that gate's up feature, `half` rows later.
+inline int64_t gated_panel_feature(int64_t p, int64_t j, int64_t half) {
+  return j < 16 ? 16 * p + j : half + 16 * p + (j - 16);
+}
+
 // Rows in the lanes, for 16 to kLanesMaxRows rows: the transpose of the tiles above, so the
 // weights need no packing. x is packed once per product as [pair of inputs][row] words (16 rows
 // a register, zero past the last row), and a tile of RV registers of rows x F output features

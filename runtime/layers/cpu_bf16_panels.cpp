@@ -31,11 +31,6 @@ using spmd_cpu::bf16_bits;
 
 constexpr int64_t kPanel = 32;   // output features of a panel
 
-// The output feature of panel p's lane j (j < 32) in a weight of N rows.
-inline int64_t panel_feature(int64_t p, int64_t j, int64_t N) {
-  return j < 16 ? 16 * p + j : N / 2 + 16 * p + (j - 16);
-}
-
 void check_shape(const char* op, int64_t out, int64_t in) {
   TORCH_CHECK(spmd_cpu::bf16_panels_supported(in, out), op, ": runs where the build has "
               "AVX512-BF16 and the weight's in_features and out_features are positive multiples "
@@ -99,7 +94,8 @@ at::Tensor pack(const at::Tensor& weight) {
     std::vector<bf16_bits> rows(kPanel * K);
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t j = 0; j < kPanel; ++j)
-        std::copy_n(src + panel_feature(p, j, N) * K, K, rows.data() + j * K);
+        std::copy_n(src + spmd_cpu::gated_panel_feature(p, j, N / 2) * K, K,
+                    rows.data() + j * K);
       spmd_cpu::pack_gemm_panel(rows.data(), K, dst + p * panels.size(1));
     }
   });
@@ -152,11 +148,9 @@ at::Tensor bf16_panels_residual_linear(const at::Tensor& x, const at::Tensor& pa
   auto* o = static_cast<bf16_bits*>(out.mutable_data_ptr());
   const auto* add = static_cast<const bf16_bits*>(residual.const_data_ptr());
   each_panel(x, panels, [&](int64_t r, int64_t p, __m512 low, __m512 high) {
-    const auto added = [&](int64_t at, __m512 sums) {
-      store_half(o + at, _mm512_add_ps(spmd_cpu::round_bf16(sums), spmd_cpu::vload_bf16(add + at)));
-    };
-    added(r * N + 16 * p, low);
-    added(r * N + N / 2 + 16 * p, high);
+    const int64_t at = r * N + 16 * p;
+    store_half(o + at, spmd_cpu::plus_rounded(low, add + at));
+    store_half(o + at + N / 2, spmd_cpu::plus_rounded(high, add + at + N / 2));
   });
 #endif
   return out;
@@ -170,9 +164,7 @@ at::Tensor bf16_panels_silu_linear(const at::Tensor& x, const at::Tensor& panels
 #if defined(__AVX512BF16__)
   auto* o = static_cast<bf16_bits*>(out.mutable_data_ptr());
   each_panel(x, panels, [&](int64_t r, int64_t p, __m512 gate, __m512 up) {
-    spmd_cpu::vstore_bf16(o + r * half + 16 * p,
-                          spmd_cpu::silu_mul_lanes(spmd_cpu::round_bf16(gate),
-                                                   spmd_cpu::round_bf16(up)));
+    spmd_cpu::vstore_bf16(o + r * half + 16 * p, spmd_cpu::silu_mul_rounded(gate, up));
   });
 #endif
   return out;

@@ -1015,8 +1015,8 @@ void bf16_product_into(const spmd_cpu::bf16_bits* xp, int64_t M, int64_t K, cons
             if (residual != nullptr) {   // the residual added in the tiles' epilogue
               spmd_cpu::gemm_panel_rows(xp, M, K, packed, [&](int64_t r, __m512 low, __m512 high) {
                 const spmd_cpu::bf16_bits* add = residual + r * N + n0;
-                low = _mm512_add_ps(spmd_cpu::round_bf16(low), spmd_cpu::vload_bf16(add));
-                high = _mm512_add_ps(spmd_cpu::round_bf16(high), spmd_cpu::vload_bf16(add + 16));
+                low = spmd_cpu::plus_rounded(low, add);
+                high = spmd_cpu::plus_rounded(high, add + 16);
                 _mm512_storeu_si512(o + r * N + n0, (__m512i)_mm512_cvtne2ps_pbh(high, low));
               });
               return;
@@ -1103,13 +1103,11 @@ at::Tensor gguf_bf16_silu_linear(const at::Tensor& x, const at::Tensor& blocks, 
   auto* o = static_cast<spmd_cpu::bf16_bits*>(out.mutable_data_ptr());
   dequantized_panels_of<spmd_cpu::kGemmPanel, spmd_cpu::bf16_bits, uint32_t>(
       kind, blocks.data_ptr<uint8_t>(), blocks.size(1), K, I / 16, spmd_cpu::kGemmPanel * K / 2,
-      [I](int64_t p, int64_t f) { return f < 16 ? 16 * p + f : I + 16 * p + f - 16; },
+      [I](int64_t p, int64_t f) { return spmd_cpu::gated_panel_feature(p, f, I); },
       [&](const spmd_cpu::bf16_bits* panel, int64_t p, uint32_t* packed) {
         spmd_cpu::pack_gemm_panel(panel, K, packed);
         spmd_cpu::gemm_panel_rows(xp, M, K, packed, [&](int64_t r, __m512 gate, __m512 up) {
-          spmd_cpu::vstore_bf16(o + r * I + 16 * p,
-                                spmd_cpu::silu_mul_lanes(spmd_cpu::round_bf16(gate),
-                                                         spmd_cpu::round_bf16(up)));
+          spmd_cpu::vstore_bf16(o + r * I + 16 * p, spmd_cpu::silu_mul_rounded(gate, up));
         });
       });
 #endif
