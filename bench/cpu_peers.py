@@ -16,9 +16,9 @@ median time of three 1-token generations, ITL (t(N) - TTFT) / (N - 1) with t(N) 
 of three N-token ones, each call with a prompt of its own so that no prefix cache helps.
 
 Ours: runtime.LLM("smollm2", dtype=--dtype, device="cpu", **options) per --ours config, its
-defaults otherwise (1024 batched tokens a step, prefix caching on). --dtype auto resolves as a
-worker does (bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere) and vLLM runs in that
-same dtype unless --peer-dtype says otherwise. vLLM: bench/vllm_peer.py in the venv of
+defaults otherwise (4096 batched tokens a step on CPU, prefix caching on). --dtype auto resolves
+as a worker does (bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere) and vLLM runs in
+that same dtype unless --peer-dtype says otherwise. vLLM: bench/vllm_peer.py in the venv of
 bench/setup_vllm_cpu.sh on the same weights dequantised to a float32 HF directory (cast to the
 dtype at load; its CPU defaults: 4096 batched tokens a step, prefix caching on); llama.cpp:
 bench/llamacpp_peer.py

@@ -29,7 +29,7 @@ import time
 
 from spmd_runtime.launch.bench import THROUGHPUT_WORKLOADS, ThroughputWorkload
 from spmd_runtime.protocol.buckets import PHASES, PhaseBuckets, default_ranges
-from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config import EngineConfig, with_step_budget
 from spmd_runtime.protocol.messages import StepResult, WorkerLoaded, scheduler_inbound_decoder
 from spmd_runtime.protocol.sampling import SamplingParams
 from spmd_runtime.protocol.step_shape import Phase
@@ -177,7 +177,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.workload is None:
         return decode_overhead(args)
-    config = EngineConfig(model="unused", block_size=args.block_size, **GPU_ENGINE)
+    config = with_step_budget(EngineConfig(model="unused", block_size=args.block_size, **GPU_ENGINE),
+                              "cuda")
     report = serve_workload(THROUGHPUT_WORKLOADS[args.workload], config,
                             gpu_buckets(config, args.buckets), args.step_ms)
     report["buckets"] = args.buckets

@@ -12,7 +12,7 @@ import logging
 import time
 
 from spmd_runtime.launch.bench import ThroughputReport
-from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config import EngineConfig, step_token_budget
 from spmd_runtime.runtime.cpu_features import resolve_dtype_name
 from spmd_runtime.runtime.loaders import load_model, resolve_model
 
@@ -112,7 +112,8 @@ def sdpa_held(hf_model, batching):
 def same_sizes(config: EngineConfig) -> dict:
     """run_transformers() options giving transformers our engine's step token budget and, where
     --num-kv-blocks sets it, our KV cache capacity in tokens."""
-    return {"max_batch_tokens": config.max_num_batched_tokens,
+    device = resolve_dtype_device(config.dtype, config.device)[1]
+    return {"max_batch_tokens": step_token_budget(config, device.type),
             "kv_tokens": config.num_kv_blocks * config.block_size or None}
 
 

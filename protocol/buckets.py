@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config import EngineConfig, step_token_budget
 from spmd_runtime.protocol.step_shape import Phase
 
 Bucket = tuple[int, int]        # (batch size, sequence or context length)
@@ -294,13 +294,13 @@ def engine_buckets(config: EngineConfig, max_model_len: int, device_type: str = 
     from tensors; the scheduler's, which every worker then warms up."""
     options = {Phase.PROMPT: {"bs": config.prompt_bs_bucket, "seq": config.prompt_seq_bucket},
                Phase.DECODE: {"bs": config.decode_bs_bucket, "seq": config.decode_seq_bucket}}
-    buckets = {}
+    buckets, budget = {}, step_token_budget(config, device_type)
     for phase in PHASES:
         if phase is Phase.PROMPT and packs_prompts(config, device_type):
             buckets[phase] = PhaseBuckets.packed_steps(phase)
             continue
         defaults = default_ranges(phase, max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_batched_tokens=budget,
                                   max_model_len=max_model_len, block_size=config.block_size,
                                   context_from_tensors=context_from_tensors,
                                   fine_batches=graphs_enabled(config, device_type))
@@ -308,6 +308,5 @@ def engine_buckets(config: EngineConfig, max_model_len: int, device_type: str = 
         if phase is Phase.DECODE and any(v % config.block_size for v in ranges["seq"].values()):
             raise ValueError(f"decode context buckets {ranges['seq'].values()} must be multiples "
                              f"of the KV block size {config.block_size}")
-        buckets[phase] = PhaseBuckets.generate(phase, ranges["bs"], ranges["seq"],
-                                               config.max_num_batched_tokens)
+        buckets[phase] = PhaseBuckets.generate(phase, ranges["bs"], ranges["seq"], budget)
     return buckets

@@ -122,6 +122,28 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
 OPTION_GROUPS: dict[str, tuple[str, ...]] = option_sections()
 
 
+# --max-num-batched-tokens 0 (auto) on CPU workers, and on any other device. A CPU step is
+# compute-bound from a few hundred prompt tokens on, so a larger budget costs a prompt-heavy
+# batch nothing per token; its requests then reach decoding together and decode in full
+# batches, where 1,024 spreads their decodes over more, weight-bound steps of fewer rows
+# (docs/BENCHMARKS.md: W4 in 22 steps instead of 35). vLLM's CPU backend defaults to 4,096 too.
+# On CUDA the prompt buckets and graphs are sized from the budget: 1,024 keeps them as they were.
+CPU_STEP_TOKENS, DEVICE_STEP_TOKENS = 4096, 1024
+
+
+def step_token_budget(config: EngineConfig, device_type: str) -> int:
+    """--max-num-batched-tokens, with 0 (auto) made concrete for the workers' device type."""
+    if config.max_num_batched_tokens:
+        return config.max_num_batched_tokens
+    return CPU_STEP_TOKENS if device_type == "cpu" else DEVICE_STEP_TOKENS
+
+
+def with_step_budget(config: EngineConfig, device_type: str) -> EngineConfig:
+    """The config with its step token budget concrete (step_token_budget)."""
+    return msgspec.structs.replace(
+        config, max_num_batched_tokens=step_token_budget(config, device_type))
+
+
 def engine_config_fields() -> list[tuple[str, type, object, str]]:
     """(name, type, default, description) of each field, for generating CLI flags."""
     info = msgspec.inspect.type_info(EngineConfig)

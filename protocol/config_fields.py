@@ -81,8 +81,9 @@ class SchedulingOptions(ParallelOptions, kw_only=True):
         "fifo: running decodes, then unfinished prefills, then waiting requests in arrival "
         "order; prefill_first: unfinished prefills before decodes"))] = "fifo"
     max_num_seqs: Annotated[int, Meta(ge=1, description="most requests running at once")] = 64
-    max_num_batched_tokens: Annotated[int, Meta(ge=1, description=(
-        "token budget of one step; longer prompts are prefilled in chunks"))] = 1024
+    max_num_batched_tokens: Annotated[int, Meta(ge=0, description=(
+        "token budget of one step; longer prompts are prefilled in chunks; 0 (auto): 4096 on "
+        "CPU workers, 1024 on CUDA"))] = 0
     max_model_len: Annotated[int, Meta(ge=0, description=(
         "longest prompt + output in tokens; 0 uses the model's context length"))] = 0
     step_pipelining: Annotated[Literal["auto", "off", "schedule_ahead", "overlap"], Meta(

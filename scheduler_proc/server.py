@@ -117,10 +117,10 @@ class SchedulerServer:
         self.thermal_sensor = ready[0].thermal_sensor
         freeze_long_lived()
         log.info("serving on %s (KV cache: %d blocks of %d tokens, swap space: %d blocks, "
-                 "max_model_len %d, scheduler %s)", self.front.address,
+                 "max_model_len %d, scheduler %s, %d tokens a step)", self.front.address,
                  self.scheduler.num_kv_blocks, self.config.block_size,
                  self.scheduler.num_cpu_blocks, self.model_info.max_model_len,
-                 self.config.scheduler)
+                 self.config.scheduler, self.scheduler.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ the step loop
 

@@ -3,7 +3,7 @@ warms up, the KV-cache pools and the scheduler sized to the smallest rank."""
 from __future__ import annotations
 
 from spmd_runtime.protocol.buckets import bucketing_enabled, engine_buckets
-from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config import EngineConfig, step_token_budget
 from spmd_runtime.protocol.messages import ModelInfo, WarmupPlan, WorkerLoaded, WorkerReady
 from spmd_runtime.scheduler_proc.kv_cache_manager import KVCacheManager
 from spmd_runtime.scheduler_proc.kv_groups import HybridKVCacheManager
@@ -54,7 +54,7 @@ def build_scheduler(config: EngineConfig, ready: dict[int, WorkerReady],
     if config.max_model_len:
         max_model_len = min(max_model_len, config.max_model_len)
     scheduler = Scheduler(
-        kv, max_num_batched_tokens=config.max_num_batched_tokens,
+        kv, max_num_batched_tokens=step_token_budget(config, first.device.split(":")[0]),
         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
         eos_token_ids=first.eos_token_ids, policy=config.scheduler,
         num_cpu_blocks=num_cpu_blocks, admission_watermark=config.kv_admission_watermark,

@@ -15,7 +15,7 @@ import torch
 import zmq
 from spmd_runtime.protocol.auth import framed
 from spmd_runtime.protocol.buckets import PhaseBuckets, graphs_enabled
-from spmd_runtime.protocol.config import EngineConfig
+from spmd_runtime.protocol.config import EngineConfig, with_step_budget
 from spmd_runtime.protocol.curve import socket_keys
 from spmd_runtime.protocol.env_vars import (
     SPMD_WORKER_GENERATION,
@@ -71,6 +71,7 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     --quantization auto is made concrete here too (spmdrun does it before any process starts;
     workers started by torchrun, or in process, get it as asked)."""
     config, _ = resolved_quantization(config)
+    config = with_step_budget(config, ctx.device.type)
     dtype, why = resolve_dtype(config.dtype, ctx.device)
     if ctx.rank == 0:
         log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)

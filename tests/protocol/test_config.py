@@ -10,6 +10,8 @@ from spmd_runtime.protocol.config import (
     engine_config_choices,
     engine_config_fields,
     is_local_address,
+    step_token_budget,
+    with_step_budget,
 )
 from spmd_runtime.runtime.preflight import ConfigError
 
@@ -123,7 +125,23 @@ def test_max_num_batched_tokens_flag_lands_in_config() -> None:
     config = config_from_args(args)
     assert config.max_num_batched_tokens == 64
     # Flags not given keep the EngineConfig defaults.
-    assert msgspec.structs.replace(config, max_num_batched_tokens=1024) == EngineConfig()
+    assert msgspec.structs.replace(config, max_num_batched_tokens=0) == EngineConfig()
+
+
+def test_step_token_budget_auto_is_per_device_type() -> None:
+    """0 (the default) is 4096 tokens a step on CPU workers, 1024 on CUDA; a budget given is
+    kept on both."""
+    auto = EngineConfig()
+    assert auto.max_num_batched_tokens == 0
+    assert step_token_budget(auto, "cpu") == 4096
+    assert step_token_budget(auto, "cuda") == 1024
+    given = EngineConfig(max_num_batched_tokens=512)
+    assert step_token_budget(given, "cpu") == step_token_budget(given, "cuda") == 512
+    assert with_step_budget(auto, "cpu").max_num_batched_tokens == 4096
+    assert with_step_budget(given, "cuda") == given
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "-1"])
+    with pytest.raises(ConfigError, match="invalid --max-num-batched-tokens: expected int >= 0"):
+        config_from_args(args)
 
 
 def test_invalid_flag_value_is_a_clear_exit() -> None:
