@@ -58,17 +58,32 @@ void check_product(const char* op, const at::Tensor& x, const at::Tensor& panels
 }
 
 #if defined(__AVX512BF16__)
+// From kBlockedFrom rows on, each thread takes the rows kRowBlock at a time (21 register tiles),
+// all its panels against one block before the next, so that the block of x stays in its core's
+// L2 (252 x 1,536 bf16 = 756 KiB) while its panels stream past. Taken whole, a prompt step's x
+// (4,096 x 576 to 4,096 x 1,536 bf16, 4.5-12 MiB) is read from L3 or memory once a panel. On 2
+// Zen 5 cores, SmolLM2's four projections at 4,096 rows ran at 830-920 GFLOP/s whole, 930-980 in
+// blocks; at 1,024 rows the step took 0.98x the time; at 512 rows blocks took 1.01x the time,
+// so a 512-token prompt runs whole. Blocks change no sum: each output is the same one
+// float32 sum in the same order.
+constexpr int64_t kRowBlock = 21 * spmd_cpu::kGemmRows, kBlockedFrom = 768;
+
 // Every row of x against every panel, the panels split between the threads: done(row, panel,
 // low sums, high sums).
 template <class Done>
 void each_panel(const at::Tensor& x, const at::Tensor& panels, Done&& done) {
   const int64_t M = x.size(0), K = x.size(1), words = K * kPanel / 2;
+  const int64_t block = M >= kBlockedFrom ? kRowBlock : M;
   const auto* xp = static_cast<const bf16_bits*>(x.const_data_ptr());
   const auto* w = reinterpret_cast<const uint32_t*>(panels.const_data_ptr<int32_t>());
   at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      spmd_cpu::gemm_panel_rows(xp, M, K, w + p * words,
-                                [&](int64_t r, __m512 low, __m512 high) { done(r, p, low, high); });
+    for (int64_t r0 = 0; r0 < M; r0 += block) {
+      const int64_t rows = std::min(block, M - r0);
+      for (int64_t p = begin; p < end; ++p)
+        spmd_cpu::gemm_panel_rows(
+            xp + r0 * K, rows, K, w + p * words,
+            [&](int64_t r, __m512 low, __m512 high) { done(r0 + r, p, low, high); });
+    }
   });
 }
 

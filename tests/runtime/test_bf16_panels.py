@@ -50,7 +50,19 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it() -> None:
                            whole[first:first + count])
 
 
-@pytest.mark.parametrize("rows", [1, 12, 40, 512])
+def test_rows_taken_in_blocks_are_the_rows_taken_whole() -> None:
+    """bf16, bit for bit: from 768 rows on each thread takes the rows 252 at a time (a prompt
+    step's); every row's sums are those of the same rows taken whole, fewer at a time."""
+    x, w = operands(1000, 576, 1536, seed=5)
+    packed = PanelWeight.pack(w)
+    blocked = product(x, packed)
+    for first, count in ((0, 500), (500, 500), (240, 30), (990, 10)):
+        assert torch.equal(product(x[first:first + count].contiguous(), packed),
+                           blocked[first:first + count])
+    assert_product(blocked, x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 12, 40, 512, 800])
 def test_epilogues_are_the_separate_passes_to_the_bit(rows) -> None:
     """bf16: SiLU x up in the gate/up product's tiles is silu_mul of the product, the residual
     in the down projection's is torch's bf16 add of the product, bit for bit."""
