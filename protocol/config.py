@@ -122,10 +122,10 @@ class EngineConfig(LoggingOptions, kw_only=True, forbid_unknown_fields=True):
 OPTION_GROUPS: dict[str, tuple[str, ...]] = option_sections()
 
 
-# --max-num-batched-tokens 0 (auto) on CPU workers, and on any other device. A CPU step is
-# compute-bound from a few hundred prompt tokens on, so a larger budget costs a prompt-heavy
-# batch nothing per token; its requests then reach decoding together and decode in full
-# batches, where 1,024 spreads their decodes over more, weight-bound steps of fewer rows
+# What --max-num-batched-tokens 0 (auto) gives CPU workers, and workers on any other device.
+# A CPU step is compute-bound from a few hundred prompt tokens on, so a larger budget costs a
+# prompt-heavy batch nothing per token; its requests then reach decoding together and decode in
+# full batches, where 1,024 spreads their decodes over more, weight-bound steps of fewer rows
 # (docs/BENCHMARKS.md: W4 in 22 steps instead of 35). vLLM's CPU backend defaults to 4,096 too.
 # On CUDA the prompt buckets and graphs are sized from the budget: 1,024 keeps them as they were.
 CPU_STEP_TOKENS, DEVICE_STEP_TOKENS = 4096, 1024

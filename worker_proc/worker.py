@@ -69,7 +69,8 @@ def build_runner(config: EngineConfig, ctx: DistributedContext,
     """Load the model, allocate the KV cache and warm up the scheduler's buckets (asked for
     with `buckets_from_scheduler`; without it, none: the runner serves unpadded batches).
     --quantization auto is made concrete here too (spmdrun does it before any process starts;
-    workers started by torchrun, or in process, get it as asked)."""
+    workers started by torchrun, or in process, get it as asked), and so is the step token
+    budget (with_step_budget: its auto is this worker's device's)."""
     config, _ = resolved_quantization(config)
     config = with_step_budget(config, ctx.device.type)
     dtype, why = resolve_dtype(config.dtype, ctx.device)
