@@ -21,6 +21,19 @@ from spmd_runtime.worker_proc.distributed import DistributedContext
 from spmd_runtime.worker_proc.worker import build_runner
 
 
+def request_blocks(length: int, block_size: int) -> int:
+    """A request's blocks: its prompt and room for 64 generated tokens."""
+    return -(-(length + 64) // block_size)
+
+
+def blocks_needed(args: argparse.Namespace, block_size: int) -> int:
+    """Blocks the steps hand out (from block 1): the decode batch, three prefills, and with
+    --trace a second batch and a fourth prefill."""
+    batches, prefills = (2, 4) if args.trace else (1, 3)
+    return 1 + batches * args.batch * request_blocks(args.context, block_size) + \
+        prefills * request_blocks(args.prefill_tokens, block_size)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -29,31 +42,38 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--trace", action="store_true", help="print the profiler's op table")
     parser.add_argument("--model", default="smollm2", help="what --model serves (default smollm2)")
-    parser.add_argument("--num-kv-blocks", type=int, default=2048)
+    parser.add_argument("--num-kv-blocks", type=int, default=0,
+                        help="KV blocks of the runner (default 0: as many as the steps take)")
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "gguf"))
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpp"))
     parser.add_argument("--dtype", default="float32", help="the engine's --dtype (default float32)")
     args = parser.parse_args()
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
+    bs = EngineConfig().block_size
+    needed = blocks_needed(args, bs)
+    if args.num_kv_blocks and args.num_kv_blocks < needed:
+        parser.error(f"--num-kv-blocks {args.num_kv_blocks} is too few: --batch {args.batch} "
+                     f"--context {args.context} --prefill-tokens {args.prefill_tokens}"
+                     f"{' --trace' if args.trace else ''} take {needed}; give at least that, "
+                     "or 0 for exactly that")
     config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu",
-                          num_kv_blocks=args.num_kv_blocks,
+                          num_kv_blocks=args.num_kv_blocks or needed,
                           quantization=args.quantization, attention_backend=args.attention_backend)
     ctx = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
                              backend="gloo")
-    runner, _ = build_runner(config, ctx)
-    bs = config.block_size
+    runner, ready = build_runner(config, ctx)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
 
     def prompt(n: int) -> list[int]:
-        return torch.randint(0, 49152, (n,), generator=generator).tolist()
+        return torch.randint(0, ready.vocab_size, (n,), generator=generator).tolist()
 
     next_block = 1
     step_id = 0
 
     def new_request(request_id: int, length: int, scheduled: int) -> NewRequestData:
         nonlocal next_block
-        blocks = list(range(next_block, next_block + -(-(length + 64) // bs)))
+        blocks = list(range(next_block, next_block + request_blocks(length, bs)))
         next_block += len(blocks)
         return NewRequestData(request_id, prompt(length), blocks, 0, scheduled, params)
 
