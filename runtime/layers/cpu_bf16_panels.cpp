@@ -50,7 +50,7 @@ void check_product(const char* op, const at::Tensor& x, const at::Tensor& panels
   const int64_t N = stand_in.size(0), K = stand_in.size(1);
   check_shape(op, N, K);
   TORCH_CHECK(spmd_cpu::is_bf16_panels(panels) && panels.is_contiguous() &&
-                  panels.size(0) == N / kPanel && panels.size(1) == K * kPanel / 2,
+                  spmd_cpu::bf16_panels_fit(panels, N, K),
               op, ": panels must be the contiguous int32 [", N / kPanel, ", ", K * kPanel / 2,
               "] that bf16_panels_pack makes of a [", N, ", ", K, "] weight, got ",
               panels.scalar_type(), " ", panels.sizes());

@@ -19,6 +19,12 @@ inline bool is_bf16_panels(const at::Tensor& panels) {
   return panels.scalar_type() == at::kInt && !panels.is_mkldnn();
 }
 
+// Whether `panels` has the shape bf16_panels_pack gives an [out, in] weight: [out / 32, in * 16]
+// int32 words (32 features a panel, one word a pair of inputs and a feature).
+inline bool bf16_panels_fit(const at::Tensor& panels, int64_t out, int64_t in) {
+  return panels.dim() == 2 && panels.size(0) * 32 == out && panels.size(1) == in * 16;
+}
+
 // x [M, K] bf16 @ W^T -> [M, N] bf16, W [N, K] packed by bf16_panels_pack (stand_in: a
 // zero-byte [N, K] bf16 view giving its shape).
 at::Tensor bf16_panels_linear(const at::Tensor& x, const at::Tensor& panels,

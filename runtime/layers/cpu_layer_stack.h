@@ -239,8 +239,7 @@ inline void check_projection(const char* who, at::TensorList weights, size_t ind
   const Tensor& packed = weights[index];
   if (is_bf16_panels(packed)) {   // bf16_panels_pack's words for the stand-in's shape
     check_cpu_tensor(packed, who, slot_name(index).c_str());
-    TORCH_CHECK(s.dtype == at::kBFloat16 && packed.dim() == 2 && packed.size(0) * 32 == out &&
-                    packed.size(1) == in * 16,
+    TORCH_CHECK(s.dtype == at::kBFloat16 && bf16_panels_fit(packed, out, in),
                 who, ": ", slot_name(index), " is an int32 ", packed.sizes(), " tensor: the "
                 "bf16 panels of a [", out, ", ", in, "] weight are [", out / 32, ", ", in * 16,
                 "] and serve bfloat16 x only");
